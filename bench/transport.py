@@ -1,0 +1,313 @@
+"""Transport benchmark: broadcast round trips through MessageQueue, beside baselines of the same run.
+
+A round trip is what the executor does: the writer broadcasts a payload to N
+readers; reader 0 replies with a tiny message through its own one-reader
+queue. Baselines measured in the same run: one `multiprocessing.Pipe` per
+reader (pickle + pipe), a single-thread memcpy of the payload into touched
+memory (the physical floor), and an os.pipe ping-pong (the blocking wake-up
+floor, for the paced case).
+
+    python bench/transport.py            # full table (~1-2 min on 2 cores)
+    python bench/transport.py --quick    # fewer iterations
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pickle
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from transport import MessageQueue  # noqa: E402
+
+CLK = os.sysconf("SC_CLK_TCK")
+STOP = ("__stop__",)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
+def payloads(quick: bool):
+    import torch
+    it = (lambda n: max(5, n // 4)) if quick else (lambda n: n)
+    return [
+        ("tiny", ("execute_model", (b"x" * 40,), {"step": 1}, 0), it(3000)),
+        ("64KiB", torch.zeros(64 << 10, dtype=torch.uint8), it(1000)),
+        ("4MiB", torch.zeros(4 << 20, dtype=torch.uint8), it(200)),
+        ("32MiB", torch.zeros(32 << 20, dtype=torch.uint8), it(60)),
+    ]
+
+
+def nbytes(obj) -> int:
+    try:
+        return obj.numel() * obj.element_size()
+    except AttributeError:
+        return len(pickle.dumps(obj, 5))
+
+
+# -- MessageQueue readers -------------------------------------------------------
+
+def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool) -> None:
+    import torch  # noqa: F401  (readers rebuild tensors)
+    bq = MessageQueue.create_from_handle(handle, rank)
+    rq = None
+    if rank == 0:
+        rq = MessageQueue(1, 1 if local_reply else 0, max_chunk_bytes=1 << 16, max_chunks=4,
+                          connect_ip="127.0.0.1")
+        reply_conn.send_bytes(rq.export_handle().to_bytes())
+    bq.wait_until_ready(timeout=60)
+    if rq is not None:
+        rq.wait_until_ready(timeout=60)
+    reply_conn.send_bytes(b"ready")
+    while True:
+        msg = bq.dequeue(indefinite=True)
+        if type(msg) is tuple and msg == STOP:
+            break
+        if rq is not None:
+            rq.enqueue(b"ok")
+        del msg
+    bq.close()
+    if rq is not None:
+        rq.close()
+
+
+class MQRig:
+    def __init__(self, n_local: int, n_remote: int) -> None:
+        ctx = mp.get_context("spawn")
+        n = n_local + n_remote
+        self.bq = MessageQueue(n, n_local, connect_ip="127.0.0.1")
+        h = self.bq.export_handle().to_bytes()
+        self.procs, conns = [], []
+        for r in range(n):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=mq_reader, args=(h, r, b, n_remote == 0), daemon=True)
+            p.start()
+            self.procs.append(p)
+            conns.append(a)
+        if not conns[0].poll(120):
+            raise RuntimeError("reader 0 did not start")
+        self.rq = MessageQueue.create_from_handle(conns[0].recv_bytes(), 0)
+        self.bq.wait_until_ready(timeout=60)
+        self.rq.wait_until_ready(timeout=60)
+        for c in conns:
+            if not c.poll(60):
+                raise RuntimeError("a reader did not become ready")
+            c.recv_bytes()
+
+    def round_trip(self, obj) -> float:
+        t0 = time.perf_counter()
+        self.bq.enqueue(obj)
+        self.rq.dequeue(timeout=60)
+        return time.perf_counter() - t0
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self) -> None:
+        self.bq.enqueue(STOP)
+        for p in self.procs:
+            p.join(30)
+        self.bq.close()
+        self.rq.close()
+
+
+# -- Pipe baseline ----------------------------------------------------------------
+
+def pipe_reader(conn, rank: int) -> None:
+    import torch  # noqa: F401
+    while True:
+        data = conn.recv_bytes()
+        obj = pickle.loads(data)
+        if type(obj) is tuple and obj == STOP:
+            break
+        if rank == 0:
+            conn.send_bytes(b"ok")
+        del obj, data
+
+
+class PipeRig:
+    def __init__(self, n: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for r in range(n):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=pipe_reader, args=(b, r), daemon=True)
+            p.start()
+            self.conns.append(a)
+            self.procs.append(p)
+        self.round_trip(("warm",))
+
+    def round_trip(self, obj) -> float:
+        t0 = time.perf_counter()
+        data = pickle.dumps(obj, 5)
+        for c in self.conns:
+            c.send_bytes(data)
+        self.conns[0].recv_bytes()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        data = pickle.dumps(STOP)
+        for c in self.conns:
+            c.send_bytes(data)
+        for p in self.procs:
+            p.join(30)
+
+
+# -- floors -----------------------------------------------------------------------
+
+def memcpy_time(obj, iters: int) -> float:
+    import ctypes
+    n = nbytes(obj)
+    if hasattr(obj, "data_ptr"):
+        src = (ctypes.c_char * n).from_address(obj.data_ptr())
+    else:
+        src = bytearray(pickle.dumps(obj, 5))
+    dst = bytearray(n)
+    dv, sv = memoryview(dst), memoryview(src).cast("B")
+    dv[:] = sv  # touch
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dv[:] = sv
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _pipe_pong(r: int, w: int) -> None:
+    while True:
+        b = os.read(r, 1)
+        if not b or b == b"q":
+            return
+        os.write(w, b)
+
+
+def os_pipe_pingpong(count: int, period: float) -> float:
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no torch work in here, so fork is safe
+        os.close(w1)
+        os.close(r2)
+        _pipe_pong(r1, w2)
+        os._exit(0)
+    ts = []
+    nxt = time.perf_counter()
+    for _ in range(count):
+        nxt += period
+        while time.perf_counter() < nxt:
+            time.sleep(max(0.0, nxt - time.perf_counter() - 0.0005))
+        t0 = time.perf_counter()
+        os.write(w1, b"x")
+        os.read(r2, 1)
+        ts.append(time.perf_counter() - t0)
+    os.write(w1, b"q")
+    os.waitpid(pid, 0)
+    for fd in (r1, w1, r2, w2):
+        os.close(fd)
+    return statistics.median(ts)
+
+
+def pct(ts: list[float], q: float) -> float:
+    s = sorted(ts)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def measure(rig, obj, iters: int) -> list[float]:
+    warm = max(3, iters // 10)
+    for _ in range(warm):
+        rig.round_trip(obj)
+    return [rig.round_trip(obj) for _ in range(iters)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer iterations")
+    ap.add_argument("--payloads", default="tiny,64KiB,4MiB,32MiB", help="comma-separated subset")
+    ap.add_argument("--configs", default="local1,local2,local4,remote1", help="comma-separated subset")
+    ap.add_argument("--no-paced", action="store_true", help="skip the paced case")
+    args = ap.parse_args()
+    import torch
+    torch.set_num_threads(1)
+    wanted = args.payloads.split(",")
+    loads = [p for p in payloads(args.quick) if p[0] in wanted]
+    floors = {name: memcpy_time(obj, 20 if name != "tiny" else 2000) for name, obj, _ in loads}
+    print(f"rayfree transport bench: {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"spin budget {os.environ.get('RAYFREE_SPIN_US', 'default')} us")
+    print()
+    hdr = (f"{'path':<10}{'N':>3} {'payload':>8} {'p50 us':>10} {'p99 us':>10} {'GB/s':>7} "
+           f"{'Pipe p50':>10} {'vs Pipe':>8} {'memcpy us':>10} {'vs memcpy':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    parked = {}
+    configs = {"local1": (1, 0), "local2": (2, 0), "local4": (4, 0), "remote1": (0, 1)}
+    for key in filter(None, args.configs.split(",")):
+        n_local, n_remote = configs[key]
+        n = n_local + n_remote
+        label = "local" if n_remote == 0 else "remote"
+        rig = MQRig(n_local, n_remote)
+        results = {}
+        try:
+            for name, obj, iters in loads:
+                results[name] = measure(rig, obj, iters)
+            before = {pid: cpu_seconds(pid) for pid in rig.pids()}
+            t0 = time.perf_counter()
+            time.sleep(3.0)
+            wall = time.perf_counter() - t0
+            parked[(label, n)] = max((cpu_seconds(pid) - before[pid]) / wall * 100 for pid in rig.pids())
+        finally:
+            rig.close()
+        prig = PipeRig(n)
+        try:
+            pres = {name: measure(prig, obj, max(5, iters // 4)) for name, obj, iters in loads}
+        finally:
+            prig.close()
+        for name, obj, _ in loads:
+            ts = results[name]
+            p50, p99 = pct(ts, 0.5), pct(ts, 0.99)
+            pp50 = pct(pres[name], 0.5)
+            size = nbytes(obj)
+            gbs = size / p50 / 1e9
+            print(f"{label:<10}{n:>3} {name:>8} {p50 * 1e6:>10.1f} {p99 * 1e6:>10.1f} {gbs:>7.2f} "
+                  f"{pp50 * 1e6:>10.1f} {p50 / pp50:>8.2f} {floors[name] * 1e6:>10.1f} "
+                  f"{p50 / floors[name]:>9.2f}", flush=True)
+    print()
+    for (label, n), cpu in parked.items():
+        print(f"readers parked 3 s ({label}, N={n}): max CPU {cpu:.2f}%")
+    if args.no_paced:
+        return
+    # Paced: an engine's decode loop, one message every 5 ms.
+    tiny = payloads(True)[0][1]
+    period, duration = 0.005, 2.0
+    count = int(duration / period)
+    rig = MQRig(2, 0)
+    try:
+        before = {pid: cpu_seconds(pid) for pid in rig.pids()}
+        t_start = time.perf_counter()
+        ts = []
+        nxt = t_start
+        for _ in range(count):
+            nxt += period
+            while time.perf_counter() < nxt:
+                time.sleep(max(0.0, nxt - time.perf_counter() - 0.0005))
+            ts.append(rig.round_trip(tiny))
+        wall = time.perf_counter() - t_start
+        cpu = [(cpu_seconds(pid) - before[pid]) / wall * 100 for pid in rig.pids()]
+    finally:
+        rig.close()
+    pipe_p50 = os_pipe_pingpong(count, period)
+    p50 = statistics.median(ts)
+    print(f"paced N=2, 1 msg / {period * 1e3:.0f} ms for {duration:.0f} s: p50 {p50 * 1e6:.1f} us "
+          f"(os.pipe ping-pong {pipe_p50 * 1e6:.1f} us, ratio {p50 / pipe_p50:.2f}); "
+          f"readers' CPU {', '.join(f'{c:.1f}%' for c in cpu)}")
+
+
+if __name__ == "__main__":
+    main()

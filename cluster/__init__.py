@@ -1,0 +1,1 @@
+"""rayfree cluster layer (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""rayfree executor layer (see DESIGN.md)."""

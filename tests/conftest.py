@@ -1,0 +1,68 @@
+"""Leak guards shared by every test: no new orphan shm segment or ipc directory, no open ZMQ
+socket, no child process left behind."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+
+import pytest
+
+from transport.net import runtime_dir
+from transport.shm_ring import SEGMENT_PREFIX, SHM_DIR
+
+
+def _segments() -> set[str]:
+    names = set()
+    for d in (SHM_DIR, runtime_dir()):
+        try:
+            names |= {os.path.join(d, n) for n in os.listdir(d) if n.startswith(SEGMENT_PREFIX)}
+        except FileNotFoundError:
+            pass
+    return names
+
+
+def _creator_alive(path: str) -> bool:
+    try:
+        pid = int(os.path.basename(path)[len(SEGMENT_PREFIX):].split("-", 1)[0])
+    except ValueError:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def orphan_segments() -> set[str]:
+    """Segments and ipc directories whose creator is dead, or that this process made and still has."""
+    me = f"{SEGMENT_PREFIX}{os.getpid()}-"
+    return {n for n in _segments() if os.path.basename(n).startswith(me) or not _creator_alive(n)}
+
+
+@pytest.fixture(autouse=True)
+def leak_guard():
+    before = orphan_segments()
+    yield
+    for p in multiprocessing.active_children():
+        p.join(10)
+    alive = [p for p in multiprocessing.active_children()]
+    for p in alive:
+        p.kill()
+        p.join(5)
+    leaked = orphan_segments() - before
+    for n in leaked:  # do not let one test's leak fail the next one too
+        shutil.rmtree(n, ignore_errors=True) if os.path.isdir(n) else os.unlink(n)
+    from transport import sockets
+    ctx = sockets._ctx
+    open_socks = []
+    if ctx is not None and sockets._ctx_pid == os.getpid():
+        open_socks = [s for s in list(getattr(ctx, "_sockets", ())) if not s.closed]
+        for s in open_socks:
+            s.close(linger=0)
+    assert not alive, f"child processes still running after the test: {alive}"
+    assert not leaked, f"shared-memory segments leaked: {sorted(leaked)}"
+    assert not open_socks, f"{len(open_socks)} ZMQ socket(s) left open"

@@ -1,0 +1,28 @@
+"""The `rayfree` command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "executor.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_version_and_help() -> None:
+    v = run("--version")
+    assert v.returncode == 0 and v.stdout.startswith("rayfree ")
+    h = run("--help")
+    assert h.returncode == 0 and "demo" in h.stdout
+
+
+@pytest.mark.timeout(180)
+def test_demo_runs_and_verifies_every_payload() -> None:
+    r = run("demo", "--readers", "2", "--remote", "1", "--messages", "60", timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all payloads verified" in r.stdout
+    assert "shm" in r.stdout and "tcp" in r.stdout

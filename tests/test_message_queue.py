@@ -1,0 +1,400 @@
+"""MessageQueue with real processes, real shared memory and real sockets.
+
+Behavioural tests run over both reader paths (`path` fixture: "shm" for local
+readers through the ring, "tcp" for remote readers over ZeroMQ), the way
+dask's test_comms runs one suite over every transport.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from tests import procs
+from transport import (HandleError, MessageQueue, MessageTooLarge, QueueClosed, QueueShutdown, QueueTimeout,
+                       SegmentNotFound, ShmSpaceError)
+from transport.shm_ring import SHM_DIR
+
+CHUNK = 1 << 16
+
+
+@pytest.fixture(params=["shm", "tcp"])
+def path(request) -> str:
+    return request.param
+
+
+def writer_for(path: str, n: int = 1, **kw) -> MessageQueue:
+    kw.setdefault("max_chunk_bytes", CHUNK)
+    kw.setdefault("max_chunks", 4)
+    return MessageQueue(n, n if path == "shm" else 0, connect_ip="127.0.0.1", **kw)
+
+
+def handshake(w: MessageQueue, r: MessageQueue) -> None:
+    """Both sides of wait_until_ready, the reader's in a thread."""
+    t = threading.Thread(target=r.wait_until_ready, kwargs={"timeout": 10})
+    t.start()
+    w.wait_until_ready(timeout=10)
+    t.join(10)
+    assert not t.is_alive()
+
+
+def ready_pair(path: str, **kw) -> tuple[MessageQueue, MessageQueue]:
+    """Writer and reader 0 in this process, handshake done."""
+    w = writer_for(path, **kw)
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    handshake(w, r)
+    return w, r
+
+
+def join_all(ps, timeout: float = 60) -> None:
+    for p in ps:
+        p.join(timeout)
+        assert p.exitcode == 0, f"reader process exited with {p.exitcode}"
+
+
+# -- delivery -------------------------------------------------------------------
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n_local", [1, 2, 3, 4])
+def test_every_reader_gets_every_message_once_in_order_bit_exact(n_local: int) -> None:
+    """N local readers and one remote reader, 1,000 mixed messages (tiny, chunk-sized,
+    4x chunk, tensors of several dtypes, views): each reader's digests equal the writer's."""
+    msgs = procs.mixed_messages(1000, CHUNK, seed=n_local)
+    expected = [procs.digest(m) for m in msgs]
+    n = n_local + 1
+    mq = MessageQueue(n, n_local, max_chunk_bytes=CHUNK, max_chunks=4, connect_ip="127.0.0.1")
+    try:
+        h = mq.export_handle().to_bytes()
+        children = [procs.spawn(procs.reader_digests, h, r, len(msgs)) for r in range(n)]
+        mq.wait_until_ready(timeout=120)
+        for m in msgs:
+            mq.enqueue(m, timeout=60)
+        results = [procs.recv(conn, 180) for _, conn in children]
+    finally:
+        mq.close()
+    join_all([p for p, _ in children])
+    for status, rank, where, got in results:
+        assert status == "ok", f"reader {rank} failed:\n{where}"
+        assert where == ("shm" if rank < n_local else "tcp"), f"reader {rank} took the {where} path"
+        assert len(got) == len(expected), f"reader {rank} got {len(got)} messages"
+        bad = [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+        assert not bad, f"reader {rank} got wrong content at messages {bad[:10]}"
+
+
+def test_tensors_arrive_bit_exact_with_dtype_and_shape(path: str) -> None:
+    import torch
+    w, r = ready_pair(path, max_chunk_bytes=1 << 20)
+    try:
+        for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
+                   torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+                   torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2):
+            for shape in ((), (0,), (3, 5), (1 << 12,), (64, 1024)):
+                src = (torch.randn(shape) * 50).to(dt) if dt != torch.bool else torch.randn(shape) > 0
+                w.enqueue(src, timeout=10)
+                got = r.dequeue(timeout=10)
+                assert got.dtype == dt and got.shape == src.shape
+                assert procs.digest(got) == procs.digest(src), f"{dt} {shape} differs"
+                del got
+    finally:
+        w.close()
+        r.close()
+
+
+def test_numpy_bytearray_memoryview_and_big_bytes_round_trip(path: str) -> None:
+    np = pytest.importorskip("numpy")
+    w, r = ready_pair(path, max_chunk_bytes=1 << 20)
+    try:
+        arr = np.arange(100_000, dtype=np.float32).reshape(100, 1000)
+        cases = [arr, bytearray(b"q" * 70_000), memoryview(b"m" * 90_000), b"b" * 200_000,
+                 {"nested": [arr[::2], bytearray(10)]}]
+        for obj in cases:
+            w.enqueue(obj, timeout=10)
+            got = r.dequeue(timeout=10)
+            assert type(got) is type(obj)
+            assert procs.digest(got) == procs.digest(obj)
+            del got
+    finally:
+        w.close()
+        r.close()
+
+
+def test_message_larger_than_ring_takes_the_overflow_socket_and_arrives(path: str) -> None:
+    import torch
+    w, r = ready_pair(path)  # ring: 4 x 64 KiB
+    try:
+        big = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB
+        w.enqueue(big, timeout=10)
+        w.enqueue("after", timeout=10)
+        assert torch.equal(r.dequeue(timeout=10), big)
+        assert r.dequeue(timeout=10) == "after"
+    finally:
+        w.close()
+        r.close()
+
+
+def test_large_tensor_is_read_in_place_and_its_chunks_wait_for_the_view() -> None:
+    """A 32 MiB tensor stays in shared memory: the reader's tensor is a view of the ring,
+    and the writer cannot reuse those chunks until the view is gone."""
+    import gc
+
+    import torch
+    w, r = ready_pair("shm", max_chunk_bytes=8 << 20, max_chunks=6)  # 48 MiB ring
+    try:
+        src = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)
+        w.enqueue(src, timeout=10)
+        got = r.dequeue(timeout=10)
+        ring = r._ring
+        assert ring.address <= got.data_ptr() < ring.address + ring.size, "payload was copied, not viewed"
+        assert torch.equal(got, src)
+        # 2 x 32 MiB do not fit in 48 MiB: the next one must wait for the view to go
+        t0 = time.monotonic()
+        with pytest.raises(QueueTimeout, match=r"rank\(s\) \[0\].*in-place views"):
+            w.enqueue(src, timeout=0.3)
+        assert time.monotonic() - t0 < 0.6
+        assert torch.equal(got, src), "chunks were overwritten while a view was alive"
+        del got
+        gc.collect()
+        w.enqueue(src + 1, timeout=5)
+        second = r.dequeue(timeout=10)
+        assert torch.equal(second, src + 1)
+        del second
+        w.enqueue("and the queue goes on", timeout=5)
+        assert r.dequeue(timeout=10) == "and the queue goes on"
+    finally:
+        w.close()
+        r.close()
+
+
+# -- timeouts and shutdown ------------------------------------------------------------
+
+def test_dequeue_timeout_raises_within_twice_the_timeout(path: str) -> None:
+    w, r = ready_pair(path)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(QueueTimeout):
+            r.dequeue(timeout=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 0.6
+        w.enqueue("still works", timeout=5)
+        assert r.dequeue(timeout=5) == "still works"
+    finally:
+        w.close()
+        r.close()
+
+
+def test_enqueue_on_a_full_ring_times_out_naming_the_reader_that_did_not_read() -> None:
+    mq = MessageQueue(2, 2, max_chunk_bytes=CHUNK, max_chunks=4)
+    try:
+        h = mq.export_handle().to_bytes()
+        p0, c0 = procs.spawn(procs.reader_echo, h, 0)
+        p1, c1 = procs.spawn(procs.reader_hold, h, 1)
+        assert procs.recv(c0)[0] == "attached"
+        mq.wait_until_ready(timeout=60)
+        assert procs.recv(c1) == "ready"
+        for i in range(4):
+            mq.enqueue(i, timeout=5)
+        t0 = time.monotonic()
+        with pytest.raises(QueueTimeout, match=r"rank\(s\) \[1\]"):
+            mq.enqueue("one too many", timeout=0.3)
+        assert time.monotonic() - t0 < 0.6
+        c1.send("go")
+        p1.join(30)
+    finally:
+        mq.close()
+    p0.join(30)
+
+
+def test_wait_until_ready_names_the_reader_that_never_arrived(path: str) -> None:
+    w = writer_for(path, n=2)
+    r0 = MessageQueue.create_from_handle(w.export_handle(), 0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(QueueTimeout, match=r"rank\(s\) \[1\]"):
+            w.wait_until_ready(timeout=0.5)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        r0.close()
+        w.close()
+
+
+def test_shutdown_wakes_a_reader_blocked_in_another_thread(path: str) -> None:
+    w, r = ready_pair(path)
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            r.dequeue(timeout=30)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.2)  # let it park; correctness does not depend on it
+    t0 = time.monotonic()
+    r.shutdown()
+    t.join(5)
+    try:
+        assert not t.is_alive(), "shutdown() did not wake the blocked reader"
+        assert time.monotonic() - t0 < 1.0
+        assert len(errors) == 1 and isinstance(errors[0], QueueShutdown), errors
+        with pytest.raises(QueueShutdown):
+            r.dequeue(timeout=1)
+    finally:
+        w.close()
+        r.close()
+
+
+def test_writer_close_ends_a_waiting_reader_with_queue_closed(path: str) -> None:
+    w, r = ready_pair(path)
+    w.enqueue("last", timeout=5)
+    w.close()
+    try:
+        assert r.dequeue(timeout=5) == "last"
+        with pytest.raises(QueueClosed):
+            r.dequeue(timeout=5)
+    finally:
+        r.close()
+
+
+# -- shared-memory hygiene ---------------------------------------------------------------
+
+def _ours(name: str) -> bool:
+    return os.path.exists(os.path.join(SHM_DIR, name))
+
+
+def test_segment_is_unlinked_by_the_handshake_and_nothing_is_left_after_close() -> None:
+    w = writer_for("shm")
+    name = w.export_handle().shm_name
+    assert _ours(name)
+    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    handshake(w, r)
+    assert not _ours(name), "segment still named after every reader attached"
+    assert not os.path.exists(w.export_handle().ipc_dir), "ipc directory still on disk after the handshake"
+    w.enqueue("x", timeout=5)
+    assert r.dequeue(timeout=5) == "x"
+    w.close()
+    r.close()
+
+
+def test_nothing_is_left_when_the_writer_is_sigkilled_after_the_handshake() -> None:
+    p, conn = procs.spawn(procs.writer_then_wait, 1)
+    h = procs.recv(conn)
+    r = MessageQueue.create_from_handle(h, 0)
+    try:
+        r.wait_until_ready(timeout=60)
+        assert procs.recv(conn) == "sent"
+        assert r.dequeue(timeout=10) == "hello"
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        assert p.exitcode == -signal.SIGKILL
+        assert not _ours(r.handle.shm_name)
+        assert not any(n.startswith(f"rayfree-{p.pid}-") for n in os.listdir(SHM_DIR))
+    finally:
+        r.close()
+
+
+def test_nothing_is_left_when_a_reader_is_sigkilled_after_the_handshake() -> None:
+    w = writer_for("shm", n=1)
+    try:
+        p, conn = procs.spawn(procs.reader_echo, w.export_handle().to_bytes(), 0)
+        assert procs.recv(conn)[0] == "attached"
+        w.wait_until_ready(timeout=60)
+        assert procs.recv(conn)[0] == "ready"
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        assert not _ours(w.export_handle().shm_name)
+    finally:
+        w.close()
+
+
+def test_not_enough_shared_memory_says_how_much_is_needed_and_how_to_get_it() -> None:
+    with pytest.raises(ShmSpaceError, match=r"needs .* MiB.*shm-size.*ipc"):
+        MessageQueue(1, 1, max_chunk_bytes=1 << 30, max_chunks=4096)
+
+
+# -- bad input ---------------------------------------------------------------------------
+
+def test_corrupt_foreign_and_mismatched_handles_are_refused_clearly() -> None:
+    import msgspec
+    w = writer_for("shm")
+    try:
+        good = w.export_handle().to_bytes()
+        for bad, why in [(good[:3], "truncated"), (good[: len(good) // 2], "truncated or corrupt"),
+                         (b"GARBAGE" * 10, "not a rayfree queue handle"), (b"", "truncated")]:
+            with pytest.raises(HandleError, match=why):
+                MessageQueue.create_from_handle(bad, 0)
+        with pytest.raises(HandleError, match="version"):
+            MessageQueue.create_from_handle(msgspec.structs.replace(w.export_handle(), version=99).to_bytes(), 0)
+        with pytest.raises(HandleError, match="belongs to queue"):
+            MessageQueue.create_from_handle(msgspec.structs.replace(w.export_handle(), queue_id="00" * 16), 0)
+        with pytest.raises(HandleError, match="bytes but the handle says"):
+            MessageQueue.create_from_handle(msgspec.structs.replace(w.export_handle(), shm_size=4096), 0)
+        with pytest.raises(SegmentNotFound, match="another node"):
+            MessageQueue.create_from_handle(msgspec.structs.replace(w.export_handle(), shm_name="rayfree-1-00"), 0)
+        with pytest.raises(ValueError, match="not a reader"):
+            MessageQueue.create_from_handle(good, 7)
+        # the queue is still usable after all that
+        r = MessageQueue.create_from_handle(good, 0)
+        handshake(w, r)
+        w.enqueue("ok", timeout=5)
+        assert r.dequeue(timeout=5) == "ok"
+        r.close()
+    finally:
+        w.close()
+
+
+def test_oversized_message_is_refused_and_the_queue_stays_usable(path: str) -> None:
+    w, r = ready_pair(path, max_message_bytes=4096)
+    try:
+        with pytest.raises(MessageTooLarge, match="max_message_bytes=4096"):
+            w.enqueue(b"x" * 10_000, timeout=5)
+        w.enqueue("small", timeout=5)
+        assert r.dequeue(timeout=5) == "small"
+    finally:
+        w.close()
+        r.close()
+
+
+def test_bad_arguments_get_clear_errors() -> None:
+    with pytest.raises(ValueError, match="n_reader"):
+        MessageQueue(0, 0)
+    with pytest.raises(ValueError, match="n_local_reader"):
+        MessageQueue(2, 3)
+    with pytest.raises(ValueError, match="local_reader_ranks"):
+        MessageQueue(3, 2, local_reader_ranks=[0, 0])
+    with pytest.raises(ValueError, match="local_reader_ranks"):
+        MessageQueue(3, 2, local_reader_ranks=[0, 5])
+    w, r = ready_pair("shm")
+    try:
+        with pytest.raises(RuntimeError, match="only the queue's writer"):
+            r.enqueue("x")
+        with pytest.raises(RuntimeError, match="writer cannot dequeue"):
+            w.dequeue()
+    finally:
+        w.close()
+        r.close()
+
+
+def test_use_before_handshake_is_refused() -> None:
+    w = writer_for("shm")
+    try:
+        with pytest.raises(RuntimeError, match="wait_until_ready"):
+            w.enqueue("too early")
+    finally:
+        w.close()
+
+
+def test_ipv6_remote_reader() -> None:
+    w = MessageQueue(1, 0, connect_ip="::1")
+    assert w.export_handle().remote_endpoint.startswith("tcp://[::1]:")
+    r = MessageQueue.create_from_handle(w.export_handle().to_bytes(), 0)
+    handshake(w, r)
+    try:
+        w.enqueue({"v6": True}, timeout=5)
+        assert r.dequeue(timeout=5) == {"v6": True}
+    finally:
+        w.close()
+        r.close()

@@ -1,0 +1,82 @@
+"""Copy a big payload into shared memory with several cores.
+
+One core copies ~6 GB/s on a typical VM: 32 MiB then costs 5 ms, far more
+than everything else on the path. `ctypes.memmove` releases the GIL, so a
+few helper threads each copying a slice scale with memory bandwidth.
+Knob: RAYFREE_COPY_THREADS (default: min(4, cores); 1 disables).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+
+__all__ = ["copy_into", "PARALLEL_MIN_BYTES", "COPY_THREADS"]
+
+#: Copies smaller than this run on the calling thread.
+PARALLEL_MIN_BYTES = 4 << 20
+COPY_THREADS = max(1, int(os.environ.get("RAYFREE_COPY_THREADS", str(min(4, os.cpu_count() or 1)))))
+
+_memmove = ctypes.memmove
+_jobs: queue.SimpleQueue | None = None
+_pool_lock = threading.Lock()
+_pool_pid = -1
+
+
+def _worker(jobs: queue.SimpleQueue) -> None:
+    while True:
+        dst, src, n, done = jobs.get()
+        try:
+            _memmove(dst, src, n)
+        finally:
+            done.put(None)
+
+
+def _pool() -> queue.SimpleQueue:
+    global _jobs, _pool_pid
+    if _jobs is None or _pool_pid != os.getpid():
+        with _pool_lock:
+            if _jobs is None or _pool_pid != os.getpid():
+                jobs: queue.SimpleQueue = queue.SimpleQueue()
+                for i in range(COPY_THREADS - 1):
+                    threading.Thread(target=_worker, args=(jobs,), name=f"rayfree-copy-{i}", daemon=True).start()
+                _jobs, _pool_pid = jobs, os.getpid()
+    return _jobs
+
+
+def _address(buf: memoryview) -> int | None:
+    """Address of a writable contiguous buffer; None if it is read-only."""
+    try:
+        c = ctypes.c_char.from_buffer(buf)
+    except TypeError:
+        return None
+    addr = ctypes.addressof(c)
+    del c
+    return addr
+
+
+def copy_into(dst: memoryview, dst_addr: int, off: int, src: memoryview) -> None:
+    """dst[off:off+len(src)] = src, split over the copy threads when it is big.
+
+    `dst_addr` is the address of dst[0] (the caller owns that mapping).
+    """
+    n = src.nbytes
+    if n < PARALLEL_MIN_BYTES or COPY_THREADS < 2:
+        dst[off: off + n] = src
+        return
+    src_addr = _address(src)
+    if src_addr is None:
+        dst[off: off + n] = src
+        return
+    jobs = _pool()
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    parts = COPY_THREADS
+    step = (n // parts + 4095) & ~4095
+    starts = list(range(0, n, step))
+    for s in starts[1:]:
+        jobs.put((dst_addr + off + s, src_addr + s, min(step, n - s), done))
+    _memmove(dst_addr + off, src_addr, min(step, n))
+    for _ in starts[1:]:
+        done.get()

@@ -1,0 +1,76 @@
+"""`Handle`: everything a reader needs to attach to a queue, as a msgspec Struct.
+
+It crosses process and node boundaries before peers are authenticated, so it
+is msgpack, never pickle, and `from_bytes` checks it thoroughly.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .errors import HandleError
+
+__all__ = ["Handle", "HANDLE_VERSION"]
+
+HANDLE_VERSION = 1
+_MAGIC = b"RFQH"
+
+
+class Handle(msgspec.Struct, frozen=True, kw_only=True):
+    """How to reach one MessageQueue (see `MessageQueue.export_handle`)."""
+
+    version: int
+    queue_id: str
+    n_reader: int
+    local_reader_ranks: list[int]
+    shm_name: str | None
+    shm_size: int
+    max_chunk_bytes: int
+    max_chunks: int
+    ipc_dir: str | None
+    local_endpoint: str | None
+    remote_endpoint: str | None
+    max_message_bytes: int | None
+    writer_pid: int
+
+    @property
+    def n_local_reader(self) -> int:
+        return len(self.local_reader_ranks)
+
+    def to_bytes(self) -> bytes:
+        return _MAGIC + msgspec.msgpack.encode(self)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> Handle:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise HandleError(f"a handle is bytes from Handle.to_bytes(), got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) < len(_MAGIC):
+            raise HandleError(f"handle is truncated: {len(data)} bytes")
+        if data[: len(_MAGIC)] != _MAGIC:
+            raise HandleError("these bytes are not a rayfree queue handle (wrong magic): "
+                              "pass exactly what Handle.to_bytes() returned")
+        try:
+            h = msgspec.msgpack.decode(data[len(_MAGIC):], type=cls)
+        except msgspec.ValidationError as e:
+            raise HandleError(f"handle fields are invalid: {e}") from None
+        except msgspec.DecodeError as e:
+            raise HandleError(f"handle is truncated or corrupt: {e}") from None
+        h.validate()
+        return h
+
+    def validate(self) -> None:
+        """Raise HandleError if the fields contradict each other."""
+        if self.version != HANDLE_VERSION:
+            raise HandleError(f"handle has version {self.version}, this rayfree reads {HANDLE_VERSION}: "
+                              f"run the same rayfree version on every node")
+        if self.n_reader < 1:
+            raise HandleError(f"handle says n_reader={self.n_reader}; a queue has at least one reader")
+        ranks = self.local_reader_ranks
+        if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.n_reader for r in ranks):
+            raise HandleError(f"handle's local_reader_ranks {ranks} must be distinct ranks in "
+                              f"0..{self.n_reader - 1}")
+        if ranks and not (self.shm_name and self.local_endpoint and self.ipc_dir):
+            raise HandleError("handle has local readers but no shared-memory segment or overflow endpoint")
+        if len(ranks) < self.n_reader and not self.remote_endpoint:
+            raise HandleError("handle has remote readers but no remote endpoint")

@@ -1,0 +1,122 @@
+"""Which address to use, which port is free, and where private ipc endpoints live.
+
+Nothing here sends a packet: the route toward a peer is read by connecting a
+UDP socket (which only asks the kernel's routing table), and the default
+route comes from the interface table.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import shutil
+import socket
+import tempfile
+
+__all__ = ["get_ip", "get_open_port", "tcp_endpoint", "is_ipv6", "IpcDir"]
+
+logger = logging.getLogger("rayfree.transport")
+
+HOST_IP_ENV = "RAYFREE_HOST_IP"
+
+
+def is_ipv6(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.strip("[]").split("%")[0]).version == 6
+    except ValueError:
+        return False
+
+
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """ZeroMQ endpoint for host:port, bracketing IPv6 literals."""
+    host = host.strip("[]")
+    return f"tcp://[{host}]:{port}" if is_ipv6(host) else f"tcp://{host}:{port}"
+
+
+def _route_to(peer: str) -> str | None:
+    try:
+        infos = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)  # UDP connect: routing lookup only, nothing is sent
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return None
+
+
+def _default_route_ip() -> str | None:
+    try:
+        import netifaces
+    except ImportError:  # pragma: no cover - it is a dependency
+        return None
+    try:
+        default = netifaces.gateways().get("default", {})
+    except Exception:  # noqa: BLE001 - odd platforms raise odd things
+        return None
+    for family in (netifaces.AF_INET, netifaces.AF_INET6):
+        gw = default.get(family)
+        if not gw:
+            continue
+        for a in netifaces.ifaddresses(gw[1]).get(family, []):
+            addr = a.get("addr", "")
+            if addr and not addr.startswith("fe80"):
+                return addr.split("%")[0]
+    return None
+
+
+def get_ip(peer: str | None = None) -> str:
+    """This host's address for cluster traffic.
+
+    Order: $RAYFREE_HOST_IP; the local address that routes toward `peer`;
+    the address of the default route's interface; loopback.
+    """
+    env = os.environ.get(HOST_IP_ENV)
+    if env:
+        return env.strip()
+    if peer:
+        ip = _route_to(peer)
+        if ip:
+            return ip
+        logger.warning("no route toward %s; falling back to the default interface", peer)
+    ip = _default_route_ip()
+    if ip:
+        return ip
+    logger.warning("no default route; using loopback. Set %s to this node's cluster address.", HOST_IP_ENV)
+    return "127.0.0.1"
+
+
+def get_open_port(host: str | None = None) -> int:
+    """A TCP port that is free right now on `host` (default: this host's cluster address)."""
+    host = host or get_ip()
+    family = socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host.strip("[]"), 0))
+        return s.getsockname()[1]
+
+
+def runtime_dir() -> str:
+    """Where private ipc directories go: $XDG_RUNTIME_DIR if usable, else the temp dir."""
+    d = os.environ.get("XDG_RUNTIME_DIR")
+    if d and os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK):
+        return d
+    return tempfile.gettempdir()
+
+
+class IpcDir:
+    """A private (0700) directory for ipc:// endpoints, removed by `remove()`."""
+
+    def __init__(self) -> None:
+        # The creator's pid in the name lets `rayfree doctor` tell stale ones.
+        self.path = tempfile.mkdtemp(prefix=f"rayfree-{os.getpid()}-", dir=runtime_dir())
+        os.chmod(self.path, 0o700)
+
+    def endpoint(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.path, name)}"
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)

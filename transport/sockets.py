@@ -1,0 +1,94 @@
+"""The one place where rayfree makes ZeroMQ sockets, and translates their errors.
+
+Publishers are XPUB sockets that never drop (XPUB_NODROP: a slow subscriber
+makes the writer wait, bounded by its timeout, instead of losing a message)
+and that report every subscription (XPUB_VERBOSE), which is how the writer
+learns which readers have arrived. Subscribers cap the size of what they
+accept. Authentication hooks in here (a later layer adds CURVE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Iterator
+
+import zmq
+
+from .errors import QueueTimeout, TransportError
+from .net import is_ipv6
+
+__all__ = ["context", "make_publisher", "make_subscriber", "zmq_errors", "HELLO_PREFIX"]
+
+#: Subscription topic prefix a reader adds so the writer can tell who arrived.
+HELLO_PREFIX = b"\x00rayfree-hello:"
+
+_ctx: zmq.Context | None = None
+_ctx_pid = -1
+_ctx_lock = threading.Lock()
+
+
+def context() -> zmq.Context:
+    """This process's ZeroMQ context (made anew after a fork)."""
+    global _ctx, _ctx_pid
+    pid = os.getpid()
+    if _ctx is None or _ctx_pid != pid:
+        with _ctx_lock:
+            if _ctx is None or _ctx_pid != pid:
+                _ctx, _ctx_pid = zmq.Context(io_threads=1), pid
+    return _ctx
+
+
+@contextlib.contextmanager
+def zmq_errors(what: str) -> Iterator[None]:
+    """Turn ZeroMQ's errors into transport errors that say what was being done."""
+    try:
+        yield
+    except zmq.Again as e:
+        raise QueueTimeout(f"{what}: timed out") from e
+    except zmq.ZMQError as e:
+        raise TransportError(f"{what}: {e.strerror} (zmq errno {e.errno})") from e
+
+
+def _is_tcp_v6(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://[") or (endpoint.startswith("tcp://") and is_ipv6(endpoint[6:].rsplit(":", 1)[0]))
+
+
+def make_publisher(bind_to: str, *, sndhwm: int) -> tuple[zmq.Socket, str]:
+    """An XPUB bound to `bind_to` (ipc://path or tcp://host:*); returns it and its real endpoint."""
+    sock = context().socket(zmq.XPUB)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, sndhwm)
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        sock.setsockopt(zmq.XPUB_NODROP, 1)
+        if _is_tcp_v6(bind_to):
+            sock.setsockopt(zmq.IPV6, 1)
+        with zmq_errors(f"binding a publisher to {bind_to}"):
+            sock.bind(bind_to)
+        endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock, endpoint
+
+
+def make_subscriber(endpoint: str, hello: bytes, *, maxmsgsize: int | None) -> zmq.Socket:
+    """A SUB connected to `endpoint`, subscribed to everything plus its hello topic."""
+    sock = context().socket(zmq.SUB)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if maxmsgsize:
+            sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
+        if _is_tcp_v6(endpoint):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.SUBSCRIBE, HELLO_PREFIX + hello)
+        with zmq_errors(f"connecting a subscriber to {endpoint}"):
+            sock.connect(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock

@@ -1,0 +1,1 @@
+"""rayfree worker layer (see DESIGN.md)."""
