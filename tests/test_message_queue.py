@@ -7,10 +7,12 @@ dask's test_comms runs one suite over every transport.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
+from typing import Iterator
 
 import pytest
 
@@ -50,6 +52,16 @@ def ready_pair(path: str, **kw) -> tuple[MessageQueue, MessageQueue]:
     return w, r
 
 
+@contextlib.contextmanager
+def pair(path: str, **kw) -> Iterator[tuple[MessageQueue, MessageQueue]]:
+    w, r = ready_pair(path, **kw)
+    try:
+        yield w, r
+    finally:
+        w.close()
+        r.close()
+
+
 def join_all(ps, timeout: float = 60) -> None:
     for p in ps:
         p.join(timeout)
@@ -87,8 +99,7 @@ def test_every_reader_gets_every_message_once_in_order_bit_exact(n_local: int) -
 
 def test_tensors_arrive_bit_exact_with_dtype_and_shape(path: str) -> None:
     import torch
-    w, r = ready_pair(path, max_chunk_bytes=1 << 20)
-    try:
+    with pair(path, max_chunk_bytes=1 << 20) as (w, r):
         for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.uint8,
                    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
                    torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2):
@@ -99,15 +110,11 @@ def test_tensors_arrive_bit_exact_with_dtype_and_shape(path: str) -> None:
                 assert got.dtype == dt and got.shape == src.shape
                 assert procs.digest(got) == procs.digest(src), f"{dt} {shape} differs"
                 del got
-    finally:
-        w.close()
-        r.close()
 
 
 def test_numpy_bytearray_memoryview_and_big_bytes_round_trip(path: str) -> None:
     np = pytest.importorskip("numpy")
-    w, r = ready_pair(path, max_chunk_bytes=1 << 20)
-    try:
+    with pair(path, max_chunk_bytes=1 << 20) as (w, r):
         arr = np.arange(100_000, dtype=np.float32).reshape(100, 1000)
         cases = [arr, bytearray(b"q" * 70_000), memoryview(b"m" * 90_000), b"b" * 200_000,
                  {"nested": [arr[::2], bytearray(10)]}]
@@ -117,9 +124,6 @@ def test_numpy_bytearray_memoryview_and_big_bytes_round_trip(path: str) -> None:
             assert type(got) is type(obj)
             assert procs.digest(got) == procs.digest(obj)
             del got
-    finally:
-        w.close()
-        r.close()
 
 
 def test_message_larger_than_ring_takes_the_overflow_socket_and_arrives(path: str) -> None:
@@ -172,17 +176,13 @@ def test_large_tensor_is_read_in_place_and_its_chunks_wait_for_the_view() -> Non
 # -- timeouts and shutdown ------------------------------------------------------------
 
 def test_dequeue_timeout_raises_within_twice_the_timeout(path: str) -> None:
-    w, r = ready_pair(path)
-    try:
+    with pair(path) as (w, r):
         t0 = time.monotonic()
         with pytest.raises(QueueTimeout):
             r.dequeue(timeout=0.3)
         assert 0.3 <= time.monotonic() - t0 < 0.6
         w.enqueue("still works", timeout=5)
         assert r.dequeue(timeout=5) == "still works"
-    finally:
-        w.close()
-        r.close()
 
 
 def test_enqueue_on_a_full_ring_times_out_naming_the_reader_that_did_not_read() -> None:
@@ -347,15 +347,11 @@ def test_corrupt_foreign_and_mismatched_handles_are_refused_clearly() -> None:
 
 
 def test_oversized_message_is_refused_and_the_queue_stays_usable(path: str) -> None:
-    w, r = ready_pair(path, max_message_bytes=4096)
-    try:
+    with pair(path, max_message_bytes=4096) as (w, r):
         with pytest.raises(MessageTooLarge, match="max_message_bytes=4096"):
             w.enqueue(b"x" * 10_000, timeout=5)
         w.enqueue("small", timeout=5)
         assert r.dequeue(timeout=5) == "small"
-    finally:
-        w.close()
-        r.close()
 
 
 def test_bad_arguments_get_clear_errors() -> None:
@@ -367,15 +363,11 @@ def test_bad_arguments_get_clear_errors() -> None:
         MessageQueue(3, 2, local_reader_ranks=[0, 0])
     with pytest.raises(ValueError, match="local_reader_ranks"):
         MessageQueue(3, 2, local_reader_ranks=[0, 5])
-    w, r = ready_pair("shm")
-    try:
+    with pair("shm") as (w, r):
         with pytest.raises(RuntimeError, match="only the queue's writer"):
             r.enqueue("x")
         with pytest.raises(RuntimeError, match="writer cannot dequeue"):
             w.dequeue()
-    finally:
-        w.close()
-        r.close()
 
 
 def test_use_before_handshake_is_refused() -> None:

@@ -9,10 +9,10 @@ changing an import::
     mq.wait_until_ready(); rq.wait_until_ready()             # collective
     mq.enqueue(obj); obj = rq.dequeue()
 
-Local readers (ranks in `local_reader_ranks`) read the shared-memory ring; a
-message too large for the whole ring goes over a private ipc socket. Remote
-readers subscribe to a TCP publisher bound to `connect_ip`. Every reader gets
-every message, once, in order.
+Local readers (ranks in `local_reader_ranks`) read the shared-memory ring
+(shm_channel.py); a message too large for the whole ring goes over a private
+ipc socket. Remote readers subscribe to a TCP publisher bound to
+`connect_ip` (zmq_channel.py). Every reader gets every message, once, in order.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from typing import Any
 import zmq
 
 from . import serde
-from .errors import BadFrame, MessageTooLarge, QueueClosed, QueueShutdown, QueueTimeout, TransportError
+from .errors import BadFrame, MessageTooLarge, QueueShutdown, QueueTimeout, TransportError
 from .handle import HANDLE_VERSION, Handle
 from .net import IpcDir, get_ip, tcp_endpoint
-from .shm_channel import EMPTY, WAIT_LOG_INTERVAL_S, ShmReader, ShmWriter
+from .shm_channel import EMPTY, ShmReader, ShmWriter
 from .shm_ring import KIND_OVERFLOW, ShmRingBuffer
-from .sockets import HELLO_PREFIX, make_publisher, make_subscriber, zmq_errors
-from .waiting import SpinPolicy, spin
+from .sockets import HELLO_PREFIX, make_publisher, make_subscriber
+from .zmq_channel import CLOSE, READY, SocketReceiver, SocketSender
 
 __all__ = ["MessageQueue", "Handle", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS"]
 
@@ -47,10 +47,6 @@ DEFAULT_MAX_CHUNKS = 24
 #: How many messages a remote subscriber may fall behind before enqueue waits.
 REMOTE_SNDHWM = 1000
 
-_READY = b"\x00RF:READY"
-_CLOSE = b"\x00RF:CLOSE"
-_CTRL = b"\x00RF:"
-_PARK_SLICE_MS = 500
 _perf = time.perf_counter
 
 
@@ -60,76 +56,6 @@ def _deadline(timeout: float | None) -> float | None:
     if timeout < 0:
         raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
     return _perf() + timeout
-
-
-class _Receiver:
-    """Blocking receive on one SUB socket that `wake()` can interrupt from another thread."""
-
-    def __init__(self, sock: zmq.Socket, spin_us: float | None) -> None:
-        self.sock = sock
-        self.policy = SpinPolicy(spin_us)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        self._poller = zmq.Poller()
-        self._poller.register(sock, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
-        self.shutdown_requested = False
-
-    def wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-
-    def _ready(self) -> bool:
-        return bool(self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
-
-    def recv(self, deadline: float | None, indefinite: bool, what: str) -> list:
-        if not self._ready():
-            self._wait(deadline, indefinite, what)
-        sock = self.sock
-        with zmq_errors(what):
-            first = sock.recv(zmq.NOBLOCK)
-            parts: list = [first]
-            while sock.getsockopt(zmq.RCVMORE):
-                parts.append(sock.recv(copy=False).buffer)
-        return parts
-
-    def _wait(self, deadline: float | None, indefinite: bool, what: str) -> None:
-        pol = self.policy
-        t0 = _perf()
-        if spin(lambda: True if self._ready() else None, pol):
-            return
-        next_log = t0 + WAIT_LOG_INTERVAL_S
-        while True:
-            if self.shutdown_requested:
-                raise QueueShutdown(f"{what} interrupted: shutdown() was called on this queue")
-            now = _perf()
-            if deadline is not None and now >= deadline:
-                raise QueueTimeout(f"{what} timed out after {now - t0:.3f}s")
-            if now >= next_log:
-                if not indefinite:
-                    logger.info("%s: still waiting after %.0fs", what, now - t0)
-                next_log = now + WAIT_LOG_INTERVAL_S
-            ms = _PARK_SLICE_MS if deadline is None else max(0, min(_PARK_SLICE_MS, int((deadline - now) * 1000) + 1))
-            events = dict(self._poller.poll(ms))
-            if self._wake_r in events:
-                try:
-                    os.read(self._wake_r, 4096)
-                except OSError:
-                    pass
-            if self._ready():
-                now = _perf()
-                pol.record(now - t0, now)
-                return
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 def _cleanup(ring: ShmRingBuffer | None, ipc: IpcDir | None) -> None:
@@ -173,28 +99,20 @@ class MessageQueue:
             raise ValueError(f"local_reader_ranks {local_reader_ranks} must be distinct ints in 0..{n_reader - 1}")
         if max_message_bytes is not None and max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be >= 1 or None, got {max_message_bytes}")
-        self._init_common(spin_us)
-        self._is_writer = True
-        self.n_reader = n_reader
-        self.n_local_reader = n_local_reader
-        self.local_reader_ranks = local_reader_ranks
-        self.remote_reader_ranks = [r for r in range(n_reader) if r not in set(local_reader_ranks)]
-        self.max_message_bytes = max_message_bytes
+        self._init_common(True, n_reader, local_reader_ranks, max_message_bytes)
         self._ser = serde.Serializer()
         queue_id = secrets.token_bytes(16)
+        local_ep = remote_ep = None
         try:
             if n_local_reader:
                 self._ring = ShmRingBuffer.create(n_local_reader, max_chunk_bytes, max_chunks, queue_id)
                 self._ipc = IpcDir()
                 self._shm = ShmWriter(self._ring, local_reader_ranks, spin_us, self._ipc.path)
-                self._local_pub, local_ep = make_publisher(self._ipc.endpoint("overflow"), sndhwm=0)
-            else:
-                local_ep = None
+                sock, local_ep = make_publisher(self._ipc.endpoint("overflow"), sndhwm=0)
+                self._local_out = SocketSender(sock, "local overflow", local_reader_ranks, 0)
             if self.remote_reader_ranks:
-                ip = connect_ip or get_ip()
-                self._remote_pub, remote_ep = make_publisher(tcp_endpoint(ip, "*"), sndhwm=REMOTE_SNDHWM)
-            else:
-                remote_ep = None
+                sock, remote_ep = make_publisher(tcp_endpoint(connect_ip or get_ip(), "*"), sndhwm=REMOTE_SNDHWM)
+                self._remote_out = SocketSender(sock, "remote", self.remote_reader_ranks, REMOTE_SNDHWM)
         except BaseException:
             self.close()
             raise
@@ -207,22 +125,32 @@ class MessageQueue:
             ipc_dir=self._ipc.path if self._ipc else None, local_endpoint=local_ep, remote_endpoint=remote_ep,
             max_message_bytes=max_message_bytes, writer_pid=os.getpid())
 
-    def _init_common(self, spin_us: float | None) -> None:
+    def _init_common(self, is_writer: bool, n_reader: int, local_reader_ranks: list[int],
+                     max_message_bytes: int | None) -> None:
+        self._is_writer = is_writer
+        self.n_reader = n_reader
+        self.n_local_reader = len(local_reader_ranks)
+        self.local_reader_ranks = local_reader_ranks
+        local = set(local_reader_ranks)
+        self.remote_reader_ranks = [r for r in range(n_reader) if r not in local]
+        self.max_message_bytes = max_message_bytes
+        self.rank: int | None = None
         self._ring: ShmRingBuffer | None = None
-        self._shm: Any = None
+        self._shm: ShmWriter | ShmReader | None = None
         self._ipc: IpcDir | None = None
-        self._local_pub: zmq.Socket | None = None
-        self._remote_pub: zmq.Socket | None = None
-        self._recv: _Receiver | None = None
+        self._local_out: SocketSender | None = None
+        self._remote_out: SocketSender | None = None
+        self._recv: SocketReceiver | None = None
         self._handle: Handle | None = None
+        self._finalizer: weakref.finalize | None = None
         self._ready = False
-        self._fast_writer: ShmWriter | None = None
-        self._fast_reader: ShmReader | None = None
         self._closed = False
         self._shutdown = False
-        self._spin_us = spin_us
-        self._finalizer = None
-        self.rank: int | None = None
+        # Hot paths, set by wait_until_ready() for the queue's role, cleared by shutdown().
+        self._fast_shm_writer: ShmWriter | None = None
+        self._fast_sock_writer: SocketSender | None = None
+        self._fast_shm_reader: ShmReader | None = None
+        self._fast_sock_reader: SocketReceiver | None = None
 
     # -- reader construction -----------------------------------------------
 
@@ -237,15 +165,9 @@ class MessageQueue:
             raise ValueError(f"rank {rank!r} is not a reader of this queue: its readers are ranks "
                              f"0..{handle.n_reader - 1}")
         self = cls.__new__(cls)
-        self._init_common(spin_us)
-        self._is_writer = False
+        self._init_common(False, handle.n_reader, list(handle.local_reader_ranks), handle.max_message_bytes)
         self._handle = handle
         self.rank = rank
-        self.n_reader = handle.n_reader
-        self.n_local_reader = handle.n_local_reader
-        self.local_reader_ranks = list(handle.local_reader_ranks)
-        self.remote_reader_ranks = [r for r in range(handle.n_reader) if r not in set(handle.local_reader_ranks)]
-        self.max_message_bytes = handle.max_message_bytes
         limit = None if handle.max_message_bytes is None else handle.max_message_bytes + 65536
         try:
             if rank in handle.local_reader_ranks:
@@ -254,7 +176,7 @@ class MessageQueue:
                 sock = make_subscriber(handle.local_endpoint, str(rank).encode(), maxmsgsize=limit)
             else:
                 sock = make_subscriber(handle.remote_endpoint, str(rank).encode(), maxmsgsize=limit)
-            self._recv = _Receiver(sock, spin_us)
+            self._recv = SocketReceiver(sock)
         except BaseException:
             self.close()
             raise
@@ -288,9 +210,9 @@ class MessageQueue:
     def wait_until_ready(self, timeout: float | None = None) -> None:
         """The collective handshake: the writer waits until every reader is attached.
 
-        The writer then unlinks the shared-memory segment and the ipc socket
-        file (nothing is left on disk even if a process is SIGKILLed later) and
-        sends READY; each reader waits for READY.
+        The writer then unlinks the shared-memory segment and the ipc
+        directory (nothing is left behind even if a process is SIGKILLed
+        later) and sends READY; each reader waits for READY.
         """
         self._check_open()
         if self._ready:
@@ -306,113 +228,109 @@ class MessageQueue:
             except QueueTimeout:
                 raise QueueTimeout(f"{what}: nothing within {timeout}s; is the writer calling "
                                    f"wait_until_ready()?") from None
-            if parts != [_READY]:
-                raise BadFrame(f"{what}: expected READY, got {len(parts)} frame(s) starting {parts[0][:16]!r}")
+            if len(parts) != 1 or parts[0] != READY:
+                raise BadFrame(f"{what}: expected READY, got {len(parts)} frame(s) "
+                               f"starting {bytes(parts[0][:16])!r}")
         self._ready = True
-        # The hot paths skip the role and state checks: they are set only on a
-        # ready queue of the matching role and cleared by shutdown().
-        if self._is_writer and self._remote_pub is None and self.max_message_bytes is None:
-            self._fast_writer = self._shm
-        if isinstance(self._shm, ShmReader):
-            self._fast_reader = self._shm
+        if self._is_writer:
+            if self._remote_out is None and self.max_message_bytes is None:
+                self._fast_shm_writer = self._shm
+            if self._shm is None and self.max_message_bytes is None:
+                self._fast_sock_writer = self._remote_out
+        elif self._shm is not None:
+            self._fast_shm_reader = self._shm
+        else:
+            self._fast_sock_reader = self._recv
 
     def _writer_handshake(self, deadline: float | None, timeout: float | None) -> None:
-        missing_local = set(self.local_reader_ranks)
-        missing_remote = set(self.remote_reader_ranks)
+        missing = {"local": set(self.local_reader_ranks), "remote": set(self.remote_reader_ranks)}
+        senders = {"local": self._local_out, "remote": self._remote_out}
         poller = zmq.Poller()
-        socks = [s for s in (self._local_pub, self._remote_pub) if s is not None]
-        for s in socks:
-            poller.register(s, zmq.POLLIN)
+        for s in senders.values():
+            if s is not None:
+                poller.register(s.sock, zmq.POLLIN)
         t0 = _perf()
         next_log = t0 + 10.0
-        while missing_local or missing_remote:
+        while missing["local"] or missing["remote"]:
             now = _perf()
             if deadline is not None and now >= deadline:
-                raise QueueTimeout(
-                    f"wait_until_ready timed out after {timeout}s: {self._describe_missing(missing_local, missing_remote)}")
+                raise QueueTimeout(f"wait_until_ready timed out after {timeout}s: {self._describe_missing(missing)}")
             if now >= next_log:
-                logger.info("writer waiting %.0fs for readers: %s", now - t0,
-                            self._describe_missing(missing_local, missing_remote))
+                logger.info("writer waiting %.0fs for readers: %s", now - t0, self._describe_missing(missing))
                 next_log = now + 10.0
             ms = 200 if deadline is None else max(1, min(200, int((deadline - now) * 1000) + 1))
             for sock, _ in poller.poll(ms):
+                which = "local" if self._local_out is not None and sock is self._local_out.sock else "remote"
                 while True:
                     try:
                         msg = sock.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if msg[:1] != b"\x01" or not msg[1:].startswith(HELLO_PREFIX):
-                        continue
-                    try:
-                        r = int(msg[1 + len(HELLO_PREFIX):])
-                    except ValueError:
-                        continue
-                    (missing_local if sock is self._local_pub else missing_remote).discard(r)
-        # Every local reader has mapped the ring and connected: the names can go.
+                    # XPUB reports b"\x01" + topic per subscription; readers add a hello topic.
+                    if msg[:1] == b"\x01" and msg[1:].startswith(HELLO_PREFIX):
+                        try:
+                            missing[which].discard(int(msg[1 + len(HELLO_PREFIX):]))
+                        except ValueError:
+                            pass
+        # Every local reader has mapped the ring and opened its pipes: the names can go.
         if self._ring is not None:
             self._ring.unlink()
         if self._ipc is not None:
             self._ipc.remove()
-        for s in socks:
-            with zmq_errors("sending READY"):
-                s.send(_READY)
+        for s in senders.values():
+            if s is not None:
+                s.send_control(READY, block=True)
 
-    def _describe_missing(self, local: set[int], remote: set[int]) -> str:
+    def _describe_missing(self, missing: dict[str, set[int]]) -> str:
         parts = []
-        if local:
-            parts.append(f"local reader rank(s) {sorted(local)} never attached to shared memory "
+        if missing["local"]:
+            parts.append(f"local reader rank(s) {sorted(missing['local'])} never attached to shared memory "
                          f"{self._ring.name if self._ring else ''}")
-        if remote:
-            ep = self._handle.remote_endpoint if self._handle else "?"
-            parts.append(f"remote reader rank(s) {sorted(remote)} never subscribed to {ep}")
+        if missing["remote"]:
+            parts.append(f"remote reader rank(s) {sorted(missing['remote'])} never subscribed to "
+                         f"{self.handle.remote_endpoint}")
         return "; ".join(parts)
 
     def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """Send `obj` to every reader. Blocks while the ring is full, up to `timeout` seconds."""
-        fast = self._fast_writer
-        if fast is not None:
+        """Send `obj` to every reader. Blocks while readers lag, up to `timeout` seconds."""
+        shm = self._fast_shm_writer
+        if shm is not None:
             frames = self._ser.dumps(obj)
-            if len(frames) == 1 and fast.put_one(frames[0]):
+            if len(frames) == 1 and shm.put_one(frames[0]):
                 return
+        elif self._fast_sock_writer is not None and timeout is None:
+            frames = self._ser.dumps(obj)
+            self._fast_sock_writer.send(frames, None)
+            return
         else:
             if not self._is_writer:
                 raise RuntimeError(f"reader rank {self.rank} cannot enqueue: only the queue's writer sends")
             self._check_usable()
             frames = self._ser.dumps(obj)
+        self._enqueue_frames(frames, _deadline(timeout))
+
+    def _enqueue_frames(self, frames: list, deadline: float | None) -> None:
         sizes = [len(f) if type(f) is bytes else f.nbytes for f in frames]
-        total = sum(sizes)
-        if self.max_message_bytes is not None and total > self.max_message_bytes:
-            raise MessageTooLarge(f"message is {total} bytes, over this queue's max_message_bytes="
+        if self.max_message_bytes is not None and sum(sizes) > self.max_message_bytes:
+            raise MessageTooLarge(f"message is {sum(sizes)} bytes, over this queue's max_message_bytes="
                                   f"{self.max_message_bytes}; nothing was sent")
-        deadline = None if timeout is None else _deadline(timeout)
         shm = self._shm
-        if shm is not None:
+        if isinstance(shm, ShmWriter):
             nbytes = shm.slot_bytes(sizes)
             if nbytes <= shm.ring.capacity:
                 if len(frames) > 1 or not shm.put_one(frames[0]):
                     shm.write(frames, sizes, nbytes, deadline)
             else:
-                sock = self._local_pub
-                shm.write_overflow(lambda: self._send(sock, frames, deadline, "local overflow"), deadline)
-        if self._remote_pub is not None:
-            self._send(self._remote_pub, frames, deadline, "remote")
-
-    def _send(self, sock: zmq.Socket, frames: list, deadline: float | None, path: str) -> None:
-        ms = -1 if deadline is None else max(0, int((deadline - _perf()) * 1000))
-        sock.setsockopt(zmq.SNDTIMEO, ms)
-        try:
-            sock.send_multipart(frames, copy=True)
-        except zmq.Again:
-            who = self.remote_reader_ranks if path == "remote" else self.local_reader_ranks
-            raise QueueTimeout(f"enqueue timed out sending to {path} reader rank(s) {who}: they are "
-                               f"{REMOTE_SNDHWM if path == 'remote' else 'many'} messages behind or unreachable") from None
-        except zmq.ZMQError as e:
-            raise TransportError(f"enqueue to {path} readers failed: {e.strerror}") from e
+                out = self._local_out
+                assert out is not None
+                shm.write_overflow(lambda: out.send(frames, deadline), deadline)
+        if self._remote_out is not None:
+            self._remote_out.send(frames, deadline)
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message. Waits up to `timeout` seconds (None: forever, logging
         every minute unless `indefinite`)."""
-        shm = self._fast_reader
+        shm = self._fast_shm_reader
         if shm is not None:
             obj = shm.get_one()
             if obj is not EMPTY:
@@ -423,44 +341,36 @@ class MessageQueue:
             obj = shm.get_one()
             if obj is not EMPTY:
                 return obj
+        elif self._fast_sock_reader is not None:
+            if timeout is not None and timeout < 0:
+                raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+            return self._fast_sock_reader.get(timeout, indefinite)
         else:
             if self._is_writer:
                 raise RuntimeError("the writer cannot dequeue: readers are made with create_from_handle()")
             self._check_usable()
-            shm = self._shm
         deadline = _deadline(timeout)
-        if shm is not None:
-            start, kind, span = shm.next_slot(timeout, indefinite)
+        recv = self._recv
+        assert recv is not None
+        if isinstance(self._shm, ShmReader):
+            start, kind, span = self._shm.next_slot(timeout, indefinite)
             if kind != KIND_OVERFLOW:
-                return shm.read(start, span)
-            shm.release(start, span)
-            return self._recv_obj(deadline, indefinite, "dequeue (overflow)")
-        return self._recv_obj(deadline, indefinite, "dequeue")
-
-    def _recv_obj(self, deadline: float | None, indefinite: bool, what: str) -> Any:
-        assert self._recv is not None
-        parts = self._recv.recv(deadline, indefinite, what)
-        first = parts[0]
-        if first[:4] == _CTRL:
-            if first == _CLOSE:
-                raise QueueClosed("the writer closed this queue; no more messages will arrive")
-            raise BadFrame(f"unexpected control message {first!r}")
-        try:
-            return serde.loads(first, parts[1:])
-        except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad frame
-            raise BadFrame(f"could not decode a {len(parts)}-frame message: {type(e).__name__}: {e}") from e
+                return self._shm.read(start, span)
+            self._shm.release(start, span)
+            return recv.decode(recv.recv(deadline, indefinite, "dequeue (overflow)"))
+        return recv.get(timeout, indefinite)
 
     def shutdown(self) -> None:
         """Make blocked and future enqueue/dequeue calls raise QueueShutdown (any thread)."""
         self._shutdown = True
-        self._fast_writer = self._fast_reader = None
+        self._fast_shm_writer = self._fast_sock_writer = None
+        self._fast_shm_reader = self._fast_sock_reader = None
         if self._shm is not None:
             self._shm.shutdown_requested = True
-            if not self._is_writer and not self._closed:
+            if isinstance(self._shm, ShmReader) and not self._closed:
                 self._shm.wake()
         if self._recv is not None:
             self._recv.shutdown_requested = True
-            self._recv.wake()
 
     def close(self) -> None:
         """Release every socket and mapping; the writer also tells readers it is gone."""
@@ -468,18 +378,14 @@ class MessageQueue:
             return
         self.shutdown()
         self._closed = True
-        if self._is_writer:
-            if isinstance(self._shm, ShmWriter):
-                self._shm.close()
-            for s in (self._local_pub, self._remote_pub):
-                if s is not None:
-                    try:
-                        s.send(_CLOSE, zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
-                    s.close(linger=100)
-        if isinstance(self._shm, ShmReader):
+        if isinstance(self._shm, ShmWriter):
             self._shm.close()
+        elif isinstance(self._shm, ShmReader):
+            self._shm.close()
+        for out in (self._local_out, self._remote_out):
+            if out is not None:
+                out.send_control(CLOSE, block=False)
+                out.close(linger_ms=100)
         if self._recv is not None:
             self._recv.close()
         if self._finalizer is not None:
@@ -511,9 +417,3 @@ class MessageQueue:
         role = "writer" if self._is_writer else ("local" if self._ring else "remote") + f" reader {self.rank}"
         return (f"<MessageQueue {role} readers={self.n_reader} local={self.local_reader_ranks} "
                 f"{'closed' if self._closed else 'open'}>")
-
-
-# Used by tests and the bench to know that no in-place payload is alive.
-def live_leases(mq: MessageQueue) -> int:
-    return mq._shm.leases if isinstance(mq._shm, ShmReader) else 0
-

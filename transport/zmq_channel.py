@@ -1,0 +1,158 @@
+"""The socket half of a MessageQueue: frames over ZeroMQ pub/sub (remote readers, overflow).
+
+A message is one multipart ZeroMQ message: frame 0 the pickle stream, the
+rest out-of-band buffers (see serde.py). A single frame that starts with
+`CTRL` is a control message (READY, CLOSE); a pickle stream never does.
+
+Both ends keep the Python work around each send and receive small: on a
+machine with few cores, every microsecond spent there is a microsecond that
+ZeroMQ's own I/O thread waits for a core.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from . import serde
+from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout, TransportError
+from .shm_channel import WAIT_LOG_INTERVAL_S
+
+logger = logging.getLogger("rayfree.transport")
+
+CTRL = b"\x00RF:"
+READY = CTRL + b"READY"
+CLOSE = CTRL + b"CLOSE"
+#: A blocked receive re-checks for shutdown this often.
+SLICE_MS = 100
+
+_perf = time.perf_counter
+_loads = serde.loads
+
+
+class SocketSender:
+    """Sends frames on one publisher, waiting at most until a deadline when subscribers lag."""
+
+    def __init__(self, sock: zmq.Socket, path: str, readers: list[int], hwm: int) -> None:
+        self.sock = sock
+        self.path = path
+        self.readers = readers
+        self.hwm = hwm
+        self._sndtimeo = -2  # unknown
+
+    def send(self, frames: list, deadline: float | None) -> None:
+        ms = -1 if deadline is None else max(0, int((deadline - _perf()) * 1000))
+        sock = self.sock
+        if ms != self._sndtimeo:
+            sock.setsockopt(zmq.SNDTIMEO, ms)
+            self._sndtimeo = ms
+        try:
+            if len(frames) == 1:
+                sock.send(frames[0], copy=True)
+            else:
+                sock.send_multipart(frames, copy=True)
+        except zmq.Again:
+            raise QueueTimeout(f"enqueue timed out sending to {self.path} reader rank(s) {self.readers}: they "
+                               f"are {self.hwm} messages behind or unreachable") from None
+        except zmq.ZMQError as e:
+            raise TransportError(f"enqueue to {self.path} readers failed: {e.strerror}") from e
+
+    def send_control(self, msg: bytes, block: bool) -> None:
+        try:
+            self.sock.send(msg, 0 if block else zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if block:
+                raise TransportError(f"sending {msg[len(CTRL):].decode()} to {self.path} readers: "
+                                     f"{e.strerror}") from e
+
+    def close(self, linger_ms: int) -> None:
+        self.sock.close(linger=linger_ms)
+
+
+class SocketReceiver:
+    """Receives from one subscriber; blocks inside ZeroMQ, in slices, so shutdown is seen.
+
+    No EVENTS polling or spinning: each such check is a syscall that competes
+    with ZeroMQ's I/O thread for the core, which costs more than it saves.
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.shutdown_requested = False
+        self._rcvtimeo = -2
+
+    def get(self, timeout: float | None, indefinite: bool, what: str = "dequeue") -> Any:
+        """The next message as an object (raises QueueClosed when the writer said CLOSE)."""
+        if timeout is None and self._rcvtimeo == SLICE_MS:
+            try:
+                frame = self.sock.recv(copy=False)
+            except zmq.Again:
+                return self.decode(self.recv(None, indefinite, what))
+            if not frame.more:
+                buf = frame.buffer
+                if buf[:4] != CTRL:
+                    try:
+                        return _loads(buf)
+                    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad frame
+                        raise BadFrame(f"could not decode a 1-frame message: {type(e).__name__}: {e}") from e
+            return self.decode(self._rest(frame, what))
+        deadline = None if timeout is None else _perf() + timeout
+        return self.decode(self.recv(deadline, indefinite, what))
+
+    def recv(self, deadline: float | None, indefinite: bool, what: str) -> list:
+        """The next message's frames, as buffers."""
+        sock = self.sock
+        t0 = _perf()
+        next_log = t0 + WAIT_LOG_INTERVAL_S
+        while True:
+            if self.shutdown_requested:
+                raise QueueShutdown(f"{what} interrupted: shutdown() was called on this queue")
+            ms = SLICE_MS
+            if deadline is not None:
+                left = deadline - _perf()
+                if left <= 0:
+                    raise QueueTimeout(f"{what} timed out after {_perf() - t0:.3f}s")
+                ms = min(ms, int(left * 1000) + 1)
+            if ms != self._rcvtimeo:
+                sock.setsockopt(zmq.RCVTIMEO, ms)
+                self._rcvtimeo = ms
+            try:
+                frame = sock.recv(copy=False)
+            except zmq.Again:
+                now = _perf()
+                if now >= next_log:
+                    if not indefinite:
+                        logger.info("%s: still waiting after %.0fs", what, now - t0)
+                    next_log = now + WAIT_LOG_INTERVAL_S
+                continue
+            except zmq.ZMQError as e:
+                raise TransportError(f"{what}: {e.strerror} (zmq errno {e.errno})") from e
+            return self._rest(frame, what)
+
+    def _rest(self, frame: zmq.Frame, what: str) -> list:
+        parts: list = [frame.buffer]
+        try:
+            while frame.more:
+                frame = self.sock.recv(copy=False)
+                parts.append(frame.buffer)
+        except zmq.ZMQError as e:
+            raise TransportError(f"{what}: {e.strerror} (zmq errno {e.errno})") from e
+        return parts
+
+    @staticmethod
+    def decode(parts: list) -> Any:
+        first = parts[0]
+        if first[:4] == CTRL:
+            if len(parts) == 1 and first == CLOSE:
+                raise QueueClosed("the writer closed this queue; no more messages will arrive")
+            raise BadFrame(f"unexpected control message {bytes(first[:32])!r}")
+        try:
+            return _loads(first, buffers=parts[1:])
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad frame
+            raise BadFrame(f"could not decode a {len(parts)}-frame message: {type(e).__name__}: {e}") from e
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
