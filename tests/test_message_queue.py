@@ -116,7 +116,7 @@ def test_numpy_bytearray_memoryview_and_big_bytes_round_trip(path: str) -> None:
     np = pytest.importorskip("numpy")
     with pair(path, max_chunk_bytes=1 << 20) as (w, r):
         arr = np.arange(100_000, dtype=np.float32).reshape(100, 1000)
-        cases = [arr, bytearray(b"q" * 70_000), memoryview(b"m" * 90_000), b"b" * 200_000,
+        cases = [arr, bytearray(b"q" * 70_000), memoryview(b"m" * 90_000), b"b" * 200_000, b"small", b"",
                  {"nested": [arr[::2], bytearray(10)]}]
         for obj in cases:
             w.enqueue(obj, timeout=10)

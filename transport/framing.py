@@ -2,7 +2,8 @@
 
 Head chunk::
 
-    0   u8  kind (0 data, 1 overflow: frames follow on the overflow socket, 2 wrap)
+    0   u8  kind (0 data, 1 overflow: frames follow on the overflow socket, 2 wrap,
+            3 raw bytes: one frame that is the message itself, no pickle)
     4   u32 span (chunks the message occupies)
     8   u32 frame count n
     16  u64 length[n]

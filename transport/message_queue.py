@@ -31,7 +31,7 @@ from .errors import BadFrame, MessageTooLarge, QueueShutdown, QueueTimeout, Tran
 from .handle import HANDLE_VERSION, Handle
 from .net import IpcDir, get_ip, tcp_endpoint
 from .shm_channel import EMPTY, ShmReader, ShmWriter
-from .shm_ring import KIND_OVERFLOW, ShmRingBuffer
+from .shm_ring import KIND_BYTES, KIND_OVERFLOW, ShmRingBuffer
 from .sockets import HELLO_PREFIX, make_publisher, make_subscriber
 from .zmq_channel import CLOSE, READY, SocketReceiver, SocketSender
 
@@ -295,6 +295,8 @@ class MessageQueue:
         """Send `obj` to every reader. Blocks while readers lag, up to `timeout` seconds."""
         shm = self._fast_shm_writer
         if shm is not None:
+            if type(obj) is bytes and shm.put_one(obj, KIND_BYTES):
+                return
             frames = self._ser.dumps(obj)
             if len(frames) == 1 and shm.put_one(frames[0]):
                 return

@@ -129,19 +129,21 @@ class Serializer:
 
     def dumps(self, obj: Any) -> list:
         """[pickle stream, *out-of-band buffers as 'B' memoryviews]."""
-        bio = self._bio
-        bio.seek(0)
-        bio.truncate()
         if (type(obj) is bytes or type(obj) is bytearray) and len(obj) >= OOB_MIN_BYTES:
             obj = _BigBytes(obj)
+        p, bio = self._p, self._bio
         try:
-            self._p.dump(obj)
+            p.dump(obj)
         except BaseException:
             self._bufs.clear()
+            bio.seek(0)
+            bio.truncate()
             raise
         finally:
-            self._p.clear_memo()
+            p.clear_memo()
         frames: list = [bio.getvalue()]
+        bio.seek(0)
+        bio.truncate()
         if self._bufs:
             frames.extend(pb.raw() for pb in self._bufs)
             self._bufs.clear()

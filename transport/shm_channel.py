@@ -26,8 +26,11 @@ from typing import Any, Callable
 from . import framing
 from .copier import copy_into
 from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout
-from .shm_ring import _READER_PARKED, _WRITER_PARKED, KIND_DATA, KIND_OVERFLOW, RingReader, RingWriter, ShmRingBuffer
-from .waiting import SpinPolicy, WakePipe, fence, spin
+from .shm_ring import (_READER_PARKED, _WRITER_PARKED, KIND_BYTES, KIND_DATA, KIND_OVERFLOW, RingReader, RingWriter,
+                       ShmRingBuffer)
+from .waiting import SpinPolicy, WakePipe, fence, note_ring_processes, spin
+from .waiting import _fence_acquire as _acquire
+from .waiting import _fence_release as _release
 
 logger = logging.getLogger("rayfree.transport")
 
@@ -56,6 +59,7 @@ class ShmWriter:
             WakePipe.create(path)
         self.own = WakePipe(self.wake_paths[0], waiter=True)
         self.readers = [WakePipe(path, waiter=False) for path in self.wake_paths[1:]]
+        note_ring_processes(1 + ring.n_reader)
         self.reader_ranks = reader_ranks
         self.policy = SpinPolicy(spin_us)
         self.shutdown_requested = False
@@ -65,26 +69,54 @@ class ShmWriter:
         self._one_max = ring.stride - _ONE_OFF
         self._parked = slice(_READER_PARKED, _READER_PARKED + n)
         self._base_addr = ring.address
+        self._b = ring.buf
+        self._single = n == 1
+        self._row = ring._row
+        self._n_chunks = ring.n_chunks
+        self._all_read = ring._all_read
+        self._fresh = ring._fresh
+        self._no_parked = ring._no_parked
 
-    def put_one(self, data: bytes) -> bool:
-        """Write a one-frame message into the next chunk if it is free; False means 'use `write`'."""
+    def put_one(self, data: bytes, kind: int = KIND_DATA) -> bool:
+        """Write a one-frame message into the next chunk if it is free; False means 'use `write`'.
+
+        `kind` is KIND_DATA for a pickle stream or KIND_BYTES for a bytes
+        message sent as is (the reader skips unpickling).
+        """
         rw = self.rw
         c = rw.idx
-        ring = self.ring
-        b = ring.buf
+        b = self._b
         fo = self._flag_offs[c]
-        row = ring._row
-        if (b[fo] and b[fo + 1: fo + row] != ring._all_read) or len(data) > self._one_max:
+        n = len(data)
+        if n > self._one_max:
+            return False
+        if self._single:  # one reader (every reply queue): bytes, not slices
+            if b[fo] and b[fo + 1] != 1:
+                return False
+            base = self._chunk_offs[c]
+            _ONE.pack_into(b, base, kind, 1, 1, n)
+            b[base + _ONE_OFF: base + _ONE_OFF + n] = data
+            b[fo] = 1
+            b[fo + 1] = 0
+            c += 1
+            rw.idx = 0 if c == self._n_chunks else c
+            _acquire()
+            _release()
+            if b[_READER_PARKED]:
+                self.readers[0].wake()
+            return True
+        row = self._row
+        if b[fo] and b[fo + 1: fo + row] != self._all_read:
             return False
         base = self._chunk_offs[c]
-        n = len(data)
-        _ONE.pack_into(b, base, KIND_DATA, 1, 1, n)
+        _ONE.pack_into(b, base, kind, 1, 1, n)
         b[base + _ONE_OFF: base + _ONE_OFF + n] = data
-        b[fo: fo + row] = ring._fresh
+        b[fo: fo + row] = self._fresh
         c += 1
-        rw.idx = 0 if c == ring.n_chunks else c
-        fence()
-        if b[self._parked] != ring._no_parked:
+        rw.idx = 0 if c == self._n_chunks else c
+        _acquire()
+        _release()
+        if b[self._parked] != self._no_parked:
             self._wake_parked()
         return True
 
@@ -188,6 +220,7 @@ class ShmReader:
         self.own = WakePipe(path, waiter=True)
         self._self_waker = WakePipe(path, waiter=False)
         self.writer = WakePipe(os.path.join(wake_dir, "wake-w"), waiter=False)
+        note_ring_processes(1 + ring.n_reader)
         self.policy = SpinPolicy(spin_us)
         self.shutdown_requested = False
         self._holders: dict[int, type] = {}
@@ -196,28 +229,34 @@ class ShmReader:
         self._flag_offs = [ring.flags_off + c * (1 + n) for c in range(ring.n_chunks)]
         self._chunk_offs = [ring.chunk_offset(c) for c in range(ring.n_chunks)]
         self._stride = ring.stride
+        self._b = ring.buf
+        self._me = 1 + r
+        self._n_chunks = ring.n_chunks
+        self._one_max = ring.stride - _ONE_OFF
 
     def get_one(self) -> Any:
         """The next message if it is a ready one-frame, one-chunk message; else EMPTY."""
         rr = self.rr
         c = rr.idx
-        ring = self.ring
-        b = ring.buf
+        b = self._b
         fo = self._flag_offs[c]
-        me = fo + 1 + rr.r
+        me = fo + self._me
         if b[fo] != 1 or b[me]:
             return EMPTY
         base = self._chunk_offs[c]
         kind, span, nframes, n = _ONE.unpack_from(b, base)
-        if kind != KIND_DATA or span != 1 or nframes != 1 or n > self._stride - _ONE_OFF:
+        if span != 1 or nframes != 1 or n > self._one_max or (kind and kind != KIND_BYTES):
             return EMPTY
         c += 1
-        rr.idx = 0 if c == ring.n_chunks else c
+        rr.idx = 0 if c == self._n_chunks else c
         try:
+            if kind:
+                return bytes(b[base + _ONE_OFF: base + _ONE_OFF + n])
             return _loads(b[base + _ONE_OFF: base + _ONE_OFF + n])
         finally:
             b[me] = 1
-            fence()
+            _acquire()
+            _release()
             if b[_WRITER_PARKED]:
                 self.writer.wake()
 
@@ -318,6 +357,8 @@ class ShmReader:
             try:
                 if _ONE_OFF + n0 > limit:
                     raise BadFrame(f"corrupt slot: a {n0}-byte frame in a {limit}-byte slot")
+                if buf[base] == KIND_BYTES:
+                    return bytes(buf[base + _ONE_OFF: base + _ONE_OFF + n0])
                 return _loads(buf[base + _ONE_OFF: base + _ONE_OFF + n0])
             finally:
                 self.release(start, span)

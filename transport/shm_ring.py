@@ -43,7 +43,7 @@ try:  # CPython's own binding of shm_open/shm_unlink, without multiprocessing's 
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
-__all__ = ["ShmRingBuffer", "RingReader", "RingWriter", "KIND_DATA", "KIND_OVERFLOW", "KIND_WRAP",
+__all__ = ["ShmRingBuffer", "RingReader", "RingWriter", "KIND_DATA", "KIND_OVERFLOW", "KIND_WRAP", "KIND_BYTES",
            "SEGMENT_PREFIX", "SHM_DIR"]
 
 SEGMENT_PREFIX = "rayfree-"
@@ -59,9 +59,10 @@ _PAGE = mmap.PAGESIZE
 
 # Head chunk of every message: u8 kind, 3 pad bytes, u32 span. The rest of the
 # head chunk belongs to the framing (see framing.py).
-KIND_DATA = 0
-KIND_OVERFLOW = 1
-KIND_WRAP = 2
+KIND_DATA = 0      # frames: a pickle stream and its out-of-band buffers
+KIND_OVERFLOW = 1  # the frames travel on the overflow socket
+KIND_WRAP = 2      # nothing here: continue at chunk 0
+KIND_BYTES = 3     # one frame of raw bytes, delivered as `bytes` without pickle
 # A reader's flag byte: 0 unread, HELD taken but not yet released, 1 released.
 HELD = 2
 _SLOT = struct.Struct("<BxxxI")
@@ -346,7 +347,7 @@ class RingReader:
                 ring.release(c, 1, r)
                 self.idx = 0
                 continue
-            if kind not in (KIND_DATA, KIND_OVERFLOW) or not 1 <= span <= ring.n_chunks - c:
+            if kind not in (KIND_DATA, KIND_OVERFLOW, KIND_BYTES) or not 1 <= span <= ring.n_chunks - c:
                 ring.release(c, 1, r)
                 self.idx = (c + 1) % ring.n_chunks
                 raise BadFrame(f"ring {ring.name!r} chunk {c}: corrupt slot header "

@@ -35,8 +35,20 @@ T = TypeVar("T")
 DEFAULT_SPIN_US: float = float(os.environ.get("RAYFREE_SPIN_US", "200"))
 
 # While spinning, yield the CPU every few checks so that, with more spinning
-# processes than cores, the one that must act next still gets a core.
-_YIELD_EVERY = int(os.environ.get("RAYFREE_YIELD_EVERY", "4"))
+# processes than cores, the one that must act next still gets a core. With at
+# least twice as many processes on a ring as cores, yield at every check
+# (measured on 2 cores: 1 writer + 4 readers 57 us per round trip instead of
+# 60-140 us; with 1 writer + 2 readers, every 4th check is better).
+_YIELD_ENV = os.environ.get("RAYFREE_YIELD_EVERY")
+_YIELD_EVERY = int(_YIELD_ENV or "4")
+_CORES = os.cpu_count() or 1
+
+
+def note_ring_processes(n: int) -> None:
+    """This process uses a ring shared by `n` processes: adapt how often spinners yield."""
+    global _YIELD_EVERY
+    if _YIELD_ENV is None and n >= 2 * _CORES:
+        _YIELD_EVERY = 1
 
 _fence_lock = threading.Lock()
 _fence_acquire = _fence_lock.acquire
@@ -147,7 +159,8 @@ def spin(check: Callable[[], T | None], policy: SpinPolicy, until: float | None 
         if _perf() >= end:
             return None
         i += 1
-        if i % _YIELD_EVERY == 0:
+        if i >= _YIELD_EVERY:
+            i = 0
             sched_yield()
 
 
