@@ -390,3 +390,40 @@ def test_ipv6_remote_reader() -> None:
     finally:
         w.close()
         r.close()
+
+
+def _until(cond, timeout: float = 10.0) -> None:
+    """Poll a condition with a deadline (not a sleep standing in for synchronisation)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.001)
+
+
+def test_reader_waits_past_a_wrap_marker_until_the_message_behind_it_is_written() -> None:
+    """The writer wraps while the reader still holds chunk 0: the parked reader is woken by
+    the WRAP marker, goes past it, waits again, and gets the message once it lets go of
+    the old view."""
+    import gc
+
+    import torch
+    with pair("shm", max_chunk_bytes=1 << 20, max_chunks=4) as (w, r):
+        a = torch.full((2 << 20,), 7, dtype=torch.uint8)  # 3 chunks: 0..2
+        w.enqueue(a, timeout=5)
+        held = r.dequeue(timeout=5)
+        b = torch.full((2 << 20,), 9, dtype=torch.uint8)  # needs 0..2 again, after a WRAP at 3
+        results: dict[str, object] = {}
+        tw = threading.Thread(target=lambda: results.setdefault("w", w.enqueue(b, timeout=10)))
+        tr = threading.Thread(target=lambda: results.setdefault("r", r.dequeue(timeout=10)))
+        tr.start()
+        _until(lambda: r._ring.buf[128] == 1)  # the reader is parked at chunk 3
+        tw.start()
+        _until(lambda: r._shm.rr.idx == 0)  # woken by the WRAP marker, it went past it to chunk 0
+        assert torch.equal(held, a)
+        del held
+        gc.collect()
+        tw.join(10)
+        tr.join(10)
+        assert not tw.is_alive() and not tr.is_alive()
+        assert torch.equal(results["r"], b)
+        del results

@@ -169,25 +169,32 @@ class ShmWriter:
         if self.ring.any_reader_parked():
             self._wake_parked()
 
-    def _reserve(self, span: int, deadline: float | None) -> int:
+    def _try_reserve(self, span: int) -> int | None:
         rw = self.rw
         start = rw.try_reserve(span)
+        if rw.wrapped:  # readers parked at the old position can move on to chunk 0
+            rw.wrapped = False
+            self._notify()
+        return start
+
+    def _reserve(self, span: int, deadline: float | None) -> int:
+        start = self._try_reserve(span)
         if start is not None:
             return start
         ring, pol = self.ring, self.policy
         t0 = _perf()
-        start = spin(lambda: rw.try_reserve(span), pol)
+        start = spin(lambda: self._try_reserve(span), pol)
         if start is not None:
             return start
         next_log = t0 + WAIT_LOG_INTERVAL_S
         while True:
             ring.set_writer_parked(1)
             fence()
-            start = rw.try_reserve(span)
+            start = self._try_reserve(span)
             now = _perf()
             if start is not None:
                 ring.set_writer_parked(0)
-                pol.record(now - t0, now)
+                pol.record(now - t0)
                 return start
             if self.shutdown_requested:
                 ring.set_writer_parked(0)
@@ -289,11 +296,11 @@ class ShmReader:
         rr = self.rr
         t0 = _perf()
         got = spin(rr.poll, self.policy)
-        if got is not None:
-            return got
-        self._park(t0, timeout, indefinite)
-        got = rr.poll()
-        assert got is not None
+        while got is None:
+            # Readable can mean a WRAP marker whose next message is not out yet: park again.
+            left = None if timeout is None else max(0.0, timeout - (_perf() - t0))
+            self._park(_perf(), left, indefinite)
+            got = rr.poll()
         return got
 
     def _park(self, t0: float, timeout: float | None, indefinite: bool) -> None:
@@ -301,7 +308,6 @@ class ShmReader:
         deadline = None if timeout is None else t0 + timeout
         next_log = t0 + WAIT_LOG_INTERVAL_S
         r = rr.r
-        early = pol.early_wake()
         while True:
             ring.set_reader_parked(r, 1)
             fence()
@@ -309,7 +315,7 @@ class ShmReader:
             now = _perf()
             if ready:
                 ring.set_reader_parked(r, 0)
-                pol.record(now - t0, now)
+                pol.record(now - t0)
                 return
             if self.shutdown_requested:
                 ring.set_reader_parked(r, 0)
@@ -324,19 +330,10 @@ class ShmReader:
                 if not indefinite:
                     logger.info("reader %d has waited %.0fs for a message", r, now - t0)
                 next_log = now + WAIT_LOG_INTERVAL_S
-            until = deadline if deadline is not None else (None if indefinite else next_log)
-            if early is not None and early[0] > now and (until is None or early[0] < until):
-                woke = self.own.wait(early[0] - now)
-                ring.set_reader_parked(r, 0)
-                if not woke:
-                    # Up a little before the message is due: meet it spinning.
-                    pol.timer_fired(_perf() - early[0])
-                    if spin(lambda: True if ring.readable(rr.idx, r) else None, pol, early[1]):
-                        return
-                    pol.missed()
-                early = None
-                continue
-            self.own.wait(None if until is None else until - now)
+            if deadline is not None:
+                self.own.wait(min(deadline, next_log) - now)
+            else:
+                self.own.wait(None if indefinite else next_log - now)
             ring.set_reader_parked(r, 0)
 
     def release(self, start: int, span: int) -> None:

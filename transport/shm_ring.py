@@ -294,6 +294,7 @@ class RingWriter:
     def __init__(self, ring: ShmRingBuffer) -> None:
         self.ring = ring
         self.idx = 0
+        self.wrapped = False  # a WRAP marker was published since the owner last looked
 
     def span_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.ring.stride))
@@ -311,6 +312,7 @@ class RingWriter:
             ring.write_slot(pos, KIND_WRAP, 1)
             ring.publish(pos, 1)
             self.idx = pos = 0
+            self.wrapped = True
         for c in range(pos, pos + span):
             if not ring.chunk_free(c):
                 return None

@@ -7,10 +7,9 @@ request/reply loop stays on the fast path and a paced or idle reader sleeps.
 
 A parked waiter blocks reading its own FIFO (`WakePipe`); a notifier writes
 one byte to it. A pipe rather than a futex because a pipe write is a *sync*
-wake-up: the scheduler may run the woken process on the waker's core, which
-on virtual machines avoids waking a halted vCPU (measured: ~100 us for a
-futex wake-up here, the cost of a pipe ping-pong for a pipe). It also works
-on every POSIX system.
+wake-up, which the scheduler may serve on the waker's core (measured here on
+a 2-vCPU VM: a paced futex round trip 150-185 us, a pipe one 91-103 us), and
+it works on every POSIX system.
 
 The protocol that makes parking safe: the waiter sets its `parked` byte,
 fences, re-checks its condition, and only then blocks; the notifier
@@ -66,21 +65,16 @@ def fence() -> None:
 
 
 class SpinPolicy:
-    """Decides when a waiter spins, when it parks, and when it wakes up early.
+    """Decides how long the next wait may spin before it parks.
 
-    Reactive spin: a moving average of recent waits; while waits are short
-    (a request/reply loop) the waiter spins up to 4x that average, capped by
-    `spin_us`, and catches the next message without a wake-up. When waits are
-    long, it parks at once.
-
-    Early wake: when messages arrive at a steady period (an engine's decode
-    loop), a parked waiter sets a timer to wake shortly before the next one
-    is due and spins until it comes, so the message meets a running process
-    instead of paying a cold wake-up. It does this only while the spin it
-    costs stays under `PREDICT_BUDGET` of the period, and stops after a miss.
+    It keeps a moving average of recent waits. While waits are short (a
+    request/reply loop) the waiter spins up to 4x that average, capped by
+    `spin_us`, and catches the next message without a wake-up; when they are
+    long (a paced decode loop, an idle queue) it parks at once. `spin_us=0`
+    never spins.
     """
 
-    __slots__ = ("max_s", "avg", "limit", "_floor", "last", "gap", "dev", "late")
+    __slots__ = ("max_s", "avg", "limit", "_floor")
 
     def __init__(self, spin_us: float | None = None) -> None:
         us = DEFAULT_SPIN_US if spin_us is None else float(spin_us)
@@ -90,13 +84,9 @@ class SpinPolicy:
         self._floor = min(self.max_s, 20e-6)
         self.avg = 0.0
         self.limit = self._floor
-        self.last = 0.0   # when the last message was taken
-        self.gap = 0.0    # moving average of the time between messages (0: unknown)
-        self.dev = 0.0    # moving mean absolute deviation of that gap
-        self.late = 200e-6  # how late a timer wake-up comes, learnt
 
-    def record(self, waited: float, now: float) -> None:
-        """A wait of `waited` seconds ended with a message at `now`."""
+    def record(self, waited: float) -> None:
+        """A wait of `waited` seconds just ended with a message."""
         cap = self.max_s
         a = self.avg = 0.8 * self.avg + 0.2 * min(waited, 2.0 * cap)
         if 2.0 * a < cap:
@@ -104,57 +94,21 @@ class SpinPolicy:
             self.limit = cap if lim > cap else (self._floor if lim < self._floor else lim)
         else:
             self.limit = 0.0
-        if self.last:
-            g = now - self.last
-            if self.gap:
-                self.dev = 0.8 * self.dev + 0.2 * abs(g - self.gap)
-                self.gap = 0.8 * self.gap + 0.2 * g
-            else:
-                self.gap, self.dev = g, g / 4
-        self.last = now
-
-    def early_wake(self) -> tuple[float, float] | None:
-        """(when to wake, when to give up spinning) before the next expected message, or None."""
-        g, dev = self.gap, self.dev
-        if not PREDICT_MIN_GAP_S <= g <= PREDICT_MAX_GAP_S or dev > 0.1 * g or self.max_s == 0:
-            return None
-        margin = 3.0 * dev + 30e-6
-        window = max(3.0 * dev, 100e-6)
-        if margin + window / 2 > PREDICT_BUDGET * g:  # the spin one early wake-up costs, on average
-            return None
-        lead = self.late + margin
-        due = self.last + g
-        return due - lead, due + window
-
-    def timer_fired(self, late: float) -> None:
-        self.late = 0.8 * self.late + 0.2 * min(max(late, 0.0), 2e-3)
-
-    def missed(self) -> None:
-        """The expected message did not come: forget the period until it shows again."""
-        self.gap = self.dev = 0.0
-
-
-#: Early wake-ups are used for periods in this range...
-PREDICT_MIN_GAP_S = 1e-3
-PREDICT_MAX_GAP_S = 0.25
-#: ...and only while they cost at most this fraction of the period in spinning.
-PREDICT_BUDGET = float(os.environ.get("RAYFREE_PREDICT_BUDGET", "0.08"))
 
 
 sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
 _perf = time.perf_counter
 
 
-def spin(check: Callable[[], T | None], policy: SpinPolicy, until: float | None = None) -> T | None:
-    """Call `check` until it returns non-None or the spin limit (or `until`) passes."""
+def spin(check: Callable[[], T | None], policy: SpinPolicy) -> T | None:
+    """Call `check` until it returns non-None or the policy's spin limit passes."""
     t0 = _perf()
-    end = t0 + policy.limit if until is None else until
+    end = t0 + policy.limit
     i = 0
     while True:
         got = check()
         if got is not None:
-            now = _perf()
-            policy.record(now - t0, now)
+            policy.record(_perf() - t0)
             return got
         if _perf() >= end:
             return None
@@ -162,9 +116,6 @@ def spin(check: Callable[[], T | None], policy: SpinPolicy, until: float | None 
         if i >= _YIELD_EVERY:
             i = 0
             sched_yield()
-
-
-_FD_SETSIZE = 1024
 
 
 class WakePipe:
@@ -198,20 +149,12 @@ class WakePipe:
         except (BlockingIOError, OSError):
             pass
 
-    def wait(self, timeout: float | None) -> bool:
-        """Block until woken (True) or `timeout` seconds pass (False); None waits for a wake-up."""
-        fd = self.fd
+    def wait(self, timeout: float | None) -> None:
+        """Block until woken or `timeout` seconds pass; None waits for a wake-up."""
         if timeout is None:
-            os.read(fd, 4096)
-            return True
-        if fd < _FD_SETSIZE:  # microsecond timer, for early wake-ups
-            ready = select.select((fd,), (), (), max(0.0, timeout))[0]
-        else:
-            ready = self._poll.poll(max(0, int(timeout * 1000 + 0.999)))
-        if ready:
-            os.read(fd, 4096)
-            return True
-        return False
+            os.read(self.fd, 4096)
+        elif self._poll.poll(max(0, int(timeout * 1000 + 0.999))):
+            os.read(self.fd, 4096)
 
     def close(self) -> None:
         if self.fd >= 0:
