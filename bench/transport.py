@@ -215,6 +215,51 @@ def os_pipe_pingpong(count: int, period: float) -> float:
     return statistics.median(ts)
 
 
+def _zmq_pong(port: str, conn) -> None:
+    import zmq
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    pub = ctx.socket(zmq.XPUB)
+    pub.bind("tcp://127.0.0.1:*")
+    conn.send(pub.getsockopt_string(zmq.LAST_ENDPOINT))
+    pub.recv()  # our subscriber arrived
+    while sub.recv() != b"q":
+        pub.send(b"ok")
+    ctx.destroy(linger=0)
+
+
+def zmq_pingpong(count: int) -> float:
+    """Raw pyzmq XPUB/SUB ping-pong over TCP loopback: the floor of the remote path."""
+    import zmq
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.bind("tcp://127.0.0.1:*")
+    a, b = mp.get_context("spawn").Pipe()
+    p = mp.get_context("spawn").Process(target=_zmq_pong, args=(pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1], b), daemon=True)
+    p.start()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(a.recv())
+    pub.recv()  # the child's subscriber arrived
+    while True:  # until the child's publisher has our subscription too
+        pub.send(b"x" * 100)
+        if sub.poll(100):
+            sub.recv()
+            break
+    ts = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        pub.send(b"x" * 100)
+        sub.recv()
+        ts.append(time.perf_counter() - t0)
+    pub.send(b"q")
+    p.join(10)
+    ctx.destroy(linger=0)
+    return statistics.median(ts[count // 10:])
+
+
 def pct(ts: list[float], q: float) -> float:
     s = sorted(ts)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -279,6 +324,8 @@ def main() -> None:
                   f"{pp50 * 1e6:>10.1f} {p50 / pp50:>8.2f} {floors[name] * 1e6:>10.1f} "
                   f"{p50 / floors[name]:>9.2f}", flush=True)
     print()
+    if "remote1" in args.configs.split(","):
+        print(f"remote floor: raw pyzmq XPUB/SUB ping-pong (100 B, no pickle) p50 {zmq_pingpong(2000) * 1e6:.1f} us")
     for (label, n), cpu in parked.items():
         print(f"readers parked 3 s ({label}, N={n}): max CPU {cpu:.2f}%")
     if args.no_paced:

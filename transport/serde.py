@@ -48,6 +48,13 @@ def _tensor_cls() -> type | None:
     return _tensor_type
 
 
+# dtypes sent raw (all have whole-byte elements); others keep torch's own pickling.
+_RAW_DTYPES = ("float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
+               "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
+               "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+_by_dtype: dict[Any, str] = {}
+
+
 def _rebuild_tensor(buf, dtype: str, shape: tuple[int, ...]):
     torch = _torch
     if torch is None:
@@ -59,22 +66,23 @@ def _rebuild_tensor(buf, dtype: str, shape: tuple[int, ...]):
         buf = bytearray(buf)
     if len(buf) == 0:
         return torch.empty(shape, dtype=dt)
-    return torch.frombuffer(buf, dtype=dt).reshape(shape)
+    t = torch.frombuffer(buf, dtype=dt)
+    return t if len(shape) == 1 else t.reshape(shape)
 
 
 def _reduce_tensor(t):
     torch = _torch
-    if (t.device.type != "cpu" or t.layout != torch.strided or t.requires_grad or t.is_quantized
-            or getattr(t, "is_nested", False)):
+    if not _by_dtype:
+        _by_dtype.update({getattr(torch, n): n for n in _RAW_DTYPES if hasattr(torch, n)})
+    dtype = _by_dtype.get(t.dtype)
+    # Only plain dense CPU tensors; anything else keeps torch's own pickling.
+    if dtype is None or not t.is_cpu or t.layout != torch.strided or t.requires_grad or t.is_nested:
         return NotImplemented
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
+    if t.is_complex():
+        t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    nbytes = t.numel() * t.element_size()
-    dtype = str(t.dtype)[6:]  # "torch.bfloat16" -> "bfloat16"
+    nbytes = t.nbytes
     if nbytes < OOB_MIN_BYTES:
         payload: Any = ctypes.string_at(t.data_ptr(), nbytes) if nbytes else b""
     else:
