@@ -126,6 +126,14 @@ def test_numpy_bytearray_memoryview_and_big_bytes_round_trip(path: str) -> None:
             del got
 
 
+def test_small_bytes_skip_pickle_and_arrive_as_bytes(path: str) -> None:
+    with pair(path) as (w, r):
+        for data in (b"", b"ok", bytes(range(256)) * 15, b"\x80\x05not a pickle", b"\x00RF:READY"):
+            w.enqueue(data)  # no timeout: the raw path
+            got = r.dequeue(timeout=5)
+            assert type(got) is bytes and got == data
+
+
 def test_message_larger_than_ring_takes_the_overflow_socket_and_arrives(path: str) -> None:
     import torch
     w, r = ready_pair(path)  # ring: 4 x 64 KiB

@@ -33,7 +33,7 @@ from .net import IpcDir, get_ip, tcp_endpoint
 from .shm_channel import EMPTY, ShmReader, ShmWriter
 from .shm_ring import KIND_BYTES, KIND_OVERFLOW, ShmRingBuffer
 from .sockets import HELLO_PREFIX, make_publisher, make_subscriber
-from .zmq_channel import CLOSE, READY, SocketReceiver, SocketSender
+from .zmq_channel import CLOSE, RAW_MAX_BYTES, READY, SocketReceiver, SocketSender
 
 __all__ = ["MessageQueue", "Handle", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS"]
 
@@ -301,6 +301,9 @@ class MessageQueue:
             if len(frames) == 1 and shm.put_one(frames[0]):
                 return
         elif self._fast_sock_writer is not None and timeout is None:
+            if type(obj) is bytes and len(obj) <= RAW_MAX_BYTES:
+                self._fast_sock_writer.send_raw(obj)
+                return
             frames = self._ser.dumps(obj)
             self._fast_sock_writer.send(frames, None)
             return

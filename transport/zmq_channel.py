@@ -2,7 +2,8 @@
 
 A message is one multipart ZeroMQ message: frame 0 the pickle stream, the
 rest out-of-band buffers (see serde.py). A single frame that starts with
-`CTRL` is a control message (READY, CLOSE); a pickle stream never does.
+`CTRL` is a control message (READY, CLOSE); one that starts with `RAW` is a
+small bytes message sent without pickle. A pickle stream starts with neither.
 
 Both ends keep the Python work around each send and receive small: on a
 machine with few cores, every microsecond spent there is a microsecond that
@@ -26,6 +27,9 @@ logger = logging.getLogger("rayfree.transport")
 CTRL = b"\x00RF:"
 READY = CTRL + b"READY"
 CLOSE = CTRL + b"CLOSE"
+RAW = b"\x01"
+#: Bytes messages up to this size go raw; bigger ones go out-of-band (serde.py).
+RAW_MAX_BYTES = 4096
 #: A blocked receive re-checks for shutdown this often.
 SLICE_MS = 100
 
@@ -57,6 +61,16 @@ class SocketSender:
         except zmq.Again:
             raise QueueTimeout(f"enqueue timed out sending to {self.path} reader rank(s) {self.readers}: they "
                                f"are {self.hwm} messages behind or unreachable") from None
+        except zmq.ZMQError as e:
+            raise TransportError(f"enqueue to {self.path} readers failed: {e.strerror}") from e
+
+    def send_raw(self, data: bytes) -> None:
+        """A small bytes message, without pickle (no deadline: callers use it when timeout is None)."""
+        if self._sndtimeo != -1:
+            self.sock.setsockopt(zmq.SNDTIMEO, -1)
+            self._sndtimeo = -1
+        try:
+            self.sock.send(RAW + data, copy=True)
         except zmq.ZMQError as e:
             raise TransportError(f"enqueue to {self.path} readers failed: {e.strerror}") from e
 
@@ -93,6 +107,8 @@ class SocketReceiver:
                 return self.decode(self.recv(None, indefinite, what))
             if not frame.more:
                 buf = frame.buffer
+                if buf[:1] == RAW:
+                    return bytes(buf[1:])
                 if buf[:4] != CTRL:
                     try:
                         return _loads(buf)
@@ -145,6 +161,8 @@ class SocketReceiver:
     @staticmethod
     def decode(parts: list) -> Any:
         first = parts[0]
+        if first[:1] == RAW and len(parts) == 1:
+            return bytes(first[1:])
         if first[:4] == CTRL:
             if len(parts) == 1 and first == CLOSE:
                 raise QueueClosed("the writer closed this queue; no more messages will arrive")
