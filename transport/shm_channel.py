@@ -28,7 +28,8 @@ from .copier import copy_into
 from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout
 from .shm_ring import (_READER_PARKED, _WRITER_PARKED, KIND_BYTES, KIND_DATA, KIND_OVERFLOW, RingReader, RingWriter,
                        ShmRingBuffer)
-from .waiting import SpinPolicy, WakePipe, fence, note_ring_processes, spin
+from . import waiting
+from .waiting import SpinPolicy, WakePipe, fence, note_ring_processes, sched_yield, spin
 from .waiting import _fence_acquire as _acquire
 from .waiting import _fence_release as _release
 
@@ -283,13 +284,29 @@ class ShmReader:
 
     def wait_readable(self, timeout: float | None, indefinite: bool) -> None:
         """Block until the head at this reader's index is published (spin, then park)."""
-        rr, ring = self.rr, self.ring
-        r = rr.r
-        if ring.readable(rr.idx, r):
+        b = self._b
+        fo = self._flag_offs[self.rr.idx]
+        me = fo + self._me
+        if b[fo] == 1 and not b[me]:
             return
+        pol = self.policy
         t0 = _perf()
-        if spin(lambda: True if ring.readable(rr.idx, r) else None, self.policy):
-            return
+        if pol.limit > 0:
+            # The hot spin: two byte loads per check; the clock and a yield only
+            # every few dozen checks (see waiting.spin for why it yields).
+            end = t0 + pol.limit
+            every = 8 * waiting.yield_every()
+            i = 0
+            while True:
+                if b[fo] == 1 and not b[me]:
+                    pol.record(_perf() - t0)
+                    return
+                i += 1
+                if i >= every:
+                    i = 0
+                    if _perf() >= end:
+                        break
+                    sched_yield()
         self._park(t0, timeout, indefinite)
 
     def _wait(self, timeout: float | None, indefinite: bool) -> tuple[int, int, int]:

@@ -43,6 +43,11 @@ _YIELD_EVERY = int(_YIELD_ENV or "4")
 _CORES = os.cpu_count() or 1
 
 
+def yield_every() -> int:
+    """How many checks a spinner makes between two yields of the core."""
+    return _YIELD_EVERY
+
+
 def note_ring_processes(n: int) -> None:
     """This process uses a ring shared by `n` processes: adapt how often spinners yield."""
     global _YIELD_EVERY
