@@ -292,21 +292,25 @@ class ShmReader:
         pol = self.policy
         t0 = _perf()
         if pol.limit > 0:
-            # The hot spin: two byte loads per check; the clock and a yield only
-            # every few dozen checks (see waiting.spin for why it yields).
+            # The hot spin: two byte loads per check, the clock every 16 checks,
+            # a yield of the core every waiting.yield_interval() (see there).
             end = t0 + pol.limit
-            every = 8 * waiting.yield_every()
+            gap = waiting.yield_interval()
+            next_yield = t0 + gap
             i = 0
             while True:
                 if b[fo] == 1 and not b[me]:
                     pol.record(_perf() - t0)
                     return
                 i += 1
-                if i >= every:
+                if i >= 16:
                     i = 0
-                    if _perf() >= end:
+                    now = _perf()
+                    if now >= end:
                         break
-                    sched_yield()
+                    if now >= next_yield:
+                        sched_yield()
+                        next_yield = now + gap
         self._park(t0, timeout, indefinite)
 
     def _wait(self, timeout: float | None, indefinite: bool) -> tuple[int, int, int]:

@@ -33,26 +33,29 @@ T = TypeVar("T")
 #: 0 disables spinning: every wait parks at once.
 DEFAULT_SPIN_US: float = float(os.environ.get("RAYFREE_SPIN_US", "200"))
 
-# While spinning, yield the CPU every few checks so that, with more spinning
-# processes than cores, the one that must act next still gets a core. With at
-# least twice as many processes on a ring as cores, yield at every check
-# (measured on 2 cores: 1 writer + 4 readers 57 us per round trip instead of
-# 60-140 us; with 1 writer + 2 readers, every 4th check is better).
-_YIELD_ENV = os.environ.get("RAYFREE_YIELD_EVERY")
-_YIELD_EVERY = int(_YIELD_ENV or "4")
+# A spinner yields the core now and then so that, with more spinning processes
+# than cores, the one that must act next still runs. Measured on 2 cores
+# (round trip, p50): 1 writer + 2 readers 13-17 us yielding every ~50 us of
+# spinning, 30-50 us yielding every few us; 1 writer + 4 readers the other way
+# round, 42-60 us yielding at every clock check, 55-110 us every ~50 us. So:
+# every YIELD_US of spinning, or at every check once a ring has at least twice
+# as many processes as there are cores.
+_YIELD_ENV = os.environ.get("RAYFREE_YIELD_US")
+_YIELD_S = float(_YIELD_ENV or "50") / 1e6
 _CORES = os.cpu_count() or 1
 
 
-def yield_every() -> int:
-    """How many checks a spinner makes between two yields of the core."""
-    return _YIELD_EVERY
+def yield_interval() -> float:
+    """Seconds of spinning between two yields of the core."""
+    return _YIELD_S
 
 
 def note_ring_processes(n: int) -> None:
-    """This process uses a ring shared by `n` processes: adapt how often spinners yield."""
-    global _YIELD_EVERY
+    """This process uses a ring shared by `n` processes: yield at every check if they crowd the cores."""
+    global _YIELD_S
     if _YIELD_ENV is None and n >= 2 * _CORES:
-        _YIELD_EVERY = 1
+        _YIELD_S = 0.0
+
 
 _fence_lock = threading.Lock()
 _fence_acquire = _fence_lock.acquire
@@ -109,18 +112,18 @@ def spin(check: Callable[[], T | None], policy: SpinPolicy) -> T | None:
     """Call `check` until it returns non-None or the policy's spin limit passes."""
     t0 = _perf()
     end = t0 + policy.limit
-    i = 0
+    next_yield = t0 + _YIELD_S
     while True:
         got = check()
         if got is not None:
             policy.record(_perf() - t0)
             return got
-        if _perf() >= end:
+        now = _perf()
+        if now >= end:
             return None
-        i += 1
-        if i >= _YIELD_EVERY:
-            i = 0
+        if now >= next_yield:
             sched_yield()
+            next_yield = now + _YIELD_S
 
 
 class WakePipe:
