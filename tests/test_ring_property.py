@@ -10,7 +10,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from transport.shm_ring import KIND_DATA, KIND_WRAP, RingReader, RingWriter, ShmRingBuffer
+from transport.shm_ring import KIND_DATA, RingReader, RingWriter, ShmRingBuffer
 
 _STAMP = struct.Struct("<Q")
 _STAMP_AT = 64  # past the slot header

@@ -7,9 +7,10 @@ chunks are freed when the last such view dies. Readers must treat those
 payloads as read-only (other readers see the same bytes) and `.clone()`
 what they keep for long, since a held view keeps its chunks from the writer.
 
-`put_one` / `get_one` are the hot path (one pickle frame in one chunk, the
-common case for control messages); everything else takes the general path.
-They inline the ring protocol of shm_ring.py, whose docstring explains it.
+`put_one` / `get_one` are the hot path (one frame in one chunk: a small
+pickle stream or a raw bytes message, the common case for control messages
+and replies); everything else takes the general path. They inline the ring
+protocol of shm_ring.py, whose docstring explains it.
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ class ShmWriter:
         self.policy = SpinPolicy(spin_us)
         self.shutdown_requested = False
         n = ring.n_reader
-        self._flag_offs = [ring.flags_off + c * (1 + n) for c in range(ring.n_chunks)]
-        self._chunk_offs = [ring.chunk_offset(c) for c in range(ring.n_chunks)]
+        self._flag_offs = ring.flag_offs
+        self._chunk_offs = ring.chunk_offs
         self._one_max = ring.stride - _ONE_OFF
         self._parked = slice(_READER_PARKED, _READER_PARKED + n)
         self._base_addr = ring.address
@@ -233,9 +234,8 @@ class ShmReader:
         self.shutdown_requested = False
         self._holders: dict[int, type] = {}
         self._leases: dict[int, weakref.ref] = {}
-        n = ring.n_reader
-        self._flag_offs = [ring.flags_off + c * (1 + n) for c in range(ring.n_chunks)]
-        self._chunk_offs = [ring.chunk_offset(c) for c in range(ring.n_chunks)]
+        self._flag_offs = ring.flag_offs
+        self._chunk_offs = ring.chunk_offs
         self._stride = ring.stride
         self._b = ring.buf
         self._me = 1 + r
@@ -419,8 +419,3 @@ class ShmReader:
             hv = bufs = None
             del holder
         return obj
-
-    @property
-    def leases(self) -> int:
-        """Messages whose in-place payloads are still alive in this process."""
-        return len(self._leases)

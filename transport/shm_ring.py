@@ -119,6 +119,9 @@ class ShmRingBuffer:
         self._mm = mm
         self.buf = memoryview(mm)
         self._row = 1 + n_reader
+        #: Byte offset of each chunk's flag row and of each chunk (hot paths index these).
+        self.flag_offs = [flags_off + c * self._row for c in range(n_chunks)]
+        self.chunk_offs = [data_off + c * stride for c in range(n_chunks)]
         self._fresh = b"\x01" + b"\x00" * n_reader
         self._all_read = b"\x01" * n_reader
         self._no_parked = b"\x00" * n_reader

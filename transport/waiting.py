@@ -25,7 +25,8 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-__all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "DEFAULT_SPIN_US", "sched_yield"]
+__all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "DEFAULT_SPIN_US", "sched_yield", "yield_interval",
+           "note_ring_processes"]
 
 T = TypeVar("T")
 
