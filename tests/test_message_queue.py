@@ -434,4 +434,4 @@ def test_reader_waits_past_a_wrap_marker_until_the_message_behind_it_is_written(
         tr.join(10)
         assert not tw.is_alive() and not tr.is_alive()
         assert torch.equal(results["r"], b)
-        del results
+        results.clear()  # drop the view before the queue closes
