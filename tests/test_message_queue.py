@@ -435,3 +435,20 @@ def test_reader_waits_past_a_wrap_marker_until_the_message_behind_it_is_written(
         assert not tw.is_alive() and not tr.is_alive()
         assert torch.equal(results["r"], b)
         results.clear()  # drop the view before the queue closes
+
+
+def test_a_writer_waiting_for_a_wrap_marker_to_be_read_is_woken() -> None:
+    """The WRAP marker sits inside the run the writer needs: the reader that consumes it
+    must wake the parked writer (it did not, once: the writer slept until its timeout)."""
+    with pair("shm") as (w, r):  # 4 chunks of 64 KiB
+        w.enqueue(b"a" * (150 << 10), timeout=5)  # chunks 0..2
+        assert r.dequeue(timeout=5) == b"a" * (150 << 10)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(r.dequeue(timeout=10)))
+        t.start()
+        _until(lambda: r._ring.buf[128] == 1)  # the reader is parked at chunk 3
+        t0 = time.monotonic()
+        w.enqueue(b"b" * (250 << 10), timeout=5)  # 4 chunks: WRAP at 3, then 0..3
+        assert time.monotonic() - t0 < 2.0, "the writer was not woken when its chunk came free"
+        t.join(10)
+        assert got == [b"b" * (250 << 10)]

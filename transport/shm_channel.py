@@ -224,7 +224,7 @@ class ShmReader:
 
     def __init__(self, ring: ShmRingBuffer, r: int, spin_us: float | None, wake_dir: str) -> None:
         self.ring = ring
-        self.rr = RingReader(ring, r)
+        self.rr = RingReader(ring, r, on_release=self._wake_writer_if_parked)
         path = os.path.join(wake_dir, f"wake-r{r}")
         self.own = WakePipe(path, waiter=True)
         self._self_waker = WakePipe(path, waiter=False)
@@ -358,10 +358,11 @@ class ShmReader:
             ring.set_reader_parked(r, 0)
 
     def release(self, start: int, span: int) -> None:
-        ring = self.ring
-        self.rr.release(start, span)
+        self.rr.release(start, span)  # then _wake_writer_if_parked
+
+    def _wake_writer_if_parked(self) -> None:
         fence()
-        if ring.writer_parked:
+        if self.ring.writer_parked:
             self.writer.wake()
 
     def read(self, start: int, span: int) -> Any:

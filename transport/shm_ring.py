@@ -35,6 +35,7 @@ import mmap
 import os
 import secrets
 import struct
+from typing import Callable
 
 from .errors import BadFrame, HandleError, SegmentNotFound, ShmSpaceError
 
@@ -333,14 +334,19 @@ class RingWriter:
 
 
 class RingReader:
-    """Reader `r`'s side of the protocol: its index and the head it may read."""
+    """Reader `r`'s side of the protocol: its index and the head it may read.
 
-    def __init__(self, ring: ShmRingBuffer, r: int) -> None:
+    `on_release` runs after every release (the channel wakes a writer that
+    waits for space there), including the WRAP markers `poll` consumes.
+    """
+
+    def __init__(self, ring: ShmRingBuffer, r: int, on_release: Callable[[], None] | None = None) -> None:
         if not 0 <= r < ring.n_reader:
             raise ValueError(f"reader index {r} out of range 0..{ring.n_reader - 1}")
         self.ring = ring
         self.r = r
         self.idx = 0
+        self.on_release = on_release
 
     def poll(self) -> tuple[int, int, int] | None:
         """(start, kind, span) of the next message, or None; skips WRAP markers."""
@@ -349,11 +355,11 @@ class RingReader:
             c = self.idx
             kind, span = ring.slot(c)
             if kind == KIND_WRAP:
-                ring.release(c, 1, r)
+                self.release(c, 1)
                 self.idx = 0
                 continue
             if kind not in (KIND_DATA, KIND_OVERFLOW, KIND_BYTES) or not 1 <= span <= ring.n_chunks - c:
-                ring.release(c, 1, r)
+                self.release(c, 1)
                 self.idx = (c + 1) % ring.n_chunks
                 raise BadFrame(f"ring {ring.name!r} chunk {c}: corrupt slot header "
                                f"(kind={kind}, span={span}); message skipped")
@@ -364,6 +370,8 @@ class RingReader:
 
     def release(self, start: int, span: int) -> None:
         self.ring.release(start, span, self.r)
+        if self.on_release is not None:
+            self.on_release()
 
 
 def _map(fd: int, size: int) -> mmap.mmap:

@@ -1,0 +1,296 @@
+"""The cluster's shape and timeouts: `ParallelConfig` inside `ClusterConfig`.
+
+Field names are the ones engines know from vLLM. Ranks are laid out
+[DP][PP][PCP][TP] (TP fastest), as vLLM does, so inside one DP replica the
+TP ranks of a stage are consecutive and node k holds ranks
+k*local_world_size .. (k+1)*local_world_size-1.
+
+Every validation error names the field and says how to fix it. Values come
+from defaults, then a TOML/JSON file, then RAYFREE_* environment variables,
+then command-line flags (`load_config`), later ones winning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import socket
+from typing import Any, Mapping, Sequence
+
+import msgspec
+
+__all__ = ["ParallelConfig", "ClusterConfig", "ConfigError", "load_config", "add_config_arguments"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How the model is split and where its ranks run."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    data_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    #: Ranks per node; None: the inner-DP world divided evenly over its nodes.
+    local_world_size: int | None = None
+
+    # -- derived ---------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in one DP replica (the inner-DP world): TP x PP x PCP."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.prefill_context_parallel_size
+
+    @property
+    def world_size_across_dp(self) -> int:
+        return self.world_size * self.data_parallel_size
+
+    @property
+    def nnodes_within_dp(self) -> int:
+        """Nodes that one DP replica spans (the nodes are shared evenly by the replicas)."""
+        return max(1, self.nnodes // self.data_parallel_size)
+
+    @property
+    def node_rank_within_dp(self) -> int:
+        return self.node_rank % self.nnodes_within_dp
+
+    @property
+    def local_ranks(self) -> int:
+        """Ranks on this node (`local_world_size`, or the even split)."""
+        return self.local_world_size or self.world_size // self.nnodes_within_dp
+
+    @property
+    def global_start_rank(self) -> int:
+        """The first rank (within the DP replica) that runs on this node."""
+        return self.node_rank_within_dp * self.local_ranks
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose output the engine reads: first TP rank of the last PP stage."""
+        return self.world_size - self.tensor_parallel_size * self.prefill_context_parallel_size
+
+    def is_driver_rank(self, rank: int) -> bool:
+        return rank % self.tensor_parallel_size == 0
+
+    @property
+    def driver_ranks(self) -> list[int]:
+        return list(range(0, self.world_size, self.tensor_parallel_size))
+
+    def node_of(self, rank: int) -> int:
+        """Node (within the DP replica) that runs `rank`."""
+        return rank // self.local_ranks
+
+    # -- validation ------------------------------------------------------------
+
+    def validate(self, check_local_master: bool = False) -> ParallelConfig:
+        """Raise ConfigError on the first inconsistency; return self."""
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
+                     "data_parallel_size", "decode_context_parallel_size", "nnodes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name}={v!r}: must be a whole number >= 1")
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        if tp % dcp:
+            raise ConfigError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}: "
+                              f"DCP groups are made of TP ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"node_rank={self.node_rank} is out of range for nnodes={self.nnodes}: "
+                              f"use 0..{self.nnodes - 1}")
+        if self.nnodes > 1 and self.nnodes % self.data_parallel_size and self.data_parallel_size % self.nnodes:
+            raise ConfigError(f"nnodes={self.nnodes} and data_parallel_size={self.data_parallel_size}: one must "
+                              f"divide the other, so each DP replica gets whole nodes (or each node whole replicas)")
+        per_dp = self.nnodes_within_dp
+        if self.world_size % per_dp:
+            raise ConfigError(f"world size {self.world_size} (tensor x pipeline x prefill-context parallel) is not "
+                              f"divisible by the {per_dp} node(s) of a DP replica: change nnodes or the parallel "
+                              f"sizes so every node runs the same number of ranks")
+        if self.local_world_size is not None:
+            if self.local_world_size < 1 or self.local_world_size * per_dp != self.world_size:
+                raise ConfigError(f"local_world_size={self.local_world_size} does not match: {per_dp} node(s) x "
+                                  f"{self.local_world_size} != world size {self.world_size}; leave it unset or "
+                                  f"set it to {self.world_size // per_dp}")
+        if not 0 <= self.master_port <= 65535:
+            raise ConfigError(f"master_port={self.master_port} is not a TCP port: use 1..65535 (0 picks a free one)")
+        if not self.master_addr:
+            raise ConfigError("master_addr is empty: give node 0's address on the cluster network")
+        if check_local_master and self.node_rank == 0 and not is_local_address(self.master_addr):
+            raise ConfigError(f"master_addr={self.master_addr!r} is not an address of this machine, but this is "
+                              f"node 0, which hosts the rendezvous: use one of {sorted(local_addresses())}")
+        return self
+
+
+class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The parallel layout plus every timeout the cluster uses (seconds)."""
+
+    parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    #: joining torch.distributed: how long a rank waits for the others
+    join_timeout_s: float = 120.0
+    #: workers becoming ready after spawn (model load included)
+    ready_timeout_s: float = 600.0
+    #: default deadline of an RPC; None waits forever
+    rpc_timeout_s: float | None = None
+    #: shutdown stages: after closing the death pipes, after SIGTERM (then SIGKILL)
+    shutdown_grace_s: float = 4.0
+    shutdown_term_s: float = 4.0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 3.0
+    #: treat every rank as on another node (no shared memory between them)
+    force_remote: bool = False
+
+    def validate(self, check_local_master: bool = False) -> ClusterConfig:
+        self.parallel.validate(check_local_master)
+        for name in ("join_timeout_s", "ready_timeout_s", "shutdown_grace_s", "shutdown_term_s",
+                     "heartbeat_interval_s", "heartbeat_timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"{name}={v!r}: must be a positive number of seconds")
+        if self.rpc_timeout_s is not None and self.rpc_timeout_s <= 0:
+            raise ConfigError(f"rpc_timeout_s={self.rpc_timeout_s!r}: must be positive, or unset to wait forever")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed heartbeat_interval_s="
+                              f"{self.heartbeat_interval_s}: a node is declared lost after missing several beats")
+        return self
+
+    # -- loading ---------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
+        """From a mapping; parallel fields may sit at top level or under "parallel"."""
+        data = dict(data)
+        par = dict(data.pop("parallel", {}) or {})
+        for name in _PARALLEL_FIELDS:
+            if name in data:
+                par[name] = data.pop(name)
+        try:
+            return msgspec.convert({**data, "parallel": par}, cls)
+        except msgspec.ValidationError as e:
+            raise ConfigError(f"invalid configuration: {e}") from None
+
+    @classmethod
+    def from_file(cls, path: str) -> ClusterConfig:
+        return cls.from_dict(_read_file(path))
+
+
+_PARALLEL_FIELDS = {f for f in ParallelConfig.__struct_fields__}
+_CLUSTER_FIELDS = {f for f in ClusterConfig.__struct_fields__} - {"parallel"}
+#: short flags for the common fields, as `vllm serve` spells them
+_SHORT = {"tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp", "data_parallel_size": "--dp",
+          "prefill_context_parallel_size": "--pcp", "decode_context_parallel_size": "--dcp"}
+ENV_PREFIX = "RAYFREE_"
+
+
+def _read_file(path: str) -> dict:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
+    try:
+        if path.endswith(".json"):
+            return json.loads(raw)
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            try:
+                import tomli as tomllib  # type: ignore[no-redef]
+            except ImportError:
+                raise ConfigError(f"{path}: reading TOML needs Python >= 3.11 or `pip install tomli`; "
+                                  f"or use a .json file") from None
+        return tomllib.loads(raw.decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path!r} is not valid {'JSON' if path.endswith('.json') else 'TOML'}: "
+                          f"{e}") from None
+
+
+def _field_type(name: str) -> Any:
+    cls = ParallelConfig if name in _PARALLEL_FIELDS else ClusterConfig
+    return msgspec.structs.fields(cls)[[f.name for f in msgspec.structs.fields(cls)].index(name)].type
+
+
+def _parse_value(name: str, text: str) -> Any:
+    """An environment/flag string for field `name`, typed by msgspec."""
+    t = _field_type(name)
+    if text.strip().lower() in ("", "none", "null") and "None" in str(t):
+        return None
+    if t is str:
+        return text
+    try:
+        return msgspec.json.decode(text.strip().lower() if t is bool else text)
+    except msgspec.DecodeError:
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()} / --{name.replace('_', '-')}={text!r}: not a valid "
+                          f"{getattr(t, '__name__', t)}") from None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per config field (strings, typed on load) and --config FILE."""
+    parser.add_argument("--config", metavar="FILE", help="TOML or JSON file with the cluster configuration")
+    for name in sorted(_PARALLEL_FIELDS | _CLUSTER_FIELDS):
+        flags = ["--" + name.replace("_", "-")] + ([_SHORT[name]] if name in _SHORT else [])
+        parser.add_argument(*flags, dest=name, metavar="V", default=None, help=argparse.SUPPRESS
+                            if name not in _SHORT and name not in ("nnodes", "node_rank", "master_addr",
+                                                                    "master_port") else None)
+
+
+def load_config(args: argparse.Namespace | Sequence[str] | None = None,
+                env: Mapping[str, str] | None = None, file: str | None = None) -> ClusterConfig:
+    """Defaults < file < RAYFREE_* environment < flags; validated (node 0 checks master_addr is local)."""
+    if args is None or not isinstance(args, argparse.Namespace):
+        p = argparse.ArgumentParser(add_help=False)
+        add_config_arguments(p)
+        args = p.parse_args(list(args or []))
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    path = getattr(args, "config", None) or file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        raw = _read_file(path)
+        par = dict(raw.pop("parallel", {}) or {})
+        data.update(par)
+        data.update(raw)
+    for name in _PARALLEL_FIELDS | _CLUSTER_FIELDS:
+        if ENV_PREFIX + name.upper() in env:
+            data[name] = _parse_value(name, env[ENV_PREFIX + name.upper()])
+    for name in _PARALLEL_FIELDS | _CLUSTER_FIELDS:
+        v = getattr(args, name, None)
+        if v is not None:
+            data[name] = _parse_value(name, v)
+    return ClusterConfig.from_dict(data).validate(check_local_master=True)
+
+
+def local_addresses() -> set[str]:
+    """Every address of this machine's interfaces (loopback included)."""
+    out = {"127.0.0.1", "::1"}
+    try:
+        import netifaces
+        for iface in netifaces.interfaces():
+            for fam in (netifaces.AF_INET, netifaces.AF_INET6):
+                for a in netifaces.ifaddresses(iface).get(fam, []):
+                    out.add(a["addr"].split("%")[0])
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    return out
+
+
+def is_local_address(host: str) -> bool:
+    """Does `host` (an address or a name) resolve to an address of this machine?"""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+        if ip.is_loopback:
+            return True
+        candidates = {str(ip)}
+    except ValueError:
+        try:
+            candidates = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+    mine = local_addresses()
+    return any(c.split("%")[0] in mine or ipaddress.ip_address(c.split("%")[0]).is_loopback for c in candidates)

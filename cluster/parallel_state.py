@@ -1,0 +1,228 @@
+"""The process-wide parallel groups: world, TP, PP, DP, PCP, DCP, EP and the inner-DP world.
+
+Names follow vLLM so engine code ports over. Ranks are laid out
+[DP][PP][PCP][TP] (see config.py). Every rank must call the same functions in
+the same order: each group creation is a collective over the whole world.
+
+Joining is checked by rayfree itself before torch.distributed: every rank
+registers in the rendezvous store, so a rank that never arrives is named in
+the error instead of a bare timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from transport import get_ip
+
+from .config import ParallelConfig
+from .group import Group, GroupError
+
+__all__ = [
+    "init_distributed_environment", "initialize_model_parallel", "model_parallel_is_initialized",
+    "get_world_group", "get_tp_group", "get_pp_group", "get_dp_group", "get_pcp_group", "get_dcp_group",
+    "get_ep_group", "get_inner_dp_world_group", "destroy_model_parallel", "destroy_distributed_environment",
+    "JoinError",
+]
+
+logger = logging.getLogger("rayfree.cluster")
+
+
+class JoinError(GroupError):
+    """Ranks did not all join the world in time; the message names the missing ones."""
+
+
+_WORLD: Group | None = None
+_GROUPS: dict[str, Group] = {}
+_STORE = None
+_TIMEOUT_S = 120.0
+_FORCE_REMOTE: bool | None = None
+_MASTER = "127.0.0.1"
+
+
+def _parse_init_method(method: str) -> tuple[str, int]:
+    u = urlparse(method)
+    if u.scheme != "tcp" or not u.hostname or not u.port:
+        raise GroupError(f"distributed_init_method={method!r}: use tcp://<master_addr>:<master_port>")
+    return u.hostname, u.port
+
+
+def _join(host: str, port: int, world_size: int, rank: int, timeout_s: float):
+    """Rendezvous through a TCPStore on rank 0; raise JoinError naming ranks that never came."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
+                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError/...
+        if rank == 0:
+            raise JoinError(f"rank 0 could not host the rendezvous at {host}:{port}: {e}. Is the port free and "
+                            f"the address one of this node's?") from e
+        raise JoinError(f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s: "
+                        f"rank 0 never started it, or master_addr/master_port is wrong or unreachable") from e
+    store.set(f"rayfree/join/{rank}", "1")
+    keys = [f"rayfree/join/{r}" for r in range(world_size)]
+    missing = [r for r in range(world_size) if r != rank]
+    next_scan = 0.0
+    try:
+        while not store.check(keys):
+            now = time.monotonic()
+            if now >= next_scan or now >= deadline:  # who is still missing, for the error
+                missing = [r for r in range(world_size) if not store.check([keys[r]])]
+                next_scan = now + 0.5
+            if now >= deadline:
+                raise JoinError(f"rank {rank}: rank(s) {missing} of {world_size} never joined the world at "
+                                f"{host}:{port} within {timeout_s:.0f}s; check that their node started and "
+                                f"can reach {host}")
+            time.sleep(0.02)
+    except JoinError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the store went away: rank 0 gave up or died
+        raise JoinError(f"rank {rank}: the rendezvous at {host}:{port} (hosted by rank 0) closed while waiting "
+                        f"for rank(s) {missing} of {world_size} to join") from e
+    return store
+
+
+def init_distributed_environment(world_size: int, rank: int, distributed_init_method: str,
+                                 local_rank: int = -1, backend: str = "gloo", *, timeout_s: float = 120.0,
+                                 force_remote: bool | None = None) -> Group:
+    """Join the world (torch.distributed, gloo on CPU) and return the world group."""
+    global _WORLD, _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER
+    if _WORLD is not None:
+        if _WORLD.world_size != world_size or _WORLD.rank != rank:
+            raise GroupError(f"already initialized as rank {_WORLD.rank} of {_WORLD.world_size}")
+        return _WORLD
+    if not 0 <= rank < world_size:
+        raise GroupError(f"rank {rank} is out of range for world_size {world_size}")
+    host, port = _parse_init_method(distributed_init_method)
+    store = _join(host, port, world_size, rank, timeout_s)
+    dist.init_process_group(backend, store=store, world_size=world_size, rank=rank,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER = store, timeout_s, force_remote, host
+    _WORLD = _make_group("world", list(range(world_size)), dist.group.WORLD)
+    return _WORLD
+
+
+def _make_group(name: str, ranks: list[int], pg) -> Group:
+    # Publishers bind to the address that routes toward the master: the cluster network.
+    return Group(ranks, dist.get_rank(), pg, name=name, advertise_ip=get_ip(peer=_MASTER),
+                 force_remote=_FORCE_REMOTE, queue_timeout_s=_TIMEOUT_S)
+
+
+def _layout(parallel: ParallelConfig, world_size: int) -> dict[str, list[list[int]]]:
+    """Group membership for every group kind, from the [DP][PP][PCP][TP] layout."""
+    tp, pp, pcp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.prefill_context_parallel_size
+    inner = tp * pp * pcp
+    if world_size % inner:
+        raise GroupError(f"world size {world_size} is not a multiple of tensor x pipeline x prefill-context "
+                         f"parallel = {inner}")
+    dp = world_size // inner
+    if dp not in (1, parallel.data_parallel_size):
+        raise GroupError(f"world size {world_size} holds {dp} replicas of {inner} ranks, but "
+                         f"data_parallel_size={parallel.data_parallel_size}")
+    r = torch.arange(world_size).reshape(dp, pp, pcp, tp)
+    dcp = parallel.decode_context_parallel_size
+
+    def rows(t: torch.Tensor, n: int) -> list[list[int]]:
+        return [row.tolist() for row in t.reshape(-1, n)]
+
+    return {
+        "tp": rows(r, tp),
+        "dcp": rows(r, dcp),
+        "pcp": rows(r.transpose(2, 3), pcp),
+        "pp": rows(r.transpose(1, 3), pp),
+        "dp": rows(r.transpose(0, 3), dp),
+        "ep": rows(r.transpose(0, 1), dp * pcp * tp),
+        "inner_dp_world": rows(r, inner),
+    }
+
+
+def initialize_model_parallel(parallel_config: ParallelConfig) -> None:
+    """Create every parallel group; a collective: all ranks call it with the same config."""
+    world = get_world_group()
+    if _GROUPS:
+        raise GroupError("model parallel groups already exist: call destroy_model_parallel() first")
+    layout = _layout(parallel_config, world.world_size)
+    for kind, groups in layout.items():
+        for ranks in groups:
+            # new_group is collective: every rank creates every group and keeps its own.
+            # One-rank groups need no process group; whole-world ones reuse the world's.
+            if len(ranks) == 1:
+                pg = None
+            elif len(ranks) == world.world_size:
+                pg = dist.group.WORLD
+            else:
+                pg = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=_TIMEOUT_S))
+            if world.rank in ranks:
+                _GROUPS[kind] = _make_group(kind, ranks, pg)
+
+
+def model_parallel_is_initialized() -> bool:
+    return bool(_GROUPS)
+
+
+def _get(kind: str, what: str) -> Group:
+    g = _GROUPS.get(kind)
+    if g is None:
+        raise GroupError(f"the {what} group is not initialized: call init_distributed_environment() and then "
+                         f"initialize_model_parallel(parallel_config) first")
+    return g
+
+
+def get_world_group() -> Group:
+    if _WORLD is None:
+        raise GroupError("the world group is not initialized: call init_distributed_environment() first")
+    return _WORLD
+
+
+def get_tp_group() -> Group:
+    return _get("tp", "tensor-parallel")
+
+
+def get_pp_group() -> Group:
+    return _get("pp", "pipeline-parallel")
+
+
+def get_dp_group() -> Group:
+    return _get("dp", "data-parallel")
+
+
+def get_pcp_group() -> Group:
+    return _get("pcp", "prefill-context-parallel")
+
+
+def get_dcp_group() -> Group:
+    return _get("dcp", "decode-context-parallel")
+
+
+def get_ep_group() -> Group:
+    return _get("ep", "expert-parallel")
+
+
+def get_inner_dp_world_group() -> Group:
+    return _get("inner_dp_world", "inner-DP world")
+
+
+def destroy_model_parallel() -> None:
+    """Close every queue the parallel groups built and release their process groups."""
+    groups = list(_GROUPS.values())
+    _GROUPS.clear()
+    for g in groups:
+        g.destroy()
+
+
+def destroy_distributed_environment() -> None:
+    """Leave torch.distributed (after destroy_model_parallel) and drop the world group."""
+    global _WORLD, _STORE
+    destroy_model_parallel()
+    if _WORLD is not None:
+        _WORLD.destroy()
+        _WORLD = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _STORE = None
