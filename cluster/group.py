@@ -93,13 +93,9 @@ class Group:
         """Every rank's `data`, in group-rank order, on every rank."""
         if self.world_size == 1:
             return [data]
-        sizes = self._all_gather_sizes(len(data))
-        top = max(sizes)
-        mine = torch.zeros(top, dtype=torch.uint8)
-        if data:
-            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = [torch.empty(top, dtype=torch.uint8) for _ in range(self.world_size)]
-        if top:
+        sizes, mine = self._padded(data)
+        out = [torch.empty(mine.numel(), dtype=torch.uint8) for _ in range(self.world_size)]
+        if mine.numel():
             dist.all_gather(out, mine, group=self.cpu_group)
         return [_to_bytes(t[:s]) for t, s in zip(out, sizes)]
 
@@ -107,24 +103,25 @@ class Group:
         """Every rank's `data` on group rank `dst` (None elsewhere)."""
         if self.world_size == 1:
             return [data]
-        sizes = self._all_gather_sizes(len(data))
-        top = max(sizes)
-        mine = torch.zeros(top, dtype=torch.uint8)
-        if data:
-            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        sizes, mine = self._padded(data)
         is_dst = self.rank_in_group == dst
-        out = [torch.empty(top, dtype=torch.uint8) for _ in range(self.world_size)] if is_dst else None
-        if top:
+        out = [torch.empty(mine.numel(), dtype=torch.uint8) for _ in range(self.world_size)] if is_dst else None
+        if mine.numel():
             dist.gather(mine, out, dst=self._g(dst), group=self.cpu_group)
         if not is_dst:
             return None
-        return [_to_bytes(t[:s]) for t, s in zip(out, sizes)] if top else [b""] * self.world_size
+        return [_to_bytes(t[:s]) for t, s in zip(out, sizes)] if mine.numel() else [b""] * self.world_size
 
-    def _all_gather_sizes(self, n: int) -> list[int]:
-        mine = torch.tensor([n], dtype=torch.int64)
-        out = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(out, mine, group=self.cpu_group)
-        return [int(t.item()) for t in out]
+    def _padded(self, data: bytes) -> tuple[list[int], torch.Tensor]:
+        """Every rank's size, and `data` as a uint8 tensor padded to the largest (collectives need one size)."""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        all_n = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(all_n, n, group=self.cpu_group)
+        sizes = [int(t.item()) for t in all_n]
+        mine = torch.zeros(max(sizes), dtype=torch.uint8)
+        if data:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return sizes, mine
 
     def barrier(self) -> None:
         if self.world_size > 1:
