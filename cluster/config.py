@@ -146,6 +146,8 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_timeout_s: float = 3.0
     #: treat every rank as on another node (no shared memory between them)
     force_remote: bool = False
+    #: workers hand their outputs to a sender thread, so the next step can start at once
+    async_scheduling: bool = False
 
     def validate(self, check_local_master: bool = False) -> ClusterConfig:
         self.parallel.validate(check_local_master)

@@ -46,6 +46,8 @@ DEFAULT_MAX_CHUNK_BYTES = 4 << 20
 DEFAULT_MAX_CHUNKS = 24
 #: How many messages a remote subscriber may fall behind before enqueue waits.
 REMOTE_SNDHWM = 1000
+#: close() waits this long for threads blocked in the queue to leave.
+CLOSE_WAIT_S = 2.0
 
 _perf = time.perf_counter
 
@@ -378,11 +380,18 @@ class MessageQueue:
             self._recv.shutdown_requested = True
 
     def close(self) -> None:
-        """Release every socket and mapping; the writer also tells readers it is gone."""
+        """Release every socket and mapping; the writer also tells readers it is gone.
+
+        Call it from the thread that uses the queue, or after `shutdown()` from
+        any thread: threads blocked in this queue are woken and let out first.
+        """
         if self._closed:
             return
         self.shutdown()
         self._closed = True
+        for ch in (self._shm, self._recv):
+            if ch is not None and not ch.waiters.wait_idle(CLOSE_WAIT_S):
+                logger.warning("closing %r while a thread is still blocked in it", self)
         if isinstance(self._shm, ShmWriter):
             self._shm.close()
         elif isinstance(self._shm, ShmReader):

@@ -30,7 +30,7 @@ from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout
 from .shm_ring import (_READER_PARKED, _WRITER_PARKED, KIND_BYTES, KIND_DATA, KIND_OVERFLOW, RingReader, RingWriter,
                        ShmRingBuffer)
 from . import waiting
-from .waiting import SpinPolicy, WakePipe, fence, note_ring_processes, sched_yield, spin
+from .waiting import SpinPolicy, Waiters, WakePipe, fence, note_ring_processes, sched_yield, spin
 from .waiting import _fence_acquire as _acquire
 from .waiting import _fence_release as _release
 
@@ -65,6 +65,7 @@ class ShmWriter:
         self.reader_ranks = reader_ranks
         self.policy = SpinPolicy(spin_us)
         self.shutdown_requested = False
+        self.waiters = Waiters()
         n = ring.n_reader
         self._flag_offs = ring.flag_offs
         self._chunk_offs = ring.chunk_offs
@@ -183,11 +184,13 @@ class ShmWriter:
         start = self._try_reserve(span)
         if start is not None:
             return start
+        with self.waiters:
+            t0 = _perf()
+            start = spin(lambda: self._try_reserve(span), self.policy)
+            return start if start is not None else self._park(span, deadline, t0)
+
+    def _park(self, span: int, deadline: float | None, t0: float) -> int:
         ring, pol = self.ring, self.policy
-        t0 = _perf()
-        start = spin(lambda: self._try_reserve(span), pol)
-        if start is not None:
-            return start
         next_log = t0 + WAIT_LOG_INTERVAL_S
         while True:
             ring.set_writer_parked(1)
@@ -232,6 +235,7 @@ class ShmReader:
         note_ring_processes(1 + ring.n_reader)
         self.policy = SpinPolicy(spin_us)
         self.shutdown_requested = False
+        self.waiters = Waiters()
         self._holders: dict[int, type] = {}
         self._leases: dict[int, weakref.ref] = {}
         self._flag_offs = ring.flag_offs
@@ -289,6 +293,10 @@ class ShmReader:
         me = fo + self._me
         if b[fo] == 1 and not b[me]:
             return
+        with self.waiters:
+            self._wait_readable(b, fo, me, timeout, indefinite)
+
+    def _wait_readable(self, b: memoryview, fo: int, me: int, timeout: float | None, indefinite: bool) -> None:
         pol = self.policy
         t0 = _perf()
         if pol.limit > 0:
@@ -311,20 +319,24 @@ class ShmReader:
                     if now >= next_yield:
                         sched_yield()
                         next_yield = now + gap
-        self._park(t0, timeout, indefinite)
+        self._park_counted(t0, timeout, indefinite)
 
     def _wait(self, timeout: float | None, indefinite: bool) -> tuple[int, int, int]:
+        with self.waiters:
+            return self._wait_counted(timeout, indefinite)
+
+    def _wait_counted(self, timeout: float | None, indefinite: bool) -> tuple[int, int, int]:
         rr = self.rr
         t0 = _perf()
         got = spin(rr.poll, self.policy)
         while got is None:
             # Readable can mean a WRAP marker whose next message is not out yet: park again.
             left = None if timeout is None else max(0.0, timeout - (_perf() - t0))
-            self._park(_perf(), left, indefinite)
+            self._park_counted(_perf(), left, indefinite)
             got = rr.poll()
         return got
 
-    def _park(self, t0: float, timeout: float | None, indefinite: bool) -> None:
+    def _park_counted(self, t0: float, timeout: float | None, indefinite: bool) -> None:
         rr, ring, pol = self.rr, self.ring, self.policy
         deadline = None if timeout is None else t0 + timeout
         next_log = t0 + WAIT_LOG_INTERVAL_S

@@ -25,8 +25,8 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-__all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "DEFAULT_SPIN_US", "sched_yield", "yield_interval",
-           "note_ring_processes"]
+__all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "Waiters", "DEFAULT_SPIN_US", "sched_yield",
+           "yield_interval", "note_ring_processes"]
 
 T = TypeVar("T")
 
@@ -125,6 +125,34 @@ def spin(check: Callable[[], T | None], policy: SpinPolicy) -> T | None:
         if now >= next_yield:
             sched_yield()
             next_yield = now + _YIELD_S
+
+
+class Waiters:
+    """Counts threads blocked inside a channel, so `close()` can let them leave before it unmaps.
+
+    Only the blocking paths enter it (one thread per channel end blocks at a
+    time, so a plain counter is enough); `close()` is rare and polls.
+    """
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __enter__(self) -> None:
+        self.n += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.n -= 1
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once no thread is inside (False if some still are after `timeout`)."""
+        end = time.monotonic() + timeout
+        while self.n > 0:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.001)
+        return True
 
 
 class WakePipe:

@@ -21,6 +21,7 @@ import zmq
 from . import serde
 from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout, TransportError
 from .shm_channel import WAIT_LOG_INTERVAL_S
+from .waiting import Waiters
 
 logger = logging.getLogger("rayfree.transport")
 
@@ -96,13 +97,15 @@ class SocketReceiver:
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
         self.shutdown_requested = False
+        self.waiters = Waiters()
         self._rcvtimeo = -2
 
     def get(self, timeout: float | None, indefinite: bool, what: str = "dequeue") -> Any:
         """The next message as an object (raises QueueClosed when the writer said CLOSE)."""
         if timeout is None and self._rcvtimeo == SLICE_MS:
             try:
-                frame = self.sock.recv(copy=False)
+                with self.waiters:
+                    frame = self.sock.recv(copy=False)
             except zmq.Again:
                 return self.decode(self.recv(None, indefinite, what))
             if not frame.more:
@@ -120,6 +123,10 @@ class SocketReceiver:
 
     def recv(self, deadline: float | None, indefinite: bool, what: str) -> list:
         """The next message's frames, as buffers."""
+        with self.waiters:
+            return self._recv(deadline, indefinite, what)
+
+    def _recv(self, deadline: float | None, indefinite: bool, what: str) -> list:
         sock = self.sock
         t0 = _perf()
         next_log = t0 + WAIT_LOG_INTERVAL_S

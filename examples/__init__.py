@@ -1,0 +1,1 @@
+"""Example engine workers for rayfree (used by the tests and `rayfree demo`)."""

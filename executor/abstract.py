@@ -1,0 +1,164 @@
+"""`Executor`: what an engine calls; `UniProcExecutor`: the worker in the engine's own process."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections import deque
+from typing import Any, Callable
+
+from cluster.config import ClusterConfig
+from transport import get_open_port
+from worker.messages import RemoteError
+from worker.proc import resolve_worker_cls
+
+from .errors import ExecutorFailed, WorkerError
+from .future import FutureWrapper
+
+__all__ = ["Executor", "UniProcExecutor", "FailureCallback"]
+
+#: Called once when the executor fails (a worker died): the engine stops or restarts.
+FailureCallback = Callable[[], None]
+
+
+class Executor(ABC):
+    """Runs a worker class on every rank of a cluster and calls its methods on all of them."""
+
+    def __init__(self, config: ClusterConfig, worker_cls: type | str, worker_kwargs: dict[str, Any] | None = None
+                 ) -> None:
+        if not isinstance(config, ClusterConfig):
+            raise TypeError(f"config must be a cluster.config.ClusterConfig, got {type(config).__name__}")
+        config.validate()
+        self.config = config
+        self.parallel_config = config.parallel
+        self.worker_cls = worker_cls
+        self.worker_kwargs = dict(worker_kwargs or {})
+        self.is_failed = False
+        self.failure_callback: FailureCallback | None = None
+        self._callback_lock = threading.Lock()
+        self._init_executor()
+
+    @abstractmethod
+    def _init_executor(self) -> None: ...
+
+    @abstractmethod
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None, non_block: bool = False,
+                       unique_reply_rank: int | None = None,
+                       aggregator: Callable[[list[Any]], Any] | None = None) -> Any:
+        """Call `method` on every worker.
+
+        `method` is a worker method's name, or a callable taking the worker as
+        its first argument (sent with cloudpickle). Returns one result when
+        `unique_reply_rank` is given (only that rank replies), the aggregator's
+        result when `aggregator` is given (every rank replies), else the list of
+        every rank's result. `non_block=True` returns a Future instead.
+        """
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    # -- the engine-facing step methods ---------------------------------------------
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose output the engine reads (first TP rank of the last PP stage)."""
+        return self.parallel_config.output_rank
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        pp = self.parallel_config.pipeline_parallel_size
+        return pp if pp > 1 else (2 if self.config.async_scheduling else 1)
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank,
+                                   non_block=non_block, timeout=self.config.rpc_timeout_s)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        return self.collective_rpc("sample_tokens", args=(grammar_output,), unique_reply_rank=self.output_rank,
+                                   non_block=non_block, timeout=self.config.rpc_timeout_s)
+
+    def execute_dummy_batch(self) -> None:
+        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank)
+
+    def take_draft_token_ids(self) -> Any:
+        return self.collective_rpc("take_draft_token_ids", unique_reply_rank=self.output_rank)
+
+    def check_health(self) -> None:
+        self.collective_rpc("check_health", timeout=10)
+
+    def register_failure_callback(self, callback: FailureCallback) -> None:
+        """Call `callback` once when the executor fails; at once if it already has."""
+        with self._callback_lock:
+            if not self.is_failed:
+                self.failure_callback = callback
+                return
+        callback()
+
+    def _fire_failure_callback(self) -> None:
+        with self._callback_lock:
+            callback, self.failure_callback = self.failure_callback, None
+        if callback is not None:
+            callback()
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class UniProcExecutor(Executor):
+    """The worker runs in this process (world size 1): no queues, no children. For tests and tiny models."""
+
+    def _init_executor(self) -> None:
+        if self.parallel_config.world_size != 1 or self.parallel_config.nnodes != 1:
+            raise ValueError(f"UniProcExecutor runs one rank on one node; this config has world size "
+                             f"{self.parallel_config.world_size} on {self.parallel_config.nnodes} node(s): use "
+                             f"MultiprocExecutor")
+        cls = resolve_worker_cls(self.worker_cls)
+        method = f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}"
+        self.worker = cls(self.config, 0, 0, method, True, **self.worker_kwargs)
+        self.worker.init_device()
+        self.worker.load_model()
+        self._futures: deque = deque()
+        self._lock = threading.RLock()
+        self._closed = False
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None, non_block: bool = False,
+                       unique_reply_rank: int | None = None,
+                       aggregator: Callable[[list[Any]], Any] | None = None) -> Any:
+        if self._closed:
+            raise ExecutorFailed("the executor was shut down")
+        try:
+            if isinstance(method, str):
+                value: Any = getattr(self.worker, method)(*args, **(kwargs or {}))
+            else:
+                value = method(self.worker, *args, **(kwargs or {}))
+            error = None
+        except Exception as e:  # noqa: BLE001 - delivered like a worker's failure
+            import traceback
+            error = RemoteError(0, type(e).__name__, str(e), traceback.format_exc())
+
+        def collect(deadline: float | None) -> Any:
+            if error is not None:
+                raise WorkerError(0, error.error_type, error.message, error.traceback,
+                                  method if isinstance(method, str) else "")
+            if aggregator is not None:
+                return aggregator([value])
+            return value if unique_reply_rank is not None else [value]
+
+        fut = FutureWrapper(self._futures, self._lock, collect)
+        return fut if non_block else fut.result()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.worker.shutdown()
+        finally:
+            from cluster.parallel_state import destroy_distributed_environment
+            destroy_distributed_environment()
+

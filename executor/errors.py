@@ -1,0 +1,44 @@
+"""What `collective_rpc` and the executor raise; each names the rank(s) concerned."""
+
+from __future__ import annotations
+
+__all__ = ["ExecutorError", "WorkerError", "WorkerDied", "RpcTimeout", "ExecutorFailed", "NotLeaderError"]
+
+
+class ExecutorError(RuntimeError):
+    """Base of the executor's errors."""
+
+
+class WorkerError(ExecutorError):
+    """A worker's method raised: its rank, exception type, message and the worker's traceback."""
+
+    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str, method: str = "") -> None:
+        where = f" in {method}" if method else ""
+        super().__init__(f"worker rank {rank} raised {error_type}{where}: {message}\n\n"
+                         f"Worker traceback (rank {rank}):\n{remote_traceback}")
+        self.rank = rank
+        self.error_type = error_type
+        self.message = message
+        self.remote_traceback = remote_traceback
+
+
+class WorkerDied(ExecutorError):
+    """A worker process exited while the executor was running."""
+
+    def __init__(self, rank: int, how: str, pid: int | None = None) -> None:
+        super().__init__(f"worker rank {rank} (pid {pid}) died ({how}); the executor has shut down. "
+                         f"Look at that worker's log for the cause.")
+        self.rank = rank
+        self.how = how
+
+
+class RpcTimeout(ExecutorError, TimeoutError):
+    """The RPC's deadline passed; the message lists the ranks that did not reply."""
+
+
+class ExecutorFailed(ExecutorError):
+    """The executor failed earlier (a worker died) or was shut down; it takes no more calls."""
+
+
+class NotLeaderError(ExecutorError):
+    """collective_rpc on a follower node: only the leader (node_rank_within_dp 0) broadcasts."""

@@ -1,0 +1,344 @@
+"""`MultiprocExecutor`: one worker process per local rank, RPCs through the broadcast queue.
+
+The leader (node_rank_within_dp 0) creates the broadcast queue, spawns its
+local workers and reads every rank's replies; a follower node runs the same
+class headless: it spawns its workers and watches them, but broadcasts
+nothing. Start-up: spawn every local worker, then wait for all READYs, then
+the queue handshakes in the order the workers do them (broadcast first, then
+each reply queue). A monitor thread watches the worker processes: one dying
+fails every pending and later call within a second, naming the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any, Callable, Iterator
+
+import cloudpickle
+
+from transport import MessageQueue, QueueClosed, QueueShutdown, QueueTimeout, TransportError, get_ip, get_open_port
+from worker.messages import FAILURE
+from worker.proc import UnreadyWorkerProcHandle, WorkerProc, WorkerProcHandle, exit_description
+
+from .abstract import Executor
+from .errors import ExecutorFailed, NotLeaderError, RpcTimeout, WorkerDied, WorkerError
+from .future import FutureWrapper, WaitExpired
+
+__all__ = ["MultiprocExecutor", "set_multiprocessing_worker_envs"]
+
+logger = logging.getLogger("rayfree.executor")
+
+#: How workers are started: spawn (default; safe with CUDA and threads) or fork.
+START_METHOD_ENV = "RAYFREE_WORKER_MULTIPROC_METHOD"
+
+
+@contextlib.contextmanager
+def set_multiprocessing_worker_envs() -> Iterator[None]:
+    """While workers start: one OpenMP thread each unless OMP_NUM_THREADS is set (N workers x all cores
+    of threads only fight each other). The parent's own environment is restored afterwards."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    if saved is None:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+
+
+class MultiprocExecutor(Executor):
+    """See the module docstring. `monitor_workers=False` leaves watching the workers to the caller."""
+
+    def __init__(self, config, worker_cls, worker_kwargs=None, monitor_workers: bool = True) -> None:
+        self.monitor_workers = monitor_workers
+        self.shutting_down = False
+        self._shutdown_done = threading.Event()
+        self.workers: list[WorkerProcHandle] = []
+        self.response_mqs: list[MessageQueue] = []
+        self.rpc_broadcast_mq: MessageQueue | None = None
+        self._failure: Exception | None = None
+        self._monitor_wake_r = self._monitor_wake_w = None
+        super().__init__(config, worker_cls, worker_kwargs)
+
+    # -- start-up ------------------------------------------------------------------
+
+    def _init_executor(self) -> None:
+        self._finalizer = weakref.finalize(self, MultiprocExecutor._finalize, weakref.ref(self))
+        par = self.parallel_config
+        self.world_size = par.world_size
+        self.local_world_size = par.local_ranks
+        if self.world_size % par.nnodes_within_dp:
+            raise ValueError(f"world size {self.world_size} must be divisible by the {par.nnodes_within_dp} "
+                             f"node(s) of a DP replica")
+        self.is_leader = par.node_rank_within_dp == 0
+        multi_node = par.nnodes_within_dp > 1
+        if multi_node:
+            port = par.master_port or 29500
+            distributed_init_method = f"tcp://{par.master_addr}:{port}"
+        else:
+            distributed_init_method = f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}"
+        method = os.environ.get(START_METHOD_ENV, "spawn")
+        if method not in ("spawn", "fork", "forkserver"):
+            raise ValueError(f"{START_METHOD_ENV}={method!r}: use spawn, fork or forkserver")
+        context = multiprocessing.get_context(method)
+        worker_cls = self.worker_cls if isinstance(self.worker_cls, str) else cloudpickle.dumps(self.worker_cls)
+        unready: list[UnreadyWorkerProcHandle] = []
+        success = False
+        try:
+            handle = None
+            if self.is_leader:
+                connect_ip = get_ip(peer=par.master_addr) if multi_node else "127.0.0.1"
+                self.rpc_broadcast_mq = MessageQueue(self.world_size, self.local_world_size,
+                                                     list(range(self.local_world_size)), connect_ip=connect_ip)
+                handle = self.rpc_broadcast_mq.export_handle().to_bytes()
+            start = par.global_start_rank
+            inherited: list[int] | None = [] if method == "fork" else None
+            with set_multiprocessing_worker_envs():
+                # Start every local worker before waiting for any: they join the world together.
+                for local_rank in range(self.local_world_size):
+                    rank = start + local_rank
+                    uw = WorkerProc.make_worker_process(
+                        context, self.config, worker_cls, self.worker_kwargs, local_rank, rank,
+                        distributed_init_method, handle, par.is_driver_rank(rank), inherited)
+                    unready.append(uw)
+                    if inherited is not None:
+                        inherited += [uw.ready_pipe.fileno(), uw.death_writer.fileno()]
+            self.workers = WorkerProc.wait_for_ready(
+                unready, self.config.ready_timeout_s,
+                is_local_rank=lambda r: start <= r < start + self.local_world_size)
+            if self.monitor_workers:
+                self.start_worker_monitor()
+            if self.is_leader:
+                self.response_mqs = [
+                    self.workers[r].worker_response_mq if r < self.local_world_size
+                    else self.workers[0].peer_worker_response_mqs[r] for r in range(self.world_size)]
+                # The order the workers do it in: the broadcast queue, then the reply queues.
+                self.rpc_broadcast_mq.wait_until_ready(timeout=self.config.ready_timeout_s)
+                for mq in self.response_mqs:
+                    mq.wait_until_ready(timeout=self.config.ready_timeout_s)
+            else:  # a follower reads no replies: its workers' queues are read by the leader
+                for w in self.workers:
+                    if w.worker_response_mq is not None:
+                        w.worker_response_mq.close()
+                        w.worker_response_mq = None
+            self.futures_queue: deque[FutureWrapper] = deque()
+            self._drive_lock = threading.RLock()
+            # Replies still owed by calls that timed out: read and dropped before newer ones.
+            self._owed = [0] * self.world_size
+            success = True
+        finally:
+            if not success:
+                if not self.workers:
+                    self.workers = [WorkerProcHandle(uw.proc, uw.rank, None, [], uw.death_writer) for uw in unready]
+                    for uw in unready:
+                        uw.ready_pipe.close()
+                self.shutdown()
+
+    # -- worker monitor ------------------------------------------------------------------
+
+    def start_worker_monitor(self) -> None:
+        """A thread that wakes when any worker process exits (or when shutdown tells it to stop)."""
+        workers = list(self.workers)
+        self_ref = weakref.ref(self)
+        self._monitor_wake_r, self._monitor_wake_w = multiprocessing.Pipe(duplex=False)
+        wake = self._monitor_wake_r
+
+        def monitor() -> None:
+            sentinels = {w.proc.sentinel: w for w in workers}
+            ready = multiprocessing.connection.wait([*sentinels, wake])
+            me = self_ref()
+            if me is None or me.shutting_down:
+                return
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if not dead:
+                return
+            w = dead[0]
+            w.proc.join(0.5)
+            how = exit_description(w.proc.exitcode)
+            logger.error("worker rank %d (pid %s) died unexpectedly (%s); shutting down the executor",
+                         w.rank, w.proc.pid, how)
+            me._fail(WorkerDied(w.rank, how, w.proc.pid))
+
+        threading.Thread(target=monitor, daemon=True, name="RayfreeWorkerMonitor").start()
+
+    def _fail(self, error: Exception) -> None:
+        """Mark failed, wake every pending call with `error`, shut down, fire the callback once."""
+        with self._callback_lock:
+            if self.is_failed:
+                return
+            self._failure = error
+            self.is_failed = True
+        for mq in self.response_mqs:  # pending dequeues raise now, and collect() reports `error`
+            mq.shutdown()
+        self.shutdown()
+        self._fire_failure_callback()
+
+    # -- RPC -----------------------------------------------------------------------------
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict[str, Any] | None = None, non_block: bool = False,
+                       unique_reply_rank: int | None = None,
+                       aggregator: Callable[[list[Any]], Any] | None = None) -> Any:
+        mq = self.rpc_broadcast_mq
+        if mq is None:
+            if not self.is_leader:
+                raise NotLeaderError(f"this is follower node {self.parallel_config.node_rank} (node "
+                                     f"{self.parallel_config.node_rank_within_dp} of its DP replica): only the "
+                                     f"leader node calls collective_rpc")
+            self._raise_failed()
+        if self.is_failed or self.shutting_down:
+            self._raise_failed()
+        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
+            raise ValueError(f"unique_reply_rank={unique_reply_rank} is not a rank (0..{self.world_size - 1})")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        output_rank = None if aggregator is not None else unique_reply_rank
+        send = method if isinstance(method, str) else cloudpickle.dumps(method)
+        name = method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
+        try:
+            mq.enqueue((send, args, kwargs or {}, output_rank),
+                       timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except QueueTimeout as e:
+            raise RpcTimeout(f"RPC {name}: could not even send it before the {timeout}s deadline: {e}") from None
+        except (QueueShutdown, QueueClosed):
+            self._raise_failed()
+        ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
+        collect = _Collector(self, name, ranks, deadline, timeout, single=output_rank is not None)
+        fut = FutureWrapper(self.futures_queue, self._drive_lock, collect,
+                            aggregator if aggregator is not None else (lambda x: x))
+        return fut if non_block else fut.result()
+
+    def _raise_failed(self) -> None:
+        if self._failure is not None:
+            raise ExecutorFailed(f"the executor failed earlier and takes no more calls: {self._failure}") \
+                from self._failure
+        raise ExecutorFailed("the executor was shut down")
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Idempotent: close death pipes; wait; SIGTERM; wait; SIGKILL. Then release every queue.
+
+        A second caller (say the engine, while the worker monitor is already
+        shutting down after a failure) returns once the first has finished.
+        """
+        with self._callback_lock:
+            first = not self.shutting_down
+            self.shutting_down = True
+        if not first:
+            self._shutdown_done.wait()
+            return
+        try:
+            self._shutdown()
+        finally:
+            self._shutdown_done.set()
+
+    def _shutdown(self) -> None:
+        if self._monitor_wake_w is not None:
+            self._monitor_wake_w.close()  # stop the monitor: it must not report our own stop as a failure
+        workers = self.workers
+        for w in workers:
+            if w.death_writer is not None:
+                w.death_writer.close()
+                w.death_writer = None
+        self._ensure_worker_termination([w.proc for w in workers], self.config.shutdown_grace_s,
+                                        self.config.shutdown_term_s)
+        mqs: list[MessageQueue | None] = [self.rpc_broadcast_mq, *self.response_mqs]
+        for w in workers:
+            mqs += [w.worker_response_mq, *w.peer_worker_response_mqs]
+        for mq in mqs:
+            if mq is not None:
+                mq.close()
+        for w in workers:
+            w.worker_response_mq = None
+        self.rpc_broadcast_mq = None
+        if self._monitor_wake_r is not None:
+            self._monitor_wake_r.close()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    @staticmethod
+    def _ensure_worker_termination(procs: list, grace_s: float, term_s: float) -> None:
+        """Stage 1: wait for a clean exit; 2: SIGTERM and wait; 3: SIGKILL."""
+        def wait_all(limit: float) -> bool:
+            end = time.monotonic() + limit
+            for p in procs:
+                p.join(max(0.0, end - time.monotonic()))
+            return not any(p.is_alive() for p in procs)
+
+        if wait_all(grace_s):
+            return
+        alive = [p for p in procs if p.is_alive()]
+        logger.warning("workers %s still running %.0fs after shutdown; sending SIGTERM",
+                       [p.name for p in alive], grace_s)
+        for p in alive:
+            p.terminate()
+        if wait_all(term_s):
+            return
+        alive = [p for p in procs if p.is_alive()]
+        logger.warning("workers %s ignored SIGTERM for %.0fs; sending SIGKILL", [p.name for p in alive], term_s)
+        for p in alive:
+            p.kill()
+        for p in alive:
+            p.join(5)
+
+    @staticmethod
+    def _finalize(ref: weakref.ref) -> None:
+        me = ref()
+        if me is not None:
+            me.shutdown()
+
+
+class _Collector:
+    """Reads one RPC's replies rank by rank; resumable when the caller's wait runs out first."""
+
+    def __init__(self, ex: MultiprocExecutor, name: str, ranks: list[int], deadline: float | None,
+                 timeout: float | None, single: bool) -> None:
+        self.ex = ex
+        self.name = name
+        self.ranks = ranks
+        self.deadline = deadline
+        self.timeout = timeout
+        self.single = single
+        self.got: dict[int, tuple[int, Any]] = {}
+
+    def __call__(self, wait_deadline: float | None) -> Any:
+        ex = self.ex
+        for rank in self.ranks:
+            if rank in self.got:
+                continue
+            ends = [d for d in (self.deadline, wait_deadline) if d is not None]
+            try:
+                mq = ex.response_mqs[rank]
+                while ex._owed[rank]:  # a late reply to a call that timed out: not ours
+                    mq.dequeue(timeout=None if not ends else max(0.0, min(ends) - time.monotonic()))
+                    ex._owed[rank] -= 1
+                self.got[rank] = mq.dequeue(timeout=None if not ends else max(0.0, min(ends) - time.monotonic()))
+            except QueueTimeout:
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    missing = [r for r in self.ranks if r not in self.got]
+                    for r in missing:
+                        ex._owed[r] += 1
+                    busy = [r for r in missing if ex._owed[r] > 1]
+                    raise RpcTimeout(f"RPC {self.name} timed out after {self.timeout}s: rank(s) {missing} have "
+                                     f"not replied" + (f" (ranks {busy} are still busy with earlier calls that "
+                                                       f"timed out)" if busy else "")) from None
+                raise WaitExpired() from None
+            except (QueueShutdown, QueueClosed, TransportError, IndexError):
+                if ex._failure is not None:
+                    raise ExecutorFailed(f"RPC {self.name} failed: {ex._failure}") from ex._failure
+                raise ExecutorFailed(f"RPC {self.name} was cut short: the executor was shut down") from None
+        # Every expected reply is read (so none is left for the next call) before a failure is raised.
+        for rank in self.ranks:
+            status, value = self.got[rank]
+            if status == FAILURE:
+                raise WorkerError(value.rank, value.error_type, value.message, value.traceback, self.name)
+        values = [self.got[r][1] for r in self.ranks]
+        return values[0] if self.single else values
