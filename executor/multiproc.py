@@ -188,22 +188,29 @@ class MultiprocExecutor(Executor):
                        unique_reply_rank: int | None = None,
                        aggregator: Callable[[list[Any]], Any] | None = None) -> Any:
         mq = self.rpc_broadcast_mq
-        if mq is None:
-            if not self.is_leader:
+        if mq is None or self.is_failed or self.shutting_down:
+            if mq is None and not self.is_leader:
                 raise NotLeaderError(f"this is follower node {self.parallel_config.node_rank} (node "
                                      f"{self.parallel_config.node_rank_within_dp} of its DP replica): only the "
                                      f"leader node calls collective_rpc")
             self._raise_failed()
-        if self.is_failed or self.shutting_down:
-            self._raise_failed()
+        output_rank = None if aggregator is not None else unique_reply_rank
+        if (output_rank is not None and timeout is None and not non_block and not self.futures_queue
+                and type(method) is str and 0 <= output_rank < self.world_size):
+            # The engine's step: one reply, no deadline, nothing older pending.
+            try:
+                mq.enqueue((method, args, kwargs, output_rank))
+            except (QueueShutdown, QueueClosed):
+                self._raise_failed()
+            with self._drive_lock:
+                return _Collector(self, method, [output_rank], None, None, True)(None)
         if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
             raise ValueError(f"unique_reply_rank={unique_reply_rank} is not a rank (0..{self.world_size - 1})")
         deadline = None if timeout is None else time.monotonic() + timeout
-        output_rank = None if aggregator is not None else unique_reply_rank
         send = method if isinstance(method, str) else cloudpickle.dumps(method)
         name = method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
         try:
-            mq.enqueue((send, args, kwargs or {}, output_rank),
+            mq.enqueue((send, args, kwargs, output_rank),
                        timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         except QueueTimeout as e:
             raise RpcTimeout(f"RPC {name}: could not even send it before the {timeout}s deadline: {e}") from None
@@ -211,6 +218,11 @@ class MultiprocExecutor(Executor):
             self._raise_failed()
         ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
         collect = _Collector(self, name, ranks, deadline, timeout, single=output_rank is not None)
+        if not non_block and not self.futures_queue:
+            # Nothing older is pending: read the replies here, without a Future.
+            with self._drive_lock:
+                value = collect(None)
+            return value if aggregator is None else aggregator(value)
         fut = FutureWrapper(self.futures_queue, self._drive_lock, collect,
                             aggregator if aggregator is not None else (lambda x: x))
         return fut if non_block else fut.result()

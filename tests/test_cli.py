@@ -21,8 +21,18 @@ def test_version_and_help() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_demo_runs_and_verifies_every_payload() -> None:
-    r = run("demo", "--readers", "2", "--remote", "1", "--messages", "60", timeout=170)
+def test_transport_demo_runs_and_verifies_every_payload() -> None:
+    r = run("demo", "--transport", "--readers", "2", "--remote", "1", "--messages", "60", timeout=170)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all payloads verified" in r.stdout
     assert "shm" in r.stdout and "tcp" in r.stdout
+
+
+@pytest.mark.timeout(180)
+def test_engine_demo_checks_every_step_and_prints_the_table() -> None:
+    r = run("demo", "--steps", "40", timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "TP=2 x PP=2 = 4 workers" in r.stdout
+    assert "all outputs match the single-process model; workers exited cleanly" in r.stdout
+    for row in ("step latency p50", "step latency p99", "executor overhead p50"):
+        assert row in r.stdout

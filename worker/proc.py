@@ -219,6 +219,20 @@ class WorkerProc:
         by_sentinel = {h.proc.sentinel: h for h in unready}
         done: dict[int, WorkerProcHandle] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            WorkerProc._wait_all(pending, by_sentinel, done, deadline, timeout, is_local_rank)
+        except BaseException:
+            for w in done.values():  # queues already attached to ready workers
+                for mq in (w.worker_response_mq, *w.peer_worker_response_mqs):
+                    if mq is not None:
+                        mq.close()
+            for pipe in pending:
+                pipe.close()
+            raise
+        return [done[h.rank] for h in unready]
+
+    @staticmethod
+    def _wait_all(pending, by_sentinel, done, deadline, timeout, is_local_rank) -> None:
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             waiting_on = list(pending) + [s for s, h in by_sentinel.items() if h.ready_pipe in pending]
@@ -250,7 +264,6 @@ class WorkerProc:
                     raise WorkerStartupError(f"worker rank {msg.rank} failed to start: {msg.error_type}: "
                                              f"{msg.message}", msg.rank, msg.traceback)
                 done[h.rank] = WorkerProc._attach(msg, h, is_local_rank)
-        return [done[h.rank] for h in unready]
 
     @staticmethod
     def _attach(msg: Ready, h: UnreadyWorkerProcHandle, is_local_rank) -> WorkerProcHandle:
@@ -272,7 +285,7 @@ class WorkerProc:
             try:
                 death_pipe.recv_bytes()
             except EOFError:
-                logger.info("the executor closed its end of the death pipe (shutdown, or it died): stopping")
+                logger.debug("the executor closed its end of the death pipe (shutdown, or it died): stopping")
             except OSError:
                 return  # closed by our own shutdown
             shutdown_requested.set()
@@ -329,7 +342,7 @@ class WorkerProc:
                     pass
                 failed = True
             elif shutdown_requested.is_set():
-                logger.info("worker rank %d shutting down", rank)
+                logger.debug("worker rank %d shutting down", rank)
             else:
                 logger.exception("worker rank %d failed", rank)
                 failed = True

@@ -1,0 +1,110 @@
+"""Executor benchmark: collective_rpc round trips beside the bare transport, and start-up time.
+
+Round trip: `collective_rpc("nbytes", args=(payload,), unique_reply_rank=0)`
+through a MultiprocExecutor with N workers, beside bench/transport.py's
+broadcast + one reply with the same N readers, in the same run. Start-up: a
+MultiprocExecutor with the toy engine on 4 workers (TP=2 x PP=2: spawn,
+torch, gloo world and groups, model, queues) beside starting 4 bare Python
+processes that import torch, in the same run.
+
+    python bench/rpc.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from cluster.config import ClusterConfig, ParallelConfig  # noqa: E402
+from executor import MultiprocExecutor  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("bench_transport", os.path.join(ROOT, "bench", "transport.py"))
+bt = importlib.util.module_from_spec(_spec)
+sys.modules["bench_transport"] = bt
+_spec.loader.exec_module(bt)
+
+
+def cfg(tp: int, pp: int = 1) -> ClusterConfig:
+    return ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
+
+
+class ExecRig:
+    def __init__(self, n: int) -> None:
+        self.ex = MultiprocExecutor(cfg(n), "examples.echo_worker:EchoWorker")
+
+    def round_trip(self, obj) -> float:
+        t0 = time.perf_counter()
+        self.ex.collective_rpc("nbytes", args=(obj,), unique_reply_rank=0)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.ex.shutdown()
+
+
+def bare_start(n: int) -> float:
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-c", "import torch"]) for _ in range(n)]
+    for p in procs:
+        p.wait()
+    return time.perf_counter() - t0
+
+
+def executor_start() -> float:
+    t0 = time.perf_counter()
+    ex = MultiprocExecutor(cfg(2, 2), "examples.toy_engine:ToyWorker")
+    took = time.perf_counter() - t0
+    ex.shutdown()
+    return took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--workers", default="1,4", help="comma-separated worker counts")
+    ap.add_argument("--payloads", default="tiny,64KiB,4MiB,32MiB", help="comma-separated subset")
+    ap.add_argument("--no-startup", action="store_true", help="skip the start-up comparison")
+    args = ap.parse_args()
+    import torch
+    torch.set_num_threads(1)
+    loads = [p for p in bt.payloads(args.quick) if p[0] in args.payloads.split(",")]
+    print(f"rayfree executor bench: {os.cpu_count()} cores, torch {torch.__version__}")
+    print()
+    hdr = (f"{'workers':>7} {'payload':>8} {'transport p50 us':>17} {'executor p50 us':>16} {'executor p99 us':>16} "
+           f"{'overhead':>9}")
+    print(hdr)
+    print("-" * len(hdr))
+    for n in (int(x) for x in args.workers.split(",")):
+        rig = bt.MQRig(n, 0)
+        try:
+            base = {name: bt.measure(rig, obj, iters) for name, obj, iters in loads}
+        finally:
+            rig.close()
+        erig = ExecRig(n)
+        try:
+            mine = {name: bt.measure(erig, obj, iters) for name, obj, iters in loads}
+        finally:
+            erig.close()
+        for name, _, _ in loads:
+            b, e = bt.pct(base[name], 0.5), bt.pct(mine[name], 0.5)
+            print(f"{n:>7} {name:>8} {b * 1e6:>17.1f} {e * 1e6:>16.1f} {bt.pct(mine[name], 0.99) * 1e6:>16.1f} "
+                  f"{(e / b - 1) * 100:>8.0f}%", flush=True)
+    print()
+    if args.no_startup:
+        return
+    reps = 2 if args.quick else 3
+    bare = statistics.median(bare_start(4) for _ in range(reps))
+    ex = statistics.median(executor_start() for _ in range(reps))
+    print(f"start-up, 4 workers (toy engine, TP=2 x PP=2, gloo world + groups + queues): {ex:.2f} s; "
+          f"4 bare processes importing torch: {bare:.2f} s; ratio {ex / bare:.2f}")
+
+
+if __name__ == "__main__":
+    main()
