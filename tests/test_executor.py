@@ -192,7 +192,11 @@ def test_bad_worker_class_paths_are_clear() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_every_worker_exits_when_the_parent_is_sigkilled() -> None:
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_every_worker_exits_when_the_parent_is_sigkilled(method, monkeypatch) -> None:
+    # Under fork, each worker must close the inherited parent ends of the other workers'
+    # death pipes, or none of them would see EOF when the parent dies.
+    monkeypatch.setenv("RAYFREE_WORKER_MULTIPROC_METHOD", method)
     script = ("import sys, time\n"
               "from cluster.config import ClusterConfig, ParallelConfig\n"
               "from executor import MultiprocExecutor\n"
@@ -202,6 +206,7 @@ def test_every_worker_exits_when_the_parent_is_sigkilled() -> None:
               "    print(' '.join(str(w['pid']) for w in ex.collective_rpc('whoami')), flush=True)\n"
               "    time.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
     try:
         pids = [int(x) for x in p.stdout.readline().split()]
         assert len(pids) == 2 and all(alive(x) for x in pids)
@@ -212,6 +217,9 @@ def test_every_worker_exits_when_the_parent_is_sigkilled() -> None:
         if p.poll() is None:
             p.kill()
             p.wait(10)
+        for pid in pids:  # a failed run must not leave orphans behind
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(120)
@@ -240,6 +248,17 @@ def test_toy_engine_matches_the_single_process_model(tp, pp) -> None:
         titles = [open(f"/proc/{w.proc.pid}/cmdline").read() for w in ex.workers]
         want = [("Worker" + (f"_PP{r // tp}" if pp > 1 else "") + f"_TP{r % tp}") for r in range(tp * pp)]
         assert all(f"rayfree::{w}" in t for w, t in zip(want, titles)), titles
+
+
+@pytest.mark.timeout(120)
+def test_async_scheduling_sends_outputs_from_a_thread_in_order() -> None:
+    with MultiprocExecutor(cfg(async_scheduling=True), ECHO) as ex:
+        assert ex.max_concurrent_batches == 2
+        futs = [ex.collective_rpc("echo", args=(i,), unique_reply_rank=1, non_block=True) for i in range(50)]
+        assert [f.result(timeout=30) for f in futs] == list(range(50))
+        with pytest.raises(WorkerError, match="boom"):
+            ex.collective_rpc("fail", args=("boom",), timeout=30)
+        assert ex.collective_rpc("echo", args=("after",), timeout=30) == ["after", "after"]
 
 
 def test_uniproc_executor_runs_the_worker_in_process() -> None:
