@@ -144,6 +144,8 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     shutdown_term_s: float = 4.0
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 3.0
+    #: TCP port of the leader's heartbeat endpoint (on master_addr); None: master_port + 1
+    heartbeat_port: int | None = None
     #: treat every rank as on another node (no shared memory between them)
     force_remote: bool = False
     #: workers hand their outputs to a sender thread, so the next step can start at once
@@ -158,10 +160,21 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"{name}={v!r}: must be a positive number of seconds")
         if self.rpc_timeout_s is not None and self.rpc_timeout_s <= 0:
             raise ConfigError(f"rpc_timeout_s={self.rpc_timeout_s!r}: must be positive, or unset to wait forever")
+        if self.heartbeat_port is not None and not 1 <= self.heartbeat_port <= 65535:
+            raise ConfigError(f"heartbeat_port={self.heartbeat_port} is not a TCP port: use 1..65535, or leave it "
+                              f"unset for master_port + 1")
+        if self.heartbeat_port is None and self.parallel.master_port >= 65535:
+            raise ConfigError(f"master_port={self.parallel.master_port} leaves no room for the heartbeat port "
+                              f"(master_port + 1): lower master_port or set heartbeat_port")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed heartbeat_interval_s="
                               f"{self.heartbeat_interval_s}: a node is declared lost after missing several beats")
         return self
+
+    @property
+    def heartbeat_endpoint_port(self) -> int:
+        """The leader's heartbeat port: `heartbeat_port`, or master_port + 1."""
+        return self.heartbeat_port or self.parallel.master_port + 1
 
     # -- loading ---------------------------------------------------------------
 
@@ -226,6 +239,12 @@ def _parse_value(name: str, text: str) -> Any:
         return None
     if t is str:
         return text
+    if t is bool:  # the spellings environment variables use
+        word = text.strip().lower()
+        if word in ("1", "true", "yes", "on"):
+            return True
+        if word in ("0", "false", "no", "off"):
+            return False
     try:
         return msgspec.json.decode(text.strip().lower() if t is bool else text)
     except msgspec.DecodeError:
@@ -244,7 +263,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_config(args: argparse.Namespace | Sequence[str] | None = None,
-                env: Mapping[str, str] | None = None, file: str | None = None) -> ClusterConfig:
+                env: Mapping[str, str] | None = None, file: str | None = None,
+                check_local_master: bool = True) -> ClusterConfig:
     """Defaults < file < RAYFREE_* environment < flags; validated (node 0 checks master_addr is local)."""
     if args is None or not isinstance(args, argparse.Namespace):
         p = argparse.ArgumentParser(add_help=False)
@@ -265,7 +285,7 @@ def load_config(args: argparse.Namespace | Sequence[str] | None = None,
         v = getattr(args, name, None)
         if v is not None:
             data[name] = _parse_value(name, v)
-    return ClusterConfig.from_dict(data).validate(check_local_master=True)
+    return ClusterConfig.from_dict(data).validate(check_local_master=check_local_master)
 
 
 def local_addresses() -> set[str]:

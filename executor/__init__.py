@@ -7,9 +7,11 @@
 """
 
 from .abstract import Executor, FailureCallback, UniProcExecutor
-from .errors import ExecutorError, ExecutorFailed, NotLeaderError, RpcTimeout, WorkerDied, WorkerError
+from .errors import (ExecutorError, ExecutorFailed, LeaderLost, NodeLost, NotLeaderError, RpcTimeout, WorkerDied,
+                     WorkerError)
 from .future import FutureWrapper
 from .multiproc import MultiprocExecutor
 
 __all__ = ["Executor", "FailureCallback", "UniProcExecutor", "MultiprocExecutor", "FutureWrapper",
-           "ExecutorError", "ExecutorFailed", "NotLeaderError", "RpcTimeout", "WorkerDied", "WorkerError"]
+           "ExecutorError", "ExecutorFailed", "NotLeaderError", "RpcTimeout", "WorkerDied", "WorkerError",
+           "NodeLost", "LeaderLost"]

@@ -20,18 +20,37 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run an LLM engine's workers across processes and nodes without Ray.")
     p.add_argument("--version", action="version", version=f"rayfree {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    d = sub.add_parser("demo", help="run the toy engine on 4 workers and print step latencies",
-                       description="Runs the toy TP x PP engine (examples/toy_engine.py) under a "
-                                   "MultiprocExecutor, checks every output against the single-process model, "
-                                   "and prints step latency and the executor's own overhead per step. "
+    d = sub.add_parser("demo", help="run the toy engine on two simulated nodes and print step latencies",
+                       description="Runs the toy TP x PP engine (examples/toy_engine.py) on two simulated nodes of "
+                                   "this machine (own network namespace, IP and /dev/shm each when root; loopback "
+                                   "otherwise), checks every output against the single-process model, and prints "
+                                   "the topology and step latencies. --nodes 1 runs it in this process; "
                                    "--transport runs the transport-only demo instead.")
+    d.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2; 1: no simulation)")
     d.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
     d.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2)")
-    d.add_argument("--steps", type=int, default=300, help="engine steps (default 300)")
+    d.add_argument("--steps", type=int, default=200, help="engine steps (default 200)")
     d.add_argument("--transport", action="store_true", help="the transport demo: one writer, shm and TCP readers")
     d.add_argument("--readers", type=int, default=3, help="--transport: local readers (default 3)")
     d.add_argument("--remote", type=int, default=1, help="--transport: remote readers over TCP (default 1)")
     d.add_argument("--messages", type=int, default=300, help="--transport: messages (default 300)")
+    from .node import add_node_arguments
+    n = sub.add_parser("node", help="run one node of a cluster (node 0 with the engine's entry point)",
+                       description="Start this node's workers. Node 0 (the leader) also runs --entry, a function "
+                                   "called with the executor; nodes 1..N-1 run --headless. Every option can come "
+                                   "from the environment (RAYFREE_<OPTION>, e.g. RAYFREE_NODE_RANK) or --config "
+                                   "FILE; flags win over the environment, which wins over the file.")
+    add_node_arguments(n)
+    doc = sub.add_parser("doctor", help="check what breaks multi-node runs, and say how to fix it",
+                         description="Checks /dev/shm space, the address and interface rayfree will use, the route "
+                                     "to master_addr, free ports, GLOO/NCCL_SOCKET_IFNAME, and stale rayfree "
+                                     "segments. Exit code 1 when a check fails. Reads the same options as "
+                                     "`rayfree node`.")
+    doc.add_argument("--quick", action="store_true", help="only the checks that take no network action "
+                     "(for a container healthcheck)")
+    doc.add_argument("--fix", action="store_true", help="remove stale segments without asking")
+    from cluster.config import add_config_arguments
+    add_config_arguments(doc)
     return p
 
 
@@ -42,8 +61,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.transport:
             from .demo import run_transport_demo
             return run_transport_demo(args.readers, args.remote, args.messages)
-        from .demo import run_engine_demo
-        return run_engine_demo(args.tp, args.pp, args.steps)
+        if args.nodes <= 1:
+            from .demo import run_engine_demo
+            return run_engine_demo(args.tp, args.pp, args.steps)
+        from .cluster_demo import run_cluster_demo
+        return run_cluster_demo(args.nodes, args.tp, args.pp, args.steps)
+    if args.command == "node":
+        from .node import run_node
+        return run_node(args)
+    if args.command == "doctor":
+        from .doctor import run_doctor
+        return run_doctor(args)
     parser.print_help()
     return 0
 

@@ -1,9 +1,10 @@
 """`rayfree demo`: the toy engine under a MultiprocExecutor (and, with --transport, the bare transport).
 
-Engine demo: 4 workers (TP=2 x PP=2) run examples/toy_engine.py; every step's
-output is checked against the single-process model; the table gives step
-latency and the executor's own overhead per step (latency minus the time the
-output rank spent in execute_model, which includes the pipeline).
+Engine demo: 4 workers (TP=2 x PP=2) run examples/toy_engine.py — by default
+on two simulated nodes (cluster_demo.py), with --nodes 1 in this process;
+every step's output is checked against the single-process model; the table
+gives step latency and the executor's own overhead per step (latency minus
+the time the output rank spent in execute_model, which includes the pipeline).
 
 Transport demo: one writer (this process) broadcasts control messages and
 tensors of 64 KiB to 32 MiB; local readers take them from the shared-memory
@@ -66,11 +67,69 @@ def _pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def run_engine_demo(tp: int, pp: int, steps: int) -> int:
+def _topology(ex) -> list[dict]:
+    from worker.proc import worker_info
+    return sorted(ex.collective_rpc(worker_info, timeout=60), key=lambda r: r["rank"])
+
+
+def drive(ex, steps: int | None = None) -> int:
+    """The demo engine's driver (`rayfree node --entry executor.demo:drive`): topology, steps, latency table.
+
+    Steps come from RAYFREE_DEMO_STEPS (default 200); RAYFREE_DEMO_T0 (a time.time()) makes it say how long
+    the cluster took to become ready.
+    """
+    import os
+
     import torch
 
-    from cluster.config import ClusterConfig, ParallelConfig
     from examples.toy_engine import make_batch, reference_forward
+    steps = steps if steps is not None else int(os.environ.get("RAYFREE_DEMO_STEPS", "200"))
+    t0 = os.environ.get("RAYFREE_DEMO_T0")
+    par = ex.parallel_config
+    print(f"  {par.world_size} workers on {par.nnodes_within_dp} node(s) ready"
+          + (f" after {time.time() - float(t0):.1f} s" if t0 else "") + f"; output rank {ex.output_rank}")
+    print()
+    print(f"  {'rank':<6}{'node':<6}{'ip':<16}{'process':<18}{'pid':>8}  {'broadcast':<10}{'replies':<8}")
+    for r in _topology(ex):
+        print(f"  {r['rank']:<6}{r['node']:<6}{r['ip']:<16}{r['process']:<18}{r['pid']:>8}  {r['broadcast']:<10}"
+              f"{r['replies']:<8}")
+    print(flush=True)
+    lat: list[float] = []
+    over: list[float] = []
+    bad = 0
+    tty = sys.stdout.isatty()
+    t_run = time.perf_counter()
+    for step in range(steps):
+        batch = make_batch(step)
+        t = time.perf_counter()
+        out = ex.execute_model(batch)
+        dt = time.perf_counter() - t
+        worker_s = ex.collective_rpc("step_time", unique_reply_rank=ex.output_rank)
+        lat.append(dt)
+        over.append(max(0.0, dt - worker_s))
+        bad += not torch.equal(out, reference_forward(batch["x"]))
+        if tty:
+            done = (step + 1) * 30 // steps
+            print(f"\r  [{'#' * done}{'.' * (30 - done)}] step {step + 1}/{steps}", end="", flush=True)
+        elif (step + 1) % 50 == 0 or step == steps - 1:
+            print(f"  step {step + 1}/{steps}", flush=True)
+    if tty:
+        print()
+    run_s = time.perf_counter() - t_run
+    print()
+    print(f"  {'steps':<34}{steps:>10}")
+    print(f"  {'steps per second':<34}{steps / run_s:>10.0f}")
+    print(f"  {'step latency p50 (us)':<34}{_pct(lat, 0.5) * 1e6:>10.0f}")
+    print(f"  {'step latency p99 (us)':<34}{_pct(lat, 0.99) * 1e6:>10.0f}")
+    print(f"  {'executor overhead p50 (us)':<34}{_pct(over, 0.5) * 1e6:>10.0f}")
+    print(f"  {'executor overhead p99 (us)':<34}{_pct(over, 0.99) * 1e6:>10.0f}")
+    print(f"  {'outputs equal to 1-process model':<34}{steps - bad:>10}", flush=True)
+    return 0 if bad == 0 else 1
+
+
+def run_engine_demo(tp: int, pp: int, steps: int) -> int:
+    """One node: the executor in this process."""
+    from cluster.config import ClusterConfig, ParallelConfig
 
     from .multiproc import MultiprocExecutor
     if steps < 1:
@@ -82,39 +141,13 @@ def run_engine_demo(tp: int, pp: int, steps: int) -> int:
     print(f"  starting {n} workers (spawn, torch, gloo world and groups, model, queues) ...", flush=True)
     t0 = time.perf_counter()
     ex = MultiprocExecutor(config, "examples.toy_engine:ToyWorker")
-    lat: list[float] = []
-    over: list[float] = []
-    bad = 0
     try:
-        print(f"  ready in {time.perf_counter() - t0:.1f} s; output rank {ex.output_rank}")
-        tty = sys.stdout.isatty()
-        for step in range(steps):
-            batch = make_batch(step)
-            t = time.perf_counter()
-            out = ex.execute_model(batch)
-            dt = time.perf_counter() - t
-            worker_s = ex.collective_rpc("step_time", unique_reply_rank=ex.output_rank)
-            lat.append(dt)
-            over.append(max(0.0, dt - worker_s))
-            bad += not torch.equal(out, reference_forward(batch["x"]))
-            if tty:
-                done = (step + 1) * 30 // steps
-                print(f"\r  [{'#' * done}{'.' * (30 - done)}] step {step + 1}/{steps}", end="", flush=True)
-            elif (step + 1) % 100 == 0 or step == steps - 1:
-                print(f"  step {step + 1}/{steps}", flush=True)
-        if tty:
-            print()
+        print(f"  ready in {time.perf_counter() - t0:.1f} s")
+        rc = drive(ex, steps)
     finally:
         ex.shutdown()
     clean = all(w.proc.exitcode == 0 for w in ex.workers)
-    print()
-    print(f"  {'steps':<28}{steps:>10}")
-    print(f"  {'step latency p50 (us)':<28}{_pct(lat, 0.5) * 1e6:>10.0f}")
-    print(f"  {'step latency p99 (us)':<28}{_pct(lat, 0.99) * 1e6:>10.0f}")
-    print(f"  {'executor overhead p50 (us)':<28}{_pct(over, 0.5) * 1e6:>10.0f}")
-    print(f"  {'executor overhead p99 (us)':<28}{_pct(over, 0.99) * 1e6:>10.0f}")
-    print(f"  {'outputs equal to 1-process':<28}{steps - bad:>10}")
-    ok = bad == 0 and clean
+    ok = rc == 0 and clean
     print(f"  {'all outputs match the single-process model; workers exited cleanly' if ok else 'FAILED'}")
     return 0 if ok else 1
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["ExecutorError", "WorkerError", "WorkerDied", "RpcTimeout", "ExecutorFailed", "NotLeaderError"]
+__all__ = ["ExecutorError", "WorkerError", "WorkerDied", "RpcTimeout", "ExecutorFailed", "NotLeaderError",
+           "NodeLost", "LeaderLost"]
 
 
 class ExecutorError(RuntimeError):
@@ -42,3 +43,21 @@ class ExecutorFailed(ExecutorError):
 
 class NotLeaderError(ExecutorError):
     """collective_rpc on a follower node: only the leader (node_rank_within_dp 0) broadcasts."""
+
+
+class NodeLost(ExecutorError):
+    """A follower node fell silent (killed, crashed, or its link cut), or stopped while the leader ran."""
+
+    def __init__(self, node_rank: int, ranks: list[int], ip: str, why: str) -> None:
+        super().__init__(f"node {node_rank} ({ip}, ranks {ranks}) was lost: {why}; the executor has shut down. "
+                         f"Check that node's log and its network link to the leader.")
+        self.node_rank = node_rank
+        self.ranks = ranks
+
+
+class LeaderLost(ExecutorError):
+    """On a follower: the leader node fell silent, or stopped because something failed."""
+
+    def __init__(self, node_rank: int, why: str) -> None:
+        super().__init__(f"node {node_rank}: the leader (node 0) is gone: {why}; this node stopped its workers")
+        self.node_rank = node_rank

@@ -7,6 +7,12 @@ nothing. Start-up: spawn every local worker, then wait for all READYs, then
 the queue handshakes in the order the workers do them (broadcast first, then
 each reply queue). A monitor thread watches the worker processes: one dying
 fails every pending and later call within a second, naming the rank.
+
+Across nodes, the leader and each follower exchange heartbeats
+(cluster/heartbeat.py): a follower that falls silent fails the leader's calls
+within `heartbeat_timeout_s`, naming the node; a follower whose leader falls
+silent (or fails) stops its workers. A clean stop on either side says goodbye
+first, so the other side stops too instead of waiting for a timeout.
 """
 
 from __future__ import annotations
@@ -24,12 +30,14 @@ from typing import Any, Callable, Iterator
 
 import cloudpickle
 
+from cluster.heartbeat import Bye, HeartbeatClient, HeartbeatServer
 from transport import MessageQueue, QueueClosed, QueueShutdown, QueueTimeout, TransportError, get_ip, get_open_port
 from worker.messages import FAILURE
-from worker.proc import UnreadyWorkerProcHandle, WorkerProc, WorkerProcHandle, exit_description
+from worker.proc import (UnreadyWorkerProcHandle, WorkerProc, WorkerProcHandle, WorkerStartupError,
+                         exit_description)
 
 from .abstract import Executor
-from .errors import ExecutorFailed, NotLeaderError, RpcTimeout, WorkerDied, WorkerError
+from .errors import ExecutorFailed, LeaderLost, NodeLost, NotLeaderError, RpcTimeout, WorkerDied, WorkerError
 from .future import FutureWrapper, WaitExpired
 
 __all__ = ["MultiprocExecutor", "set_multiprocessing_worker_envs"]
@@ -66,6 +74,9 @@ class MultiprocExecutor(Executor):
         self.rpc_broadcast_mq: MessageQueue | None = None
         self._failure: Exception | None = None
         self._monitor_wake_r = self._monitor_wake_w = None
+        self._heartbeat: HeartbeatServer | HeartbeatClient | None = None
+        self._stop_reason: str | None = None
+        self._fast_stop = False  # a node is gone: its peers may hang in gloo, so do not wait long for them
         super().__init__(config, worker_cls, worker_kwargs)
 
     # -- start-up ------------------------------------------------------------------
@@ -93,6 +104,8 @@ class MultiprocExecutor(Executor):
         unready: list[UnreadyWorkerProcHandle] = []
         success = False
         try:
+            if multi_node:
+                self._start_heartbeat()
             handle = None
             if self.is_leader:
                 connect_ip = get_ip(peer=par.master_addr) if multi_node else "127.0.0.1"
@@ -113,9 +126,11 @@ class MultiprocExecutor(Executor):
                         inherited += [uw.ready_pipe.fileno(), uw.death_writer.fileno()]
             self.workers = WorkerProc.wait_for_ready(
                 unready, self.config.ready_timeout_s,
-                is_local_rank=lambda r: start <= r < start + self.local_world_size)
+                is_local_rank=lambda r: start <= r < start + self.local_world_size, attach=self.is_leader)
             if self.monitor_workers:
                 self.start_worker_monitor()
+            if self._heartbeat is not None:
+                self._heartbeat.arm()
             if self.is_leader:
                 self.response_mqs = [
                     self.workers[r].worker_response_mq if r < self.local_world_size
@@ -124,16 +139,18 @@ class MultiprocExecutor(Executor):
                 self.rpc_broadcast_mq.wait_until_ready(timeout=self.config.ready_timeout_s)
                 for mq in self.response_mqs:
                     mq.wait_until_ready(timeout=self.config.ready_timeout_s)
-            else:  # a follower reads no replies: its workers' queues are read by the leader
-                for w in self.workers:
-                    if w.worker_response_mq is not None:
-                        w.worker_response_mq.close()
-                        w.worker_response_mq = None
             self.futures_queue: deque[FutureWrapper] = deque()
             self._drive_lock = threading.RLock()
             # Replies still owed by calls that timed out: read and dropped before newer ones.
             self._owed = [0] * self.world_size
             success = True
+        except BaseException as e:
+            if isinstance(e, (QueueTimeout, WorkerStartupError)) and "within" in str(e):
+                self._dump_worker_stacks()
+            self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if self._failure is not None and not isinstance(e, KeyboardInterrupt):
+                raise self._failure from e  # a node left during start-up: that, not its fallout, is the cause
+            raise
         finally:
             if not success:
                 if not self.workers:
@@ -141,6 +158,74 @@ class MultiprocExecutor(Executor):
                     for uw in unready:
                         uw.ready_pipe.close()
                 self.shutdown()
+
+    def _dump_worker_stacks(self) -> None:
+        """Start-up timed out: have every live local worker print where it is stuck (to its stderr)."""
+        import signal
+        procs = [w.proc for w in self.workers] or []
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                logger.error("start-up timed out: worker %s (pid %d) stack follows on its stderr", p.name, p.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGUSR1)
+        if procs:
+            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)  # let them write it
+
+    # -- nodes ---------------------------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        par, cfg = self.parallel_config, self.config
+        port = cfg.heartbeat_endpoint_port
+        per_node = par.local_ranks
+        me = weakref.ref(self)
+        if self.is_leader:
+            followers = {k: list(range(k * per_node, (k + 1) * per_node)) for k in range(1, par.nnodes_within_dp)}
+
+            def on_lost(node: int, ranks: list[int], ip: str, why: str) -> None:
+                ex = me()
+                if ex is not None:
+                    ex._fast_stop = True
+                    ex._fail(NodeLost(node, ranks, ip, why))
+
+            self._heartbeat = HeartbeatServer(_resolve(par.master_addr), port, followers, cfg.heartbeat_interval_s,
+                                              cfg.heartbeat_timeout_s, on_lost)
+            logger.info("leader: heartbeat endpoint %s; waiting for %d follower node(s) to join (join_timeout_s="
+                        "%.0f)", self._heartbeat.endpoint, len(followers), cfg.join_timeout_s)
+            return
+        node = par.node_rank_within_dp
+        ranks = list(range(par.global_start_rank, par.global_start_rank + per_node))
+
+        def leader_lost(why: str) -> None:
+            ex = me()
+            if ex is not None:
+                ex._fast_stop = True
+                ex._fail(LeaderLost(node, why))
+
+        def leader_bye(_node: int, clean: bool, reason: str) -> None:
+            ex = me()
+            if ex is None:
+                return
+            if clean:
+                logger.info("node %d: the leader shut down; stopping this node's workers", node)
+                ex.shutdown()
+            else:
+                ex._fast_stop = True
+                ex._fail(LeaderLost(node, f"it stopped after a failure: {reason}"))
+
+        self._heartbeat = HeartbeatClient(par.master_addr, port, node, ranks, get_ip(peer=par.master_addr),
+                                          cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s, leader_lost, leader_bye)
+        logger.info("node %d: waiting for the leader (node 0) at %s:%d (heartbeats at %s) to form the world "
+                    "(join_timeout_s=%.0f)", node, par.master_addr, par.master_port, self._heartbeat.endpoint,
+                    cfg.join_timeout_s)
+
+    @property
+    def failure(self) -> Exception | None:
+        """Why the executor failed (None while it runs, or after a clean shutdown)."""
+        return self._failure
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until the executor has shut down (on request, on a failure, or when its leader stopped)."""
+        return self._shutdown_done.wait(timeout)
 
     # -- worker monitor ------------------------------------------------------------------
 
@@ -253,6 +338,10 @@ class MultiprocExecutor(Executor):
             self._shutdown_done.set()
 
     def _shutdown(self) -> None:
+        if self._heartbeat is not None:  # tell the other side(s) first: they stop too, without a timeout
+            reason = self._stop_reason or (str(self._failure).split("\n")[0] if self._failure else "shut down")
+            clean = self._failure is None and self._stop_reason is None
+            self._heartbeat.close(Bye(self.parallel_config.node_rank_within_dp, clean, reason[:300]))
         if self._monitor_wake_w is not None:
             self._monitor_wake_w.close()  # stop the monitor: it must not report our own stop as a failure
         workers = self.workers
@@ -260,8 +349,10 @@ class MultiprocExecutor(Executor):
             if w.death_writer is not None:
                 w.death_writer.close()
                 w.death_writer = None
-        self._ensure_worker_termination([w.proc for w in workers], self.config.shutdown_grace_s,
-                                        self.config.shutdown_term_s)
+        grace, term = self.config.shutdown_grace_s, self.config.shutdown_term_s
+        if self._fast_stop:
+            grace, term = min(grace, 0.2), min(term, 1.0)
+        self._ensure_worker_termination([w.proc for w in workers], grace, term)
         mqs: list[MessageQueue | None] = [self.rpc_broadcast_mq, *self.response_mqs]
         for w in workers:
             mqs += [w.worker_response_mq, *w.peer_worker_response_mqs]
@@ -354,3 +445,12 @@ class _Collector:
                 raise WorkerError(value.rank, value.error_type, value.message, value.traceback, self.name)
         values = [self.got[r][1] for r in self.ranks]
         return values[0] if self.single else values
+
+
+def _resolve(host: str) -> str:
+    """An address to bind for `host` (node 0's master_addr, which is one of its own addresses)."""
+    import socket
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as e:
+        raise ValueError(f"master_addr={host!r} does not resolve ({e}): give node 0's IP address") from None

@@ -29,10 +29,21 @@ def test_transport_demo_runs_and_verifies_every_payload() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_engine_demo_checks_every_step_and_prints_the_table() -> None:
-    r = run("demo", "--steps", "40", timeout=170)
+def test_engine_demo_on_one_node_checks_every_step_and_prints_the_table() -> None:
+    r = run("demo", "--nodes", "1", "--steps", "40", timeout=170)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "TP=2 x PP=2 = 4 workers" in r.stdout
+    assert "TP=2 x PP=2 = 4 workers on this node" in r.stdout
     assert "all outputs match the single-process model; workers exited cleanly" in r.stdout
     for row in ("step latency p50", "step latency p99", "executor overhead p50"):
         assert row in r.stdout
+
+
+@pytest.mark.timeout(180)
+def test_default_demo_runs_two_simulated_nodes_and_leaves_nothing() -> None:
+    r = run("demo", "--steps", "30", timeout=170)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "on 2 simulated nodes" in r.stdout
+    table = [ln.split() for ln in r.stdout.splitlines() if ln.strip()[:1].isdigit() and "Worker" in ln]
+    assert [row[0] for row in table] == ["0", "1", "2", "3"] and [row[1] for row in table] == ["0", "0", "1", "1"]
+    assert "step latency p99" in r.stdout and "outputs equal to 1-process model          30" in r.stdout
+    assert "no process, shm segment or namespace left behind" in r.stdout

@@ -254,6 +254,8 @@ class MessageQueue:
         t0 = _perf()
         next_log = t0 + 10.0
         while missing["local"] or missing["remote"]:
+            if self._shutdown:
+                raise QueueShutdown(f"wait_until_ready interrupted by shutdown(): {self._describe_missing(missing)}")
             now = _perf()
             if deadline is not None and now >= deadline:
                 raise QueueTimeout(f"wait_until_ready timed out after {timeout}s: {self._describe_missing(missing)}")

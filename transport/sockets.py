@@ -19,7 +19,8 @@ import zmq
 from .errors import QueueTimeout, TransportError
 from .net import is_ipv6
 
-__all__ = ["context", "make_publisher", "make_subscriber", "zmq_errors", "HELLO_PREFIX"]
+__all__ = ["context", "make_publisher", "make_subscriber", "make_router", "make_dealer", "zmq_errors",
+           "HELLO_PREFIX"]
 
 #: Subscription topic prefix a reader adds so the writer can tell who arrived.
 HELLO_PREFIX = b"\x00rayfree-hello:"
@@ -87,6 +88,48 @@ def make_subscriber(endpoint: str, hello: bytes, *, maxmsgsize: int | None) -> z
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.SUBSCRIBE, HELLO_PREFIX + hello)
         with zmq_errors(f"connecting a subscriber to {endpoint}"):
+            sock.connect(endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def make_router(bind_to: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
+    """A ROUTER bound to `bind_to` for small control messages (heartbeats); a busy port is a clear error."""
+    sock = context().socket(zmq.ROUTER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
+        sock.setsockopt(zmq.SNDHWM, 100)
+        sock.setsockopt(zmq.RCVHWM, 1000)
+        if _is_tcp_v6(bind_to):
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.bind(bind_to)
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EADDRINUSE:
+                raise TransportError(f"{bind_to} is already in use: another rayfree leader (or something else) "
+                                     f"holds that port; stop it or choose another port") from e
+            raise TransportError(f"binding {bind_to}: {e.strerror}") from e
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def make_dealer(endpoint: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
+    """A DEALER connected to `endpoint` (reconnecting by itself); sends never block for long."""
+    sock = context().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
+        sock.setsockopt(zmq.SNDHWM, 10)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if _is_tcp_v6(endpoint):
+            sock.setsockopt(zmq.IPV6, 1)
+        with zmq_errors(f"connecting to {endpoint}"):
             sock.connect(endpoint)
     except BaseException:
         sock.close(linger=0)

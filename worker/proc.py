@@ -39,7 +39,7 @@ from transport import Handle, MessageQueue, TransportError
 from .messages import FAILURE, SUCCESS, Ready, RemoteError, StartupFailed, decode, encode
 
 __all__ = ["WorkerProc", "UnreadyWorkerProcHandle", "WorkerProcHandle", "WorkerStartupError", "resolve_worker_cls",
-           "exit_description"]
+           "exit_description", "worker_info"]
 
 logger = logging.getLogger("rayfree.worker")
 
@@ -161,6 +161,8 @@ class WorkerProc:
             self.async_output_queue = queue.Queue()
             threading.Thread(target=self.async_output_busy_loop, daemon=True, name="WorkerAsyncOutput").start()
         self._init_message_queues(input_shm_handle)
+        global _this
+        _this = self
 
     def _init_message_queues(self, input_shm_handle: bytes | None) -> None:
         if self.config.parallel.nnodes_within_dp == 1:
@@ -209,18 +211,21 @@ class WorkerProc:
 
     @staticmethod
     def wait_for_ready(unready: list[UnreadyWorkerProcHandle], timeout: float | None = None,
-                       is_local_rank=lambda rank: True) -> list[WorkerProcHandle]:
+                       is_local_rank=lambda rank: True, attach: bool = True) -> list[WorkerProcHandle]:
         """Wait for every worker's READY; raise WorkerStartupError naming whoever failed or was late.
 
         Waits on the ready pipes and the process sentinels together, so a worker
         that dies before READY is reported at once, with its exit code.
+        `attach=False` (a follower node): do not attach to the workers' reply
+        queues. Their one reader is the leader; a second subscriber could take
+        the queue's READY in its place.
         """
         pending = {h.ready_pipe: h for h in unready}
         by_sentinel = {h.proc.sentinel: h for h in unready}
         done: dict[int, WorkerProcHandle] = {}
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            WorkerProc._wait_all(pending, by_sentinel, done, deadline, timeout, is_local_rank)
+            WorkerProc._wait_all(pending, by_sentinel, done, deadline, timeout, is_local_rank, attach)
         except BaseException:
             for w in done.values():  # queues already attached to ready workers
                 for mq in (w.worker_response_mq, *w.peer_worker_response_mqs):
@@ -232,7 +237,7 @@ class WorkerProc:
         return [done[h.rank] for h in unready]
 
     @staticmethod
-    def _wait_all(pending, by_sentinel, done, deadline, timeout, is_local_rank) -> None:
+    def _wait_all(pending, by_sentinel, done, deadline, timeout, is_local_rank, attach) -> None:
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             waiting_on = list(pending) + [s for s, h in by_sentinel.items() if h.ready_pipe in pending]
@@ -263,7 +268,8 @@ class WorkerProc:
                 if isinstance(msg, StartupFailed):
                     raise WorkerStartupError(f"worker rank {msg.rank} failed to start: {msg.error_type}: "
                                              f"{msg.message}", msg.rank, msg.traceback)
-                done[h.rank] = WorkerProc._attach(msg, h, is_local_rank)
+                done[h.rank] = (WorkerProc._attach(msg, h, is_local_rank) if attach
+                                else WorkerProcHandle(h.proc, h.rank, None, [], h.death_writer))
 
     @staticmethod
     def _attach(msg: Ready, h: UnreadyWorkerProcHandle, is_local_rank) -> WorkerProcHandle:
@@ -315,6 +321,8 @@ class WorkerProc:
             except OSError as e:
                 logger.warning("closing an inherited pipe: %s", e)
         _configure_logging()
+        import faulthandler
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
         rank = kwargs.get("rank", -1)
         worker: WorkerProc | None = None
         failed = False
@@ -439,6 +447,34 @@ class WorkerProc:
 
 
 _STOP = object()
+#: The WorkerProc of this process (set once it is built), for `worker_info`.
+_this: WorkerProc | None = None
+
+
+def worker_info(_worker: Any = None) -> dict[str, Any]:
+    """Where this rank runs and how its queues travel; `collective_rpc(worker_info)` gives the topology."""
+    import socket
+    from transport import get_ip
+    wp = _this
+    par = wp.config.parallel if wp is not None else None
+
+    def path(mq: MessageQueue | None, writer_side: bool) -> str:
+        if mq is None:
+            return "-"
+        if writer_side:
+            return "shm" if mq.n_local_reader else "tcp"
+        return "shm" if mq.is_local_reader else "tcp"
+
+    return {
+        "rank": wp.rank if wp is not None else -1,
+        "node": par.node_of(wp.rank) if par is not None and wp is not None else 0,
+        "host": socket.gethostname(),
+        "ip": get_ip(peer=par.master_addr if par is not None and par.nnodes > 1 else None),
+        "pid": os.getpid(),
+        "process": multiprocessing.current_process().name,
+        "broadcast": path(wp.rpc_broadcast_mq if wp else None, False),
+        "replies": path(wp.worker_response_mq if wp else None, True),
+    }
 
 
 def _destroy_distributed() -> None:

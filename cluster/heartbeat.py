@@ -1,0 +1,332 @@
+"""Heartbeats between the leader node and its followers: a lost node is noticed in bounded time.
+
+vLLM's head waits for a dead node's replies until the RPC timeout, and its
+followers keep running when the head dies. Here every follower sends a `Beat`
+to the leader each interval and the leader answers each one; a side that hears
+nothing from the other for `timeout` seconds reports the other lost. A node
+that stops on purpose says `Bye`, so a clean stop is not mistaken for a loss.
+
+A dropped TCP connection (the peer's process died, so its kernel closed the
+socket) makes the other side suspicious: unless the peer beats again within a
+short window (two intervals and a reconnect), it is lost at once, without
+waiting out the whole timeout. A cut link drops no connection, so that case
+takes the timeout.
+
+Liveness is only enforced once `arm()` is called (when the executor is ready):
+before that, start-up may legitimately take minutes (model load), and the
+workers' own join timeout bounds it. The sockets are made in
+`transport.sockets`, the one place where TCP sockets are made (and secured).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Callable
+
+import msgspec
+import zmq
+
+from transport.net import tcp_endpoint
+from transport.sockets import make_dealer, make_router
+
+__all__ = ["Beat", "Bye", "HeartbeatServer", "HeartbeatClient"]
+
+logger = logging.getLogger("rayfree.cluster")
+
+#: How long a closing socket may take to put its goodbye on the wire.
+_BYE_LINGER_MS = 300
+#: How often a waiting side says what it waits for.
+WAIT_LOG_S = 10.0
+
+
+class Beat(msgspec.Struct, tag="beat", array_like=True):
+    """I am alive: a follower's ranks and address (the leader answers with node_rank 0)."""
+
+    node_rank: int
+    ranks: list[int]
+    ip: str
+    pid: int
+    seq: int
+
+
+class Bye(msgspec.Struct, tag="bye", array_like=True):
+    """I stop on purpose; `clean` is False when the sender stops because something failed."""
+
+    node_rank: int
+    clean: bool
+    reason: str
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(Beat | Bye).decode
+
+#: on_lost(node_rank, ranks, ip, why) / on_bye(node_rank, clean, reason)
+LostCallback = Callable[[int, list[int], str, str], None]
+ByeCallback = Callable[[int, bool, str], None]
+
+
+class _Peer:
+    __slots__ = ("node_rank", "ranks", "ip", "identity", "last_seen", "gone")
+
+    def __init__(self, node_rank: int, ranks: list[int]) -> None:
+        self.node_rank = node_rank
+        self.ranks = ranks
+        self.ip = "?"
+        self.identity: bytes | None = None
+        self.last_seen: float | None = None
+        self.gone = False
+
+
+class _Beater:
+    """A thread that owns one socket (ZeroMQ sockets are not thread-safe) until `close()`."""
+
+    def __init__(self, interval: float, timeout: float, name: str) -> None:
+        if not 0 < interval < timeout:
+            raise ValueError(f"heartbeat interval {interval}s must be positive and below the timeout {timeout}s")
+        self.interval = interval
+        self.timeout = timeout
+        self.armed_at: float | None = None
+        #: when a connection last dropped; a peer silent since then is lost after `suspect_window`
+        self.suspect_at: float | None = None
+        self.suspect_window = min(timeout, 2 * interval + 0.2)
+        self._stop = threading.Event()
+        self._bye: Bye | None = None
+        self._thread = threading.Thread(target=self._run_guarded, daemon=True, name=name)
+
+    def arm(self) -> None:
+        """From now on, silence longer than the timeout is a loss."""
+        self.armed_at = time.monotonic()
+
+    def close(self, bye: Bye | None = None, timeout: float = 5.0) -> None:
+        """Stop the thread; say `bye` to the other side(s) first, if given."""
+        self._bye = bye
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _poller(self, sock: zmq.Socket) -> tuple[zmq.Poller, zmq.Socket]:
+        """Poll the socket and a monitor of its dropped connections."""
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        return poller, monitor
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                monitor.recv_multipart(zmq.NOBLOCK)  # [event, endpoint]: which one does not matter here
+            except zmq.Again:
+                return
+            self.suspect_at = time.monotonic()
+
+    def _receive(self, poller: zmq.Poller, monitor: zmq.Socket, sock: zmq.Socket, poll_ms: int) -> list[list[bytes]]:
+        """Wait up to `poll_ms` for messages; note dropped connections on the way."""
+        events = dict(poller.poll(poll_ms))
+        if monitor in events:
+            self._on_monitor(monitor)
+        got: list[list[bytes]] = []
+        if sock in events:
+            while True:
+                try:
+                    got.append(sock.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    return got
+        return got
+
+    @staticmethod
+    def _close(sock: zmq.Socket, monitor: zmq.Socket, linger: int) -> None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(linger=0)
+        sock.close(linger=linger)
+
+    def _silent(self, last: float | None, now: float) -> str | None:
+        """Why a peer last heard from at `last` counts as lost now (None: it does not)."""
+        assert self.armed_at is not None
+        since = max(last or 0.0, self.armed_at)
+        if now - since > self.timeout:
+            return f"no heartbeat for {now - since:.1f}s (heartbeat_timeout_s={self.timeout})"
+        if self.suspect_at is not None and since < self.suspect_at and now - self.suspect_at > self.suspect_window:
+            return (f"its connection dropped and it did not beat again within {self.suspect_window:.1f}s "
+                    f"(its process died, or its host went down)")
+        return None
+
+    def _run_guarded(self) -> None:
+        try:
+            self._run()
+        except Exception:  # noqa: BLE001 - a dead heartbeat thread must not be silent
+            logger.exception("%s: heartbeat thread failed", self._thread.name)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class HeartbeatServer(_Beater):
+    """On the leader: answers every follower's beat and reports a follower that falls silent."""
+
+    def __init__(self, bind_ip: str, port: int, followers: dict[int, list[int]], interval: float, timeout: float,
+                 on_lost: LostCallback) -> None:
+        super().__init__(interval, timeout, "RayfreeHeartbeatServer")
+        self.endpoint = tcp_endpoint(bind_ip, port)
+        self.peers = {k: _Peer(k, ranks) for k, ranks in followers.items()}
+        self.on_lost = on_lost
+        self._sock = make_router(self.endpoint)  # in the caller's thread: a busy port fails the start-up
+        self._thread.start()
+
+    def heard_from(self) -> list[int]:
+        return sorted(k for k, p in self.peers.items() if p.last_seen is not None)
+
+    def _run(self) -> None:
+        sock = self._sock
+        poll_ms = int(min(self.interval, 0.1) * 1000)
+        me = os.getpid()
+        seq = 0
+        poller, monitor = self._poller(sock)
+        try:
+            while not self._stop.is_set():
+                for frames in self._receive(poller, monitor, sock, poll_ms):
+                    seq += 1
+                    self._on_message(sock, frames, me, seq)
+                self._check()
+            self._say_bye(sock)
+        finally:
+            self._close(sock, monitor, _BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
+
+    def _on_message(self, sock: zmq.Socket, frames: list[bytes], me: int, seq: int) -> None:
+        if len(frames) != 2:
+            logger.warning("heartbeat: dropped a message of %d frames", len(frames))
+            return
+        identity, payload = frames
+        try:
+            msg = _decode(payload)
+        except msgspec.DecodeError as e:
+            logger.warning("heartbeat: dropped an unreadable message (%s)", e)
+            return
+        peer = self.peers.get(msg.node_rank)
+        if peer is None:
+            logger.warning("heartbeat from node %d, which is not a follower of this leader (followers: %s)",
+                           msg.node_rank, sorted(self.peers))
+            return
+        if peer.gone:
+            return
+        if isinstance(msg, Bye):
+            peer.gone = True
+            logger.warning("follower node %d (%s) stopped: %s", peer.node_rank, peer.ip, msg.reason)
+            self.on_lost(peer.node_rank, peer.ranks, peer.ip, f"it stopped ({msg.reason})")
+            return
+        if peer.last_seen is None:
+            logger.info("follower node %d (%s, ranks %s) is beating", msg.node_rank, msg.ip, msg.ranks)
+        peer.identity, peer.ip, peer.last_seen = identity, msg.ip, time.monotonic()
+        try:
+            sock.send_multipart([identity, _encode(Beat(0, [], "", me, seq))], zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # its queue is full: it is not reading, and its own timeout will tell it
+
+    def _check(self) -> None:
+        if self.armed_at is None:
+            return
+        now = time.monotonic()
+        for peer in self.peers.values():
+            if peer.gone:
+                continue
+            why = self._silent(peer.last_seen, now)
+            if why is not None:
+                peer.gone = True
+                if peer.last_seen is None:
+                    why = f"it never sent a heartbeat to {self.endpoint} (is that port reachable from it?)"
+                logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, why)
+                self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
+
+    def _say_bye(self, sock: zmq.Socket) -> None:
+        if self._bye is None:
+            return
+        for peer in self.peers.values():
+            if peer.identity is not None and not peer.gone:
+                try:
+                    sock.send_multipart([peer.identity, _encode(self._bye)], zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+
+
+class HeartbeatClient(_Beater):
+    """On a follower: beats toward the leader; reports the leader lost, or gone on purpose (`Bye`)."""
+
+    def __init__(self, master_addr: str, port: int, node_rank: int, ranks: list[int], ip: str, interval: float,
+                 timeout: float, on_lost: Callable[[str], None], on_bye: ByeCallback) -> None:
+        super().__init__(interval, timeout, "RayfreeHeartbeatClient")
+        self.endpoint = tcp_endpoint(master_addr, port)
+        self.node_rank = node_rank
+        self.ranks = ranks
+        self.ip = ip
+        self.on_lost = on_lost
+        self.on_bye = on_bye
+        self.contact = threading.Event()
+        self.last_reply: float | None = None
+        self._sock = make_dealer(self.endpoint)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sock = self._sock
+        poll_ms = int(min(self.interval, 0.1) * 1000)
+        pid = os.getpid()
+        seq = 0
+        next_beat = 0.0
+        started = next_log = time.monotonic()
+        next_log += WAIT_LOG_S
+        poller, monitor = self._poller(sock)
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    seq += 1
+                    try:
+                        sock.send(_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq)), zmq.NOBLOCK)
+                    except zmq.Again:
+                        pass  # not connected yet, or the link is down: the timeout decides
+                    next_beat = now + self.interval
+                for frames in self._receive(poller, monitor, sock, poll_ms):
+                    if len(frames) == 1 and self._on_message(frames[0]):
+                        return
+                now = time.monotonic()
+                if not self.contact.is_set() and now >= next_log:
+                    logger.warning("node %d: still waiting for the leader (node 0) to answer at %s after %.0fs; "
+                                   "is node 0 started, and is that port reachable from here?", self.node_rank,
+                                   self.endpoint, now - started)
+                    next_log = now + WAIT_LOG_S
+                if self.armed_at is not None:
+                    silent = self._silent(self.last_reply, now)
+                    if silent is not None:
+                        why = f"the leader at {self.endpoint}: {silent}"
+                        logger.error("node %d: leader lost: %s", self.node_rank, why)
+                        self.on_lost(why)
+                        return
+            if self._bye is not None:
+                try:
+                    sock.send(_encode(self._bye), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        finally:
+            self._close(sock, monitor, _BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
+
+    def _on_message(self, payload: bytes) -> bool:
+        """True when the leader said goodbye."""
+        try:
+            msg = _decode(payload)
+        except msgspec.DecodeError as e:
+            logger.warning("heartbeat: dropped an unreadable message from the leader (%s)", e)
+            return False
+        if isinstance(msg, Bye):
+            logger.info("node %d: the leader stopped (%s)", self.node_rank, msg.reason)
+            self.on_bye(msg.node_rank, msg.clean, msg.reason)
+            return True
+        self.last_reply = time.monotonic()
+        if not self.contact.is_set():
+            logger.info("node %d: the leader answers at %s", self.node_rank, self.endpoint)
+            self.contact.set()
+        return False

@@ -1,0 +1,231 @@
+"""`rayfree doctor`: check what breaks multi-node runs in practice, and say how to fix each.
+
+Each check prints one line (ok / warn / FAIL) and, when not ok, the fix. The
+exit code is 1 when any check fails, so `doctor --quick` serves as a
+container healthcheck: --quick skips what touches the network (connecting to
+the master, binding ports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+from cluster.config import ClusterConfig, ConfigError, load_config
+
+__all__ = ["run_doctor", "Check", "diagnose"]
+
+GiB = 1 << 30
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok", "warn", "FAIL"
+    detail: str
+    fix: str = ""
+
+
+def _fmt(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 4 else f"{n / (1 << 20):.0f} MiB"
+
+
+def check_shm(config: ClusterConfig) -> Check:
+    from transport import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
+    from transport.shm_ring import shm_free_bytes
+    from worker.proc import REPLY_CHUNK_BYTES, REPLY_CHUNKS
+    par = config.parallel
+    need = (DEFAULT_MAX_CHUNK_BYTES * DEFAULT_MAX_CHUNKS if par.node_rank_within_dp == 0 else 0) \
+        + par.local_ranks * REPLY_CHUNK_BYTES * REPLY_CHUNKS
+    free = shm_free_bytes()
+    if free is None:
+        return Check("/dev/shm", "FAIL", "/dev/shm is missing or unreadable",
+                     "mount a tmpfs on /dev/shm (docker: --ipc=host or --shm-size=2g)")
+    detail = f"{_fmt(free)} free; this node's queues need {_fmt(need)} (broadcast ring + one reply ring per rank)"
+    if free < need:
+        return Check("/dev/shm", "FAIL", detail, f"give it at least {_fmt(2 * need)}: docker run --shm-size="
+                     f"{max(1, 2 * need // GiB + 1)}g (compose: shm_size, or ipc: host)")
+    if free < 2 * need:
+        return Check("/dev/shm", "warn", detail, "little headroom for large messages: enlarge /dev/shm")
+    return Check("/dev/shm", "ok", detail)
+
+
+def _iface_of(ip: str) -> str | None:
+    try:
+        import netifaces
+        for iface in netifaces.interfaces():
+            for fam in (netifaces.AF_INET, netifaces.AF_INET6):
+                if any(a.get("addr", "").split("%")[0] == ip for a in netifaces.ifaddresses(iface).get(fam, [])):
+                    return iface
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    return None
+
+
+def check_ip(config: ClusterConfig) -> tuple[Check, str]:
+    from transport.net import HOST_IP_ENV, _default_route_ip, _route_to, get_ip
+    par = config.parallel
+    multi = par.nnodes > 1
+    ip = get_ip(peer=par.master_addr if multi else None)
+    if os.environ.get(HOST_IP_ENV):
+        why = f"{HOST_IP_ENV} is set"
+    elif multi and _route_to(par.master_addr) == ip:
+        why = f"it is the source address of the route toward master_addr {par.master_addr}"
+    elif ip == _default_route_ip():
+        why = "it is the address of the default route's interface"
+    else:
+        why = "nothing better was found"
+    iface = _iface_of(ip) or "?"
+    detail = f"{ip} on {iface} ({why})"
+    if multi and (ip.startswith("127.") or ip == "::1"):
+        return Check("address", "FAIL", detail,
+                     f"other nodes cannot reach loopback: set {HOST_IP_ENV} to this node's cluster address"), ip
+    return Check("address", "ok", detail), ip
+
+
+def check_master(config: ClusterConfig, quick: bool) -> Check:
+    from cluster.config import is_local_address
+    from transport.net import _route_to
+    par = config.parallel
+    where = f"{par.master_addr}:{par.master_port}"
+    try:
+        socket.getaddrinfo(par.master_addr, None)
+    except OSError as e:
+        return Check("master_addr", "FAIL", f"{par.master_addr!r} does not resolve ({e})",
+                     "give node 0's IP address (RAYFREE_MASTER_ADDR / --master-addr)")
+    if par.node_rank == 0:
+        if not is_local_address(par.master_addr):
+            return Check("master_addr", "FAIL", f"{par.master_addr} is not an address of this machine, but this "
+                         f"is node 0, which hosts the rendezvous", "set master_addr to one of this node's addresses")
+        return Check("master_addr", "ok", f"{where} is local (this node hosts the rendezvous)")
+    src = _route_to(par.master_addr)
+    if src is None:
+        return Check("master_addr", "FAIL", f"no route to {par.master_addr}",
+                     "check the network between the nodes, or the address")
+    if quick:
+        return Check("master_addr", "ok", f"routes via {src}")
+    try:
+        with socket.create_connection((par.master_addr, par.master_port), timeout=2):
+            return Check("master_addr", "ok", f"{where} answers (routes via {src})")
+    except OSError as e:
+        return Check("master_addr", "warn", f"{where} does not answer yet ({e.strerror or e})",
+                     "start node 0 (followers may start first: they wait), or open that port in the firewall")
+
+
+def check_ports(config: ClusterConfig) -> Check:
+    par = config.parallel
+    if par.node_rank != 0:
+        return Check("ports", "ok", "only node 0 listens on fixed ports")
+    from cluster.config import is_local_address
+    if not is_local_address(par.master_addr):
+        return Check("ports", "warn", f"not checked: {par.master_addr} is not an address of this machine")
+    busy = []
+    for port in (par.master_port, config.heartbeat_endpoint_port):
+        with socket.socket(socket.AF_INET6 if ":" in par.master_addr else socket.AF_INET) as s:
+            try:
+                s.bind((par.master_addr, port))
+            except OSError:
+                busy.append(port)
+    if busy:
+        return Check("ports", "FAIL", f"port(s) {busy} on {par.master_addr} are in use",
+                     "stop whatever holds them (another rayfree leader?) or change master_port / heartbeat_port")
+    return Check("ports", "ok", f"{par.master_port} (rendezvous) and {config.heartbeat_endpoint_port} (heartbeats) "
+                 f"are free")
+
+
+def check_ifnames(ip: str) -> Check:
+    gloo, nccl = os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")
+    if not gloo and not nccl:
+        return Check("socket ifname", "ok", "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset: gloo uses the "
+                     "hostname's address")
+    try:
+        import netifaces
+        names = set(netifaces.interfaces())
+    except Exception:  # noqa: BLE001
+        names = set()
+    for var, val in (("GLOO_SOCKET_IFNAME", gloo), ("NCCL_SOCKET_IFNAME", nccl)):
+        if val and names and val.split(",")[0].lstrip("^=") not in names:
+            return Check("socket ifname", "FAIL", f"{var}={val} is not an interface here (have {sorted(names)})",
+                         f"set {var} to the interface of the cluster network")
+    if gloo and nccl and gloo != nccl:
+        return Check("socket ifname", "warn", f"GLOO_SOCKET_IFNAME={gloo} but NCCL_SOCKET_IFNAME={nccl}",
+                     "use the same interface for both, unless you mean to split the traffic")
+    mine = _iface_of(ip)
+    if gloo and mine and gloo != mine:
+        return Check("socket ifname", "warn", f"GLOO_SOCKET_IFNAME={gloo} but rayfree's address {ip} is on {mine}",
+                     f"set GLOO_SOCKET_IFNAME={mine}, or RAYFREE_HOST_IP to an address on {gloo}")
+    return Check("socket ifname", "ok", ", ".join(f"{k}={v}" for k, v in (("GLOO_SOCKET_IFNAME", gloo),
+                                                                             ("NCCL_SOCKET_IFNAME", nccl)) if v))
+
+
+def stale_segments() -> list[str]:
+    """rayfree segments and ipc directories whose creating process is gone."""
+    from transport.net import runtime_dir
+    from transport.shm_ring import SEGMENT_PREFIX, SHM_DIR
+    out = []
+    for d in (SHM_DIR, runtime_dir()):
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        for n in names:
+            if not n.startswith(SEGMENT_PREFIX):
+                continue
+            try:
+                pid = int(n[len(SEGMENT_PREFIX):].split("-", 1)[0])
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                out.append(os.path.join(d, n))
+            except (ValueError, PermissionError):
+                continue
+    return sorted(out)
+
+
+def check_stale(fix: bool, ask: bool) -> Check:
+    stale = stale_segments()
+    if not stale:
+        return Check("stale segments", "ok", "no rayfree segment or ipc directory of a dead process")
+    size = sum(os.path.getsize(p) for p in stale if os.path.isfile(p))
+    detail = f"{len(stale)} left by dead processes ({_fmt(size)}): {', '.join(os.path.basename(p) for p in stale[:4])}"
+    if ask and not fix:
+        answer = input(f"  remove {len(stale)} stale rayfree segment(s) ({_fmt(size)})? [y/N] ")
+        fix = answer.strip().lower() in ("y", "yes")
+    if fix:
+        import shutil
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
+        return Check("stale segments", "ok", detail + " - removed")
+    return Check("stale segments", "warn", detail, "run `rayfree doctor --fix` to remove them")
+
+
+def diagnose(config: ClusterConfig, quick: bool = False, fix: bool = False, ask: bool = False) -> list[Check]:
+    checks = [check_shm(config)]
+    ip_check, ip = check_ip(config)
+    checks += [ip_check, check_master(config, quick)]
+    if not quick:
+        checks.append(check_ports(config))
+    checks += [check_ifnames(ip), check_stale(fix, ask)]
+    return checks
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    try:
+        # Node 0's "master_addr must be local" is reported as a check, not as a crash.
+        config = load_config(args, check_local_master=False)
+    except ConfigError as e:
+        print(f"rayfree doctor: the configuration itself is wrong: {e}")
+        return 1
+    par = config.parallel
+    print(f"rayfree doctor: node {par.node_rank} of {par.nnodes}, {par.local_ranks} rank(s) here, master "
+          f"{par.master_addr}:{par.master_port}")
+    checks = diagnose(config, quick=args.quick, fix=args.fix, ask=not args.quick and sys.stdin.isatty())
+    for c in checks:
+        print(f"  [{c.status:^4}] {c.name:<15} {c.detail}")
+        if c.fix and c.status != "ok":
+            print(f"  {'':6} {'':<15} fix: {c.fix}")
+    failed = [c for c in checks if c.status == "FAIL"]
+    print(f"  {len(failed)} problem(s)" if failed else "  nothing blocks a run")
+    return 1 if failed else 0

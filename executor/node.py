@@ -1,0 +1,164 @@
+"""`rayfree node`: run one node of a cluster — the leader with the engine's entry point, or a headless follower.
+
+Every option also comes from the environment (RAYFREE_WORKER, RAYFREE_ENTRY,
+RAYFREE_HEADLESS, RAYFREE_WORKER_KWARGS and every RAYFREE_<config field>) and
+from a config file, so a compose file can hold the whole invocation.
+
+Exit codes: 0 clean stop (the entry returned 0, the leader shut down, or
+SIGTERM); 1 the cluster failed (a node or worker lost, the leader gone); 2 bad
+usage; otherwise the entry point's own return value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any, Callable
+
+from cluster.config import ClusterConfig, ConfigError, add_config_arguments, load_config
+
+__all__ = ["add_node_arguments", "run_node", "NodeUsageError"]
+
+logger = logging.getLogger("rayfree.node")
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class NodeUsageError(ValueError):
+    """The node was started with options that cannot work; the message says which and how to fix them."""
+
+
+class _StopRequested(BaseException):
+    """SIGTERM / SIGINT: stop this node cleanly (a BaseException so no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--worker", metavar="PKG.MOD:CLASS", help="the engine's worker class [RAYFREE_WORKER]")
+    p.add_argument("--worker-kwargs", metavar="JSON", help="keyword arguments for the worker, as a JSON object "
+                   "[RAYFREE_WORKER_KWARGS]")
+    p.add_argument("--entry", metavar="PKG.MOD:FUNC", help="node 0: the engine's driver, called with the executor; "
+                   "its return value is the exit code [RAYFREE_ENTRY]")
+    p.add_argument("--headless", action="store_const", const="1", default=None,
+                   help="a follower node: run this node's workers, no driver [RAYFREE_HEADLESS=1]")
+    add_config_arguments(p)
+
+
+def _option(args: argparse.Namespace, name: str, env: dict[str, str] | Any) -> str | None:
+    v = getattr(args, name, None)
+    return v if v is not None else env.get("RAYFREE_" + name.upper()) or None
+
+
+def _load_entry(spec: str) -> Callable[[Any], Any]:
+    mod, sep, name = spec.partition(":")
+    if not sep or not mod or not name:
+        raise NodeUsageError(f"--entry {spec!r}: write it as 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(mod)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise NodeUsageError(f"--entry {spec!r}: {e}") from None
+    if not callable(obj):
+        raise NodeUsageError(f"--entry {spec!r} is not a function")
+    return obj
+
+
+def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[ClusterConfig, str, dict, str | None]:
+    """Config, worker class, worker kwargs and entry point of this node; NodeUsageError when they cannot work."""
+    env = os.environ if env is None else env
+    config = load_config(args, env=env)
+    par = config.parallel
+    worker = _option(args, "worker", env)
+    if not worker:
+        raise NodeUsageError("give the worker class: --worker package.module:Class (or RAYFREE_WORKER)")
+    raw_kwargs = _option(args, "worker_kwargs", env)
+    try:
+        kwargs = json.loads(raw_kwargs) if raw_kwargs else {}
+    except json.JSONDecodeError as e:
+        raise NodeUsageError(f"--worker-kwargs is not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise NodeUsageError("--worker-kwargs must be a JSON object, e.g. '{\"model\": \"...\"}'")
+    headless = (_option(args, "headless", env) or "0").strip().lower() in ("1", "true", "yes")
+    entry = _option(args, "entry", env)
+    leader = par.node_rank_within_dp == 0
+    if par.nnodes > 1 and par.data_parallel_size > 1:
+        raise NodeUsageError("rayfree node runs one DP replica across nodes; data_parallel_size > 1 with several "
+                             "nodes is not supported yet: run one replica per set of nodes")
+    if leader and headless:
+        raise NodeUsageError(f"node_rank={par.node_rank} leads its replica, so it cannot be --headless: give the "
+                             f"followers node ranks 1..{par.nnodes - 1}")
+    if leader and not entry:
+        raise NodeUsageError("node 0 runs the engine: give --entry package.module:function (called with the "
+                             "executor), or start this node with --node-rank >= 1 --headless")
+    if not leader and entry:
+        raise NodeUsageError(f"node {par.node_rank} is a follower: only node 0 runs the entry point; drop --entry "
+                             f"(RAYFREE_ENTRY) here")
+    return config, worker, kwargs, entry
+
+
+def run_node(args: argparse.Namespace) -> int:
+    _configure_logging()
+    try:
+        config, worker, kwargs, entry_spec = plan(args)
+        entry = _load_entry(entry_spec) if entry_spec else None
+    except (NodeUsageError, ConfigError) as e:
+        print(f"rayfree node: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    par = config.parallel
+    role = "leader" if entry else "follower"
+    logger.info("node %d/%d (%s): %d rank(s) from %d, master %s:%d, worker %s", par.node_rank, par.nnodes, role,
+                par.local_ranks, par.global_start_rank, par.master_addr, par.master_port, worker)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise _StopRequested(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    from .errors import ExecutorError
+    from .multiproc import MultiprocExecutor
+    ex: MultiprocExecutor | None = None
+    try:
+        ex = MultiprocExecutor(config, worker, kwargs)
+        if entry is not None:
+            rc = entry(ex)
+            return rc if isinstance(rc, int) else 0
+        logger.info("node %d: %d worker(s) ready; serving the leader until it stops", par.node_rank, par.local_ranks)
+        while not ex.wait_done(1.0):
+            pass
+        if ex.failure is not None:
+            logger.error("node %d stopped: %s", par.node_rank, ex.failure)
+            return EXIT_FAILED
+        return 0
+    except _StopRequested as e:
+        logger.warning("node %d: %s received; stopping", par.node_rank, e)
+        return 0
+    except ExecutorError as e:
+        logger.error("node %d: %s", par.node_rank, e)
+        return EXIT_FAILED
+    except Exception as e:  # noqa: BLE001 - start-up errors: print them plainly, not as a crash
+        logger.error("node %d: %s: %s", par.node_rank, type(e).__name__, e)
+        logger.debug("traceback", exc_info=True)
+        return EXIT_FAILED
+    finally:
+        for s in old:  # the shutdown is bounded by its stages; a second signal must not cut it short
+            signal.signal(s, signal.SIG_IGN)
+        if ex is not None:
+            ex.shutdown()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _configure_logging() -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=os.environ.get("RAYFREE_LOG_LEVEL", "INFO"), stream=sys.stderr,
+                            format="(%(processName)s pid=%(process)d) %(levelname)s %(name)s: %(message)s")

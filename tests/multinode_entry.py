@@ -1,0 +1,108 @@
+"""Leader entry points for the multi-node tests (`rayfree node --entry tests.multinode_entry:NAME`).
+
+Each prints lines `TAG:{json}` for the test to read and returns the exit code.
+Callables sent to the workers live here, so the workers import them by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+
+def say(tag: str, **kw: Any) -> None:
+    print(f"{tag}:" + json.dumps(kw), flush=True)
+
+
+def where(worker: Any) -> dict:
+    from worker.proc import worker_info
+    return worker_info(worker)
+
+
+def fail_on(worker: Any, rank: int) -> int:
+    if worker.rank == rank:
+        raise KeyError(f"raised on purpose by rank {rank}")
+    return worker.rank
+
+
+def nap(worker: Any, seconds: float) -> int:
+    """Stands in for a long step: the remote node is busy in it when it is killed or cut off."""
+    time.sleep(seconds)
+    return worker.rank
+
+
+def check(ex) -> int:
+    """Toy engine equals the 1-process model; replies from remote ranks; unique_reply_rank on a remote rank;
+    a remote rank's exception; the tiny round trip to remote and to local ranks."""
+    import torch
+
+    from examples.toy_engine import make_batch, reference_forward
+    from executor import WorkerError
+    steps = 20
+    equal = sum(torch.equal(ex.execute_model(make_batch(s)), reference_forward(make_batch(s)["x"]))
+                for s in range(steps))
+    info = ex.collective_rpc(where, timeout=60)
+    remote = [r["rank"] for r in info if r["node"] != 0]
+    unique = ex.collective_rpc(where, unique_reply_rank=remote[-1], timeout=60)
+    try:
+        ex.collective_rpc(fail_on, args=(remote[0],), timeout=60)
+        error = ""
+    except WorkerError as e:
+        error = str(e)
+    after = ex.collective_rpc("check_health", timeout=60)
+
+    def rtt(rank: int, n: int = 300) -> float:
+        xs = []
+        for _ in range(n):
+            t = time.perf_counter()
+            ex.collective_rpc("check_health", unique_reply_rank=rank)
+            xs.append(time.perf_counter() - t)
+        return sorted(xs)[n // 2] * 1e6
+
+    say("RESULT", steps=steps, equal=int(equal), info=info, unique=unique, error=error, after=after,
+        rtt_local_us=rtt(0), rtt_remote_us=rtt(remote[0]))
+    return 0
+
+
+def hang(ex) -> int:
+    """A call every rank is busy in; the test takes a node away; report how and when the call failed."""
+    from executor import ExecutorError
+    fired = []
+    ex.register_failure_callback(lambda: fired.append(time.monotonic()))
+    fut = ex.collective_rpc(nap, args=(120.0,), non_block=True)
+    say("PENDING", t=time.monotonic())
+    try:
+        fut.result(timeout=100)
+        error, kind = "", ""
+    except ExecutorError as e:
+        error, kind = str(e), type(e.__cause__ or e).__name__
+    t_fail = time.monotonic()
+    try:
+        ex.collective_rpc("check_health", timeout=10)
+        later = "a later call succeeded"
+    except ExecutorError as e:
+        later = str(e)
+    t_later = time.monotonic() - t_fail
+    ex.wait_done(60)
+    say("RESULT", t_fail=t_fail, error=error, kind=kind, later=later, later_s=t_later, callbacks=len(fired))
+    return 0
+
+
+def serve(ex) -> int:
+    """Stay up until killed (the leader-loss test)."""
+    say("SERVING", pids=[w.proc.pid for w in ex.workers])
+    stop = threading.Event()
+    stop.wait(int(os.environ.get("RF_SERVE_S", "300")))
+    return 0
+
+
+def quick(ex) -> int:
+    """A few steps (start-order tests)."""
+    from examples.toy_engine import make_batch
+    for s in range(3):
+        ex.execute_model(make_batch(s))
+    say("RESULT", ok=True)
+    return 0

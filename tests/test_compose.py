@@ -1,0 +1,69 @@
+"""docker-compose.yml cannot rot: its invocations are the ones the tests and the demo run.
+
+tests/test_multinode.py starts its nodes with `compose_invocation("head" / "follower")`, i.e. with
+the command and environment read from this file; here the rest is checked: GPU reservations, shared
+memory, host networking, the healthcheck, the CPU profile, and that `rayfree demo` runs the same thing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cluster.config import ClusterConfig, ParallelConfig
+from executor.cluster_demo import node_command, node_env
+
+from .nodes import ROOT, compose, compose_invocation
+
+NODE_OPTIONS = {"RAYFREE_WORKER", "RAYFREE_ENTRY", "RAYFREE_HEADLESS", "RAYFREE_WORKER_KWARGS"}
+CONFIG_OPTIONS = {"RAYFREE_" + f.upper() for f in (*ParallelConfig.__struct_fields__,
+                                                   *ClusterConfig.__struct_fields__)}
+VALUES = {"RAYFREE_MASTER_ADDR": "10.0.0.1", "RAYFREE_MASTER_PORT": "29500"}
+
+
+def test_gpu_services_reserve_gpus_share_memory_and_use_the_host_network() -> None:
+    services = compose()["services"]
+    for name in ("head", "follower"):
+        svc = services[name]
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices), name
+        assert svc.get("ipc") == "host" or svc.get("shm_size"), f"{name}: /dev/shm would be docker's 64 MB"
+        assert svc.get("network_mode") == "host", f"{name}: multi-node needs the hosts' network"
+        assert svc["healthcheck"]["test"][1:] == ["rayfree", "doctor", "--quick"], name
+        assert "profiles" not in svc
+
+
+def test_every_variable_is_an_option_rayfree_reads() -> None:
+    for name, svc in compose()["services"].items():
+        for key in svc.get("environment") or {}:
+            if key.startswith("RAYFREE_"):
+                assert key in NODE_OPTIONS | CONFIG_OPTIONS, f"{name}: {key} is not a rayfree option (typo?)"
+
+
+def test_cpu_profile_runs_the_same_nodes_on_one_machine() -> None:
+    services = compose()["services"]
+    for gpu, cpu in (("head", "head-cpu"), ("follower", "follower-cpu")):
+        g_argv, g_env = compose_invocation(gpu, {**VALUES, "RAYFREE_NODE_RANK": "1"})
+        c_argv, c_env = compose_invocation(cpu, VALUES)
+        svc = services[cpu]
+        assert svc["profiles"] == ["cpu"] and svc.get("shm_size"), cpu
+        assert "deploy" not in svc, f"{cpu}: a CPU-only node must not reserve GPUs"
+        assert c_argv == g_argv
+        differ = {k for k in g_env.keys() | c_env.keys() if g_env.get(k) != c_env.get(k)}
+        assert differ <= {"RAYFREE_MASTER_ADDR", "GLOO_SOCKET_IFNAME", "RAYFREE_NODE_RANK"}, (cpu, differ)
+        assert c_env["RAYFREE_MASTER_ADDR"] == services["head-cpu"]["hostname"]
+
+
+def test_the_demo_runs_the_compose_invocation() -> None:
+    for k, service in ((0, "head"), (1, "follower")):
+        argv, env = compose_invocation(service, {**VALUES, "RAYFREE_NODE_RANK": str(k)})
+        assert node_command()[1:] == argv[1:]  # both: <python> -m executor.cli node
+        demo = node_env(2, k, VALUES["RAYFREE_MASTER_ADDR"], 29500, 2, 2)
+        assert {x: v for x, v in env.items() if x != "RAYFREE_HEARTBEAT_TIMEOUT_S"} == demo, service
+
+
+def test_the_image_installs_every_package() -> None:
+    with open(os.path.join(ROOT, "Dockerfile")) as f:
+        dockerfile = f.read()
+    for pkg in ("transport", "cluster", "worker", "executor", "examples"):
+        assert f"COPY {pkg} {pkg}" in dockerfile, pkg
+    assert "torch==2.13.0" in dockerfile and "pip install --no-cache-dir ." in dockerfile
