@@ -34,8 +34,9 @@ def assert_nothing_left(sim: SimulatedCluster, nodes) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_two_nodes_full_executor_equals_the_single_process_model() -> None:
-    with SimulatedCluster(2) as sim:
+@pytest.mark.parametrize("use_netns", [None, False], ids=["namespaces", "loopback-fallback"])
+def test_two_nodes_full_executor_equals_the_single_process_model(use_netns) -> None:
+    with SimulatedCluster(2, use_netns=use_netns) as sim:
         nodes = Nodes(sim, **FAST)
         lead = nodes.start(0, RAYFREE_ENTRY="tests.multinode_entry:check")
         follow = nodes.start(1)
