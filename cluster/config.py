@@ -275,6 +275,7 @@ def load_config(args: argparse.Namespace | Sequence[str] | None = None,
     path = getattr(args, "config", None) or file or env.get(ENV_PREFIX + "CONFIG")
     if path:
         raw = _read_file(path)
+        raw.pop("node", None)  # `rayfree node`'s own options (worker, entry, ...): read by executor/node.py
         par = dict(raw.pop("parallel", {}) or {})
         data.update(par)
         data.update(raw)

@@ -2,7 +2,8 @@
 
 Every option also comes from the environment (RAYFREE_WORKER, RAYFREE_ENTRY,
 RAYFREE_HEADLESS, RAYFREE_WORKER_KWARGS and every RAYFREE_<config field>) and
-from a config file, so a compose file can hold the whole invocation.
+from a config file (the cluster fields, plus a [node] table with worker,
+entry, headless, worker_kwargs), so a compose file can hold the whole invocation.
 
 Exit codes: 0 clean stop (the entry returned 0, the leader shut down, or
 SIGTERM); 1 the cluster failed (a node or worker lost, the leader gone); 2 bad
@@ -53,9 +54,28 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
 
 
-def _option(args: argparse.Namespace, name: str, env: dict[str, str] | Any) -> str | None:
+def _option(args: argparse.Namespace, name: str, env: dict[str, str] | Any, file: dict[str, Any]) -> str | None:
+    """Flag, else RAYFREE_<NAME>, else the config file's [node] table."""
     v = getattr(args, name, None)
-    return v if v is not None else env.get("RAYFREE_" + name.upper()) or None
+    if v is None:
+        v = env.get("RAYFREE_" + name.upper())
+    if v is None and name in file:
+        v = file[name]
+        v = json.dumps(v) if isinstance(v, dict) else ("1" if v is True else "0" if v is False else str(v))
+    return v or None
+
+
+def _file_options(args: argparse.Namespace, env: dict[str, str] | Any) -> dict[str, Any]:
+    from cluster.config import _read_file
+    path = getattr(args, "config", None) or env.get("RAYFREE_CONFIG")
+    node = _read_file(path).get("node", {}) if path else {}
+    if not isinstance(node, dict):
+        raise NodeUsageError(f"{path}: [node] must be a table (worker, entry, headless, worker_kwargs)")
+    unknown = set(node) - {"worker", "entry", "headless", "worker_kwargs"}
+    if unknown:
+        raise NodeUsageError(f"{path}: unknown [node] key(s) {sorted(unknown)}: use worker, entry, headless, "
+                             f"worker_kwargs")
+    return node
 
 
 def _load_entry(spec: str) -> Callable[[Any], Any]:
@@ -78,18 +98,19 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
     env = os.environ if env is None else env
     config = load_config(args, env=env)
     par = config.parallel
-    worker = _option(args, "worker", env)
+    file = _file_options(args, env)
+    worker = _option(args, "worker", env, file)
     if not worker:
         raise NodeUsageError("give the worker class: --worker package.module:Class (or RAYFREE_WORKER)")
-    raw_kwargs = _option(args, "worker_kwargs", env)
+    raw_kwargs = _option(args, "worker_kwargs", env, file)
     try:
         kwargs = json.loads(raw_kwargs) if raw_kwargs else {}
     except json.JSONDecodeError as e:
         raise NodeUsageError(f"--worker-kwargs is not JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise NodeUsageError("--worker-kwargs must be a JSON object, e.g. '{\"model\": \"...\"}'")
-    headless = (_option(args, "headless", env) or "0").strip().lower() in ("1", "true", "yes")
-    entry = _option(args, "entry", env)
+    headless = (_option(args, "headless", env, file) or "0").strip().lower() in ("1", "true", "yes")
+    entry = _option(args, "entry", env, file)
     leader = par.node_rank_within_dp == 0
     if par.nnodes > 1 and par.data_parallel_size > 1:
         raise NodeUsageError("rayfree node runs one DP replica across nodes; data_parallel_size > 1 with several "
