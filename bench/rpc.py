@@ -107,4 +107,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from executor.demo import demo_secret
+    with demo_secret():  # the remote paths are TCP, which needs a cluster secret (a throwaway one here)
+        main()

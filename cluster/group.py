@@ -170,11 +170,11 @@ class Group:
             if me == writer_rank:
                 raw = (external_writer_handle.to_bytes() if isinstance(external_writer_handle, Handle)
                        else bytes(external_writer_handle))
-            handle = Handle.from_bytes(self.broadcast_bytes(raw, writer_rank))
+            handle, nonce = Handle.from_signed(self.broadcast_bytes(raw, writer_rank))
             if handle.n_reader != self.world_size:
                 raise GroupError(f"the external writer's queue has {handle.n_reader} readers but {self!r} has "
                                  f"{self.world_size} ranks: make the queue with n_reader={self.world_size}")
-            mq = MessageQueue.create_from_handle(handle, me)
+            mq = MessageQueue.create_from_handle(handle, me, _nonce=nonce)
         else:
             mq = self._own_broadcaster(writer_rank, **queue_kwargs)
         self._queues.append(mq)

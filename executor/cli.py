@@ -34,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--readers", type=int, default=3, help="--transport: local readers (default 3)")
     d.add_argument("--remote", type=int, default=1, help="--transport: remote readers over TCP (default 1)")
     d.add_argument("--messages", type=int, default=300, help="--transport: messages (default 300)")
-    from .node import add_node_arguments
+    k = sub.add_parser("keygen", help="write a new cluster secret file (mode 0600)",
+                       description="Writes a new random cluster secret to FILE (which must not exist), readable by "
+                                   "its owner only. Give the same file to every node: --secret-file FILE, "
+                                   "RAYFREE_SECRET_FILE, or the compose secret rayfree_secret.")
+    k.add_argument("file", metavar="FILE")
+    from .node import add_node_arguments, add_security_arguments
     n = sub.add_parser("node", help="run one node of a cluster (node 0 with the engine's entry point)",
                        description="Start this node's workers. Node 0 (the leader) also runs --entry, a function "
                                    "called with the executor; nodes 1..N-1 run --headless. Every option can come "
@@ -51,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--fix", action="store_true", help="remove stale segments without asking")
     from cluster.config import add_config_arguments
     add_config_arguments(doc)
+    add_security_arguments(doc)
     return p
 
 
@@ -71,7 +77,22 @@ def main(argv: list[str] | None = None) -> int:
         return run_node(args)
     if args.command == "doctor":
         from .doctor import run_doctor
+        from .node import apply_security_arguments
+        apply_security_arguments(args)
         return run_doctor(args)
+    if args.command == "keygen":
+        from transport.security import write_secret
+        try:
+            write_secret(args.file)
+        except FileExistsError:
+            print(f"rayfree keygen: {args.file} exists; not overwriting a secret (delete it first to rotate)",
+                  file=sys.stderr)
+            return 2
+        except OSError as e:
+            print(f"rayfree keygen: cannot write {args.file}: {e.strerror}", file=sys.stderr)
+            return 2
+        print(f"wrote a new cluster secret to {args.file} (mode 0600); give every node this file")
+        return 0
     parser.print_help()
     return 0
 

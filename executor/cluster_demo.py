@@ -99,14 +99,16 @@ def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, timeout_s: float
     t0 = time.time()
     print(f"rayfree demo: toy engine, TP={tp} x PP={pp} = {world} workers on {nnodes} simulated nodes "
           f"({world // nnodes} each), {steps} steps")
-    with SimulatedCluster(nnodes) as sim:
+    from .demo import demo_secret
+    with demo_secret() as secret, SimulatedCluster(nnodes) as sim:
         how = ("own network namespace, IP and /dev/shm each" if sim.mode == "netns"
                else "loopback, shared /dev/shm, ranks forced remote (not root)")
         print(f"  nodes: {', '.join(f'node {n.index} = {n.ip}' for n in sim.nodes)} ({how})")
+        print(f"  security: CURVE-authenticated, encrypted TCP; signed handles (cluster secret {secret})")
         print("  starting `rayfree node` on each node (spawn, torch, gloo world, model, queues) ...", flush=True)
         master = sim.nodes[0].ip
         port = 29500 if sim.mode == "netns" else get_open_port("127.0.0.1")
-        extra = {"RAYFREE_DEMO_STEPS": str(steps), "RAYFREE_DEMO_T0": repr(t0),
+        extra = {"RAYFREE_SECRET_FILE": secret, "RAYFREE_DEMO_STEPS": str(steps), "RAYFREE_DEMO_T0": repr(t0),
                  "RAYFREE_LOG_LEVEL": os.environ.get("RAYFREE_LOG_LEVEL", "WARNING"),
                  # torch warns that a namespace has no reverse DNS for its peers: true, and harmless here
                  "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}

@@ -14,15 +14,40 @@ answers through its own one-reader queue, as workers answer the executor.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import zlib
+from typing import Iterator
 
 from transport import MessageQueue
 
 STOP = "__stop__"
+
+
+@contextlib.contextmanager
+def demo_secret() -> Iterator[str]:
+    """The configured cluster secret's path or, if there is none, a throwaway one for this demo run
+    (put in the environment, so every process the demo starts uses it)."""
+    from transport.security import SECRET_FILE_ENV, process_secret, write_secret
+    existing = process_secret()
+    if existing is not None:
+        yield existing.source
+        return
+    d = tempfile.mkdtemp(prefix="rf-demo-")
+    path = os.path.join(d, "secret")
+    write_secret(path)
+    os.environ[SECRET_FILE_ENV] = path
+    try:
+        yield path
+    finally:
+        os.environ.pop(SECRET_FILE_ENV, None)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _checksum(obj) -> int:
@@ -153,6 +178,13 @@ def run_engine_demo(tp: int, pp: int, steps: int) -> int:
 
 
 def run_transport_demo(n_local: int, n_remote: int, n_messages: int) -> int:
+    if n_remote:
+        with demo_secret():
+            return _run_transport_demo(n_local, n_remote, n_messages)
+    return _run_transport_demo(n_local, n_remote, n_messages)
+
+
+def _run_transport_demo(n_local: int, n_remote: int, n_messages: int) -> int:
     import torch
     if n_local < 0 or n_remote < 0 or n_local + n_remote < 1:
         print("rayfree demo: need at least one reader (--readers / --remote)", file=sys.stderr)

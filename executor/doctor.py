@@ -201,8 +201,29 @@ def check_stale(fix: bool, ask: bool) -> Check:
     return Check("stale segments", "warn", detail, "run `rayfree doctor --fix` to remove them")
 
 
+def check_security(config: ClusterConfig) -> Check:
+    from transport.errors import TransportError
+    from transport.security import INSECURE_ENV, insecure, process_secret
+    try:
+        secret = process_secret()
+    except (TransportError, ValueError) as e:
+        return Check("security", "FAIL", str(e), "fix the secret file, or make a new one with `rayfree keygen FILE`")
+    if secret is not None:
+        return Check("security", "ok", f"cluster secret from {secret.source}: TCP is CURVE-authenticated and "
+                     f"encrypted, handles are signed")
+    if config.parallel.nnodes == 1:
+        return Check("security", "ok", "one node: no TCP socket, no secret needed")
+    if insecure():
+        return Check("security", "warn", f"INSECURE ({INSECURE_ENV}=1 / --insecure): anyone who reaches this "
+                     f"node's ports can read the broadcasts and run code on the workers",
+                     "run `rayfree keygen FILE` and give every node --secret-file FILE")
+    return Check("security", "FAIL", "no cluster secret: a multi-node run will refuse to start",
+                 "run `rayfree keygen FILE` once and give every node --secret-file FILE (or --insecure on a "
+                 "trusted network)")
+
+
 def diagnose(config: ClusterConfig, quick: bool = False, fix: bool = False, ask: bool = False) -> list[Check]:
-    checks = [check_shm(config)]
+    checks = [check_security(config), check_shm(config)]
     ip_check, ip = check_ip(config)
     checks += [ip_check, check_master(config, quick)]
     if not quick:

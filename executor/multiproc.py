@@ -105,6 +105,8 @@ class MultiprocExecutor(Executor):
         success = False
         try:
             if multi_node:
+                from transport.security import require_secret
+                require_secret(f"a cluster of {par.nnodes_within_dp} nodes")  # before anything starts
                 self._start_heartbeat()
             handle = None
             if self.is_leader:

@@ -22,6 +22,7 @@ import sys
 from typing import Any, Callable
 
 from cluster.config import ClusterConfig, ConfigError, add_config_arguments, load_config
+from transport.errors import TransportError
 
 __all__ = ["add_node_arguments", "run_node", "NodeUsageError"]
 
@@ -51,7 +52,24 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                    "its return value is the exit code [RAYFREE_ENTRY]")
     p.add_argument("--headless", action="store_const", const="1", default=None,
                    help="a follower node: run this node's workers, no driver [RAYFREE_HEADLESS=1]")
+    add_security_arguments(p)
     add_config_arguments(p)
+
+
+def add_security_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--secret-file", metavar="FILE", help="the cluster secret (`rayfree keygen FILE`) "
+                   "[RAYFREE_SECRET_FILE; in docker, the rayfree_secret secret]")
+    p.add_argument("--insecure", action="store_true", help="allow plain TCP without a secret, on a trusted "
+                   "network only (logged as a warning on every node) [RAYFREE_INSECURE=1]")
+
+
+def apply_security_arguments(args: argparse.Namespace) -> None:
+    """Flags into the environment, which this process and every worker it starts read."""
+    from transport.security import INSECURE_ENV, SECRET_FILE_ENV
+    if getattr(args, "secret_file", None):
+        os.environ[SECRET_FILE_ENV] = os.path.abspath(args.secret_file)
+    if getattr(args, "insecure", False):
+        os.environ[INSECURE_ENV] = "1"
 
 
 def _option(args: argparse.Namespace, name: str, env: dict[str, str] | Any, file: dict[str, Any]) -> str | None:
@@ -115,6 +133,13 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
     if par.nnodes > 1 and par.data_parallel_size > 1:
         raise NodeUsageError("rayfree node runs one DP replica across nodes; data_parallel_size > 1 with several "
                              "nodes is not supported yet: run one replica per set of nodes")
+    if par.nnodes > 1:
+        from transport.security import insecure, process_secret
+        if process_secret() is None and not insecure():
+            raise NodeUsageError("a multi-node cluster talks over TCP, and rayfree refuses unauthenticated TCP: "
+                                 "run `rayfree keygen FILE` once, give every node --secret-file FILE (or "
+                                 "RAYFREE_SECRET_FILE; in compose, the rayfree_secret secret), or pass "
+                                 "--insecure on a trusted network")
     if leader and headless:
         raise NodeUsageError(f"node_rank={par.node_rank} leads its replica, so it cannot be --headless: give the "
                              f"followers node ranks 1..{par.nnodes - 1}")
@@ -129,10 +154,11 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
 
 def run_node(args: argparse.Namespace) -> int:
     _configure_logging()
+    apply_security_arguments(args)
     try:
         config, worker, kwargs, entry_spec = plan(args)
         entry = _load_entry(entry_spec) if entry_spec else None
-    except (NodeUsageError, ConfigError) as e:
+    except (NodeUsageError, ConfigError, TransportError) as e:
         print(f"rayfree node: {e}", file=sys.stderr)
         return EXIT_USAGE
     par = config.parallel

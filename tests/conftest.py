@@ -1,16 +1,33 @@
 """Leak guards shared by every test: no new orphan shm segment or ipc directory, no open ZMQ
-socket, no child process left behind."""
+socket, no child process left behind. And a cluster secret for the whole session (inherited by every
+process the tests start), so every TCP socket in the suite runs with CURVE, as in production."""
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import shutil
+import tempfile
 
 import pytest
 
 from transport.net import runtime_dir
+from transport.security import SECRET_FILE_ENV, write_secret
 from transport.shm_ring import SEGMENT_PREFIX, SHM_DIR
+
+
+def _session_secret() -> None:
+    if os.environ.get(SECRET_FILE_ENV):
+        return
+    d = tempfile.mkdtemp(prefix="rf-test-secret-")
+    path = os.path.join(d, "secret")
+    write_secret(path)
+    os.environ[SECRET_FILE_ENV] = path
+    atexit.register(shutil.rmtree, d, True)
+
+
+_session_secret()
 
 
 def _segments() -> set[str]:
@@ -27,7 +44,7 @@ def _creator_alive(path: str) -> bool:
     try:
         pid = int(os.path.basename(path)[len(SEGMENT_PREFIX):].split("-", 1)[0])
     except ValueError:
-        return False
+        return True  # not a name rayfree makes (rayfree-<pid>-...): not ours to judge
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -56,11 +73,12 @@ def leak_guard():
     leaked = orphan_segments() - before
     for n in leaked:  # do not let one test's leak fail the next one too
         shutil.rmtree(n, ignore_errors=True) if os.path.isdir(n) else os.unlink(n)
-    from transport import sockets
+    from transport import sockets, zap
     ctx = sockets._ctx
     open_socks = []
     if ctx is not None and sockets._ctx_pid == os.getpid():
-        open_socks = [s for s in list(getattr(ctx, "_sockets", ())) if not s.closed]
+        keep = zap.zap_socket()  # the process's ZAP handler lives as long as the process
+        open_socks = [s for s in list(getattr(ctx, "_sockets", ())) if not s.closed and s is not keep]
         for s in open_socks:
             s.close(linger=0)
     assert not alive, f"child processes still running after the test: {alive}"

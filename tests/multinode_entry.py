@@ -106,3 +106,32 @@ def quick(ex) -> int:
         ex.execute_model(make_batch(s))
     say("RESULT", ok=True)
     return 0
+
+
+def outsiders(ex) -> int:
+    """Run an outsider against every TCP endpoint of this 2-node cluster while the engine steps."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from examples.toy_engine import make_batch, reference_forward
+    from transport.security import process_secret
+    remote = [r for r in range(ex.world_size) if ex.parallel_config.node_of(r) != 0]
+    spec = {"pub": [ex.rpc_broadcast_mq.handle.remote_endpoint]
+            + [ex.response_mqs[r].handle.remote_endpoint for r in remote],
+            "router": [ex._heartbeat.endpoint], "server_key": process_secret().server_public.decode(), "seconds": 3}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAYFREE_")}
+    out = subprocess.Popen([sys.executable, "-m", "tests.outsider", json.dumps(spec)], env=env,
+                           stdout=subprocess.PIPE, text=True)
+    assert out.stdout is not None and out.stdout.readline().strip() == "STARTED"
+    steps = equal = 0
+    while out.poll() is None and steps < 2000:  # the engine keeps stepping while the outsider tries
+        equal += torch.equal(ex.execute_model(make_batch(steps)), reference_forward(make_batch(steps)["x"]))
+        steps += 1
+    report = json.loads(out.stdout.read().split("REPORT:", 1)[1])
+    out.wait(30)
+    after = [torch.equal(ex.execute_model(make_batch(s)), reference_forward(make_batch(s)["x"])) for s in range(20)]
+    say("RESULT", endpoints=spec, report=report, steps=steps, equal=int(equal), after=sum(after),
+        failed=ex.is_failed)
+    return 0

@@ -129,11 +129,35 @@ def writer_then_wait(n_reader: int, conn, chunk: int = 1 << 16) -> None:
     signal.pause()
 
 
-def spawn(target, *args) -> tuple[Any, Any]:
-    """Start `target(*args, child_conn)` in a spawned process; return (process, parent_conn)."""
+def reader_collect(handle: bytes, rank: int, n: int, conn, timeout: float = 60.0) -> None:
+    """Attach, read `n` messages, send back ("done", messages, how many bad frames were skipped)."""
+    from transport import MessageQueue
+    try:
+        mq = MessageQueue.create_from_handle(handle, rank)
+        conn.send(("attached", os.getpid()))
+        with mq:
+            mq.wait_until_ready(timeout=timeout)
+            got = [mq.dequeue(timeout=timeout) for _ in range(n)]
+            conn.send(("done", got, mq._recv.bad_frames))
+    except BaseException:
+        conn.send(("error", traceback.format_exc(), None))
+
+
+def spawn(target, *args, env: dict[str, str] | None = None) -> tuple[Any, Any]:
+    """Start `target(*args, child_conn)` in a spawned process (with `env` added to its environment);
+    return (process, parent_conn)."""
     parent, child = CTX.Pipe()
     p = CTX.Process(target=target, args=(*args, child), daemon=True)
-    p.start()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        p.start()  # spawn copies the environment now
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     child.close()
     return p, parent
 

@@ -32,6 +32,14 @@ def test_gpu_services_reserve_gpus_share_memory_and_use_the_host_network() -> No
         assert "profiles" not in svc
 
 
+def test_every_service_gets_the_cluster_secret_as_a_compose_secret() -> None:
+    doc = compose()
+    assert "file" in doc["secrets"]["rayfree_secret"]
+    for name, svc in doc["services"].items():
+        assert svc.get("secrets") == ["rayfree_secret"], f"{name}: without the secret a node refuses to start"
+        assert "RAYFREE_INSECURE" not in (svc.get("environment") or {}), name
+
+
 def test_every_variable_is_an_option_rayfree_reads() -> None:
     for name, svc in compose()["services"].items():
         for key in svc.get("environment") or {}:

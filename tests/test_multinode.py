@@ -112,6 +112,28 @@ def test_a_follower_stops_when_its_leader_is_killed() -> None:
     print(f"\nleader killed: the follower stopped its workers and exited (code 1) after {took:.2f} s")
 
 
+@needs_root
+@pytest.mark.timeout(240)
+def test_an_outsider_without_the_secret_gets_nothing_and_changes_nothing() -> None:
+    with SimulatedCluster(2) as sim:
+        nodes = Nodes(sim, **FAST)
+        lead = nodes.start(0, RAYFREE_ENTRY="tests.multinode_entry:outsiders")
+        follow = nodes.start(1)
+        r = lead.result("RESULT", 180)
+        assert lead.wait(60) == 0, lead.text()[-3000:]
+        assert follow.wait(30) == 0, follow.text()[-3000:]  # a delivered forged goodbye would have failed it
+        assert_nothing_left(sim, [lead, follow])
+    rep = r["report"]
+    assert len(r["endpoints"]["pub"]) == 3 and len(r["endpoints"]["router"]) == 1
+    assert rep["sockets"] == 8 and rep["received_bytes"] == 0 and rep["handshakes_ok"] == 0, rep
+    assert rep["handshakes_failed"] >= 8, rep  # every socket tried and was refused
+    assert r["steps"] > 0 and r["equal"] == r["steps"] and r["after"] == 20 and not r["failed"], r
+    assert "refused a connection from" in lead.text()  # the ZAP handler said so
+    print(f"\noutsider: {rep['sockets']} sockets on {len(r['endpoints']['pub']) + 1} endpoints, "
+          f"{rep['handshakes_failed']} refused handshakes, {rep['received_bytes']} bytes received; the engine "
+          f"ran {r['steps']} correct steps meanwhile")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("first", ["follower", "leader"])
 def test_start_order_does_not_matter(first: str) -> None:

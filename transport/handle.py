@@ -1,13 +1,15 @@
 """`Handle`: everything a reader needs to attach to a queue, as a msgspec Struct.
 
 It crosses process and node boundaries before peers are authenticated, so it
-is msgpack, never pickle, and `from_bytes` checks it thoroughly.
+is msgpack, never pickle, signed with the cluster secret when there is one
+(security.seal), and `from_bytes` checks it thoroughly.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from . import security
 from .errors import HandleError
 
 __all__ = ["Handle", "HANDLE_VERSION"]
@@ -38,13 +40,22 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
         return len(self.local_reader_ranks)
 
     def to_bytes(self) -> bytes:
-        return _MAGIC + msgspec.msgpack.encode(self)
+        return security.seal(_MAGIC + msgspec.msgpack.encode(self))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Handle:
+        return cls.from_signed(data)[0]
+
+    @classmethod
+    def from_signed(cls, data: bytes | bytearray | memoryview) -> tuple[Handle, bytes | None]:
+        """The handle and its signature's nonce (None when unsigned), for `security.check_fresh`."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise HandleError(f"a handle is bytes from Handle.to_bytes(), got {type(data).__name__}")
-        data = bytes(data)
+        data, nonce = security.unseal(bytes(data))
+        return cls._parse(data), nonce
+
+    @classmethod
+    def _parse(cls, data: bytes) -> Handle:
         if len(data) < len(_MAGIC):
             raise HandleError(f"handle is truncated: {len(data)} bytes")
         if data[: len(_MAGIC)] != _MAGIC:

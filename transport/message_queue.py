@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from . import serde
+from . import security
 from .errors import BadFrame, MessageTooLarge, QueueShutdown, QueueTimeout, TransportError
 from .handle import HANDLE_VERSION, Handle
 from .net import IpcDir, get_ip, tcp_endpoint
@@ -157,12 +158,18 @@ class MessageQueue:
     # -- reader construction -----------------------------------------------
 
     @classmethod
-    def create_from_handle(cls, handle: Handle | bytes, rank: int, *, spin_us: float | None = None) -> MessageQueue:
-        """Attach reader `rank`: through shared memory if it is a local reader, else over TCP."""
+    def create_from_handle(cls, handle: Handle | bytes, rank: int, *, spin_us: float | None = None,
+                           _nonce: bytes | None = None) -> MessageQueue:
+        """Attach reader `rank`: through shared memory if it is a local reader, else over TCP.
+
+        Signed handle bytes are verified first; the same signed handle cannot attach the same
+        reader twice in one process (a replay).
+        """
         if not isinstance(handle, Handle):
-            handle = Handle.from_bytes(handle)
+            handle, _nonce = Handle.from_signed(handle)
         else:
             handle.validate()
+        security.check_fresh(_nonce, f"reader {rank} of queue {handle.queue_id}")
         if not isinstance(rank, int) or not 0 <= rank < handle.n_reader:
             raise ValueError(f"rank {rank!r} is not a reader of this queue: its readers are ranks "
                              f"0..{handle.n_reader - 1}")

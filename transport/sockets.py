@@ -4,7 +4,9 @@ Publishers are XPUB sockets that never drop (XPUB_NODROP: a slow subscriber
 makes the writer wait, bounded by its timeout, instead of losing a message)
 and that report every subscription (XPUB_VERBOSE), which is how the writer
 learns which readers have arrived. Subscribers cap the size of what they
-accept. Authentication hooks in here (a later layer adds CURVE).
+accept. Every TCP socket is a CURVE server (bound) or client (connecting) with
+keys from the cluster secret (security.py), or refuses to exist without one
+unless the user chose --insecure; ipc sockets stay in 0700 directories.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Iterator
 
 import zmq
 
+from . import security, zap
 from .errors import QueueTimeout, TransportError
 from .net import is_ipv6
 
@@ -52,6 +55,32 @@ def zmq_errors(what: str) -> Iterator[None]:
         raise TransportError(f"{what}: {e.strerror} (zmq errno {e.errno})") from e
 
 
+def _secure_server(sock: zmq.Socket, endpoint: str, what: str) -> None:
+    """A bound TCP socket: CURVE server, peers vetted by the ZAP handler."""
+    if not endpoint.startswith("tcp://"):
+        return
+    s = security.require_secret(what)
+    if s is None:
+        return
+    zap.ensure_zap_handler(context(), s.client_public)
+    sock.setsockopt(zmq.ZAP_DOMAIN, zap.DOMAIN)
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, s.server_secret)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, s.server_public)
+
+
+def _secure_client(sock: zmq.Socket, endpoint: str, what: str) -> None:
+    """A connecting TCP socket: CURVE client with the cluster's client key."""
+    if not endpoint.startswith("tcp://"):
+        return
+    s = security.require_secret(what)
+    if s is None:
+        return
+    sock.setsockopt(zmq.CURVE_SERVERKEY, s.server_public)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, s.client_public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, s.client_secret)
+
+
 def _is_tcp_v6(endpoint: str) -> bool:
     return endpoint.startswith("tcp://[") or (endpoint.startswith("tcp://") and is_ipv6(endpoint[6:].rsplit(":", 1)[0]))
 
@@ -66,6 +95,7 @@ def make_publisher(bind_to: str, *, sndhwm: int) -> tuple[zmq.Socket, str]:
         sock.setsockopt(zmq.XPUB_NODROP, 1)
         if _is_tcp_v6(bind_to):
             sock.setsockopt(zmq.IPV6, 1)
+        _secure_server(sock, bind_to, "a queue with remote readers")
         with zmq_errors(f"binding a publisher to {bind_to}"):
             sock.bind(bind_to)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -85,6 +115,7 @@ def make_subscriber(endpoint: str, hello: bytes, *, maxmsgsize: int | None) -> z
             sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
         if _is_tcp_v6(endpoint):
             sock.setsockopt(zmq.IPV6, 1)
+        _secure_client(sock, endpoint, "a remote reader")
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.SUBSCRIBE, HELLO_PREFIX + hello)
         with zmq_errors(f"connecting a subscriber to {endpoint}"):
@@ -105,6 +136,7 @@ def make_router(bind_to: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
         sock.setsockopt(zmq.RCVHWM, 1000)
         if _is_tcp_v6(bind_to):
             sock.setsockopt(zmq.IPV6, 1)
+        _secure_server(sock, bind_to, "the leader's heartbeat endpoint")
         try:
             sock.bind(bind_to)
         except zmq.ZMQError as e:
@@ -129,6 +161,7 @@ def make_dealer(endpoint: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if _is_tcp_v6(endpoint):
             sock.setsockopt(zmq.IPV6, 1)
+        _secure_client(sock, endpoint, "a follower's heartbeats")
         with zmq_errors(f"connecting to {endpoint}"):
             sock.connect(endpoint)
     except BaseException:

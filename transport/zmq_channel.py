@@ -99,9 +99,28 @@ class SocketReceiver:
         self.shutdown_requested = False
         self.waiters = Waiters()
         self._rcvtimeo = -2
+        #: messages that could not be parsed, reported and skipped
+        self.bad_frames = 0
+        self._bad_logged_at = 0.0
 
     def get(self, timeout: float | None, indefinite: bool, what: str = "dequeue") -> Any:
-        """The next message as an object (raises QueueClosed when the writer said CLOSE)."""
+        """The next good message as an object; one that cannot be parsed is reported and skipped
+        (raises QueueClosed when the writer said CLOSE)."""
+        deadline = None if timeout is None else _perf() + timeout
+        while True:
+            try:
+                return self._get(timeout, indefinite, what)
+            except BadFrame as e:
+                self.bad_frames += 1
+                now = _perf()
+                if now - self._bad_logged_at > 5.0:  # one line per burst
+                    self._bad_logged_at = now
+                    logger.warning("%s: skipped a message that cannot be parsed (%s); %d so far", what, e,
+                                   self.bad_frames)
+                if deadline is not None:
+                    timeout = max(0.0, deadline - now)
+
+    def _get(self, timeout: float | None, indefinite: bool, what: str) -> Any:
         if timeout is None and self._rcvtimeo == SLICE_MS:
             try:
                 with self.waiters:

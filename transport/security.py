@@ -1,0 +1,221 @@
+"""The cluster secret: CURVE keys for every TCP socket, and signatures for handles.
+
+vLLM's multi-node queue let anyone who could reach its publisher run code on
+every worker (its readers unpickle whatever arrives). Here a TCP socket exists
+only with a cluster secret (`rayfree keygen`), unless the user explicitly opts
+out with --insecure. From the secret every node derives the same two CURVE
+key pairs: the server pair (bound sockets) and the client pair (connecting
+sockets). A ZAP handler admits only the client key, so a peer without the
+secret can neither subscribe, publish nor reply; the traffic is encrypted.
+
+Handles cross the unauthenticated gloo rendezvous, so `seal`/`unseal` wrap
+them in an HMAC with a nonce and a time: a forged one is refused before
+anything connects to what it names, and a replayed one (a nonce this process
+has seen, or one older than RAYFREE_HANDLE_MAX_AGE_S) too.
+
+Policy (who needs a secret) lives here; the sockets apply it in sockets.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+import threading
+import time
+from collections import OrderedDict
+
+import msgspec
+import zmq
+import zmq.utils.z85
+
+from .errors import HandleError, TransportError
+
+__all__ = ["ClusterSecret", "InsecureTransport", "load_secret", "write_secret", "process_secret", "insecure",
+           "seal", "unseal", "check_fresh", "require_secret", "SECRET_FILE_ENV", "INSECURE_ENV", "DOCKER_SECRET"]
+
+logger = logging.getLogger("rayfree.security")
+
+SECRET_FILE_ENV = "RAYFREE_SECRET_FILE"
+INSECURE_ENV = "RAYFREE_INSECURE"
+MAX_AGE_ENV = "RAYFREE_HANDLE_MAX_AGE_S"
+#: Where `docker compose` mounts a secret named rayfree_secret.
+DOCKER_SECRET = "/run/secrets/rayfree_secret"
+_MIN_BYTES = 32
+_SEAL_MAGIC = b"RFS1"
+
+
+class InsecureTransport(TransportError):
+    """A TCP socket was needed, but there is no cluster secret and --insecure was not given."""
+
+
+class ClusterSecret:
+    """The shared secret and what is derived from it. Never logged, never put in argv."""
+
+    def __init__(self, raw: bytes, source: str = "memory") -> None:
+        if len(raw) < _MIN_BYTES:
+            raise ValueError(f"the cluster secret from {source} has {len(raw)} bytes; it needs at least {_MIN_BYTES}: "
+                             f"make one with `rayfree keygen`")
+        self._raw = raw
+        self.source = source
+        self.server_public, self.server_secret = self._curve_pair(b"curve-server")
+        self.client_public, self.client_secret = self._curve_pair(b"curve-client")
+        self._mac_key = self.derive(b"handle-mac")
+
+    def derive(self, label: bytes) -> bytes:
+        return hmac.new(self._raw, b"rayfree/" + label, hashlib.sha256).digest()
+
+    def _curve_pair(self, label: bytes) -> tuple[bytes, bytes]:
+        secret_z85 = zmq.utils.z85.encode(self.derive(label))
+        return zmq.curve_public(secret_z85), secret_z85
+
+    def mac(self, data: bytes) -> bytes:
+        return hmac.new(self._mac_key, data, hashlib.sha256).digest()
+
+    def __repr__(self) -> str:
+        return f"ClusterSecret(from {self.source})"
+
+
+def write_secret(path: str) -> None:
+    """A new random secret in a new file, readable by its owner only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+
+
+def _read(path: str) -> ClusterSecret:
+    try:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            text = f.read().strip()
+    except OSError as e:
+        raise TransportError(f"cannot read the cluster secret {path}: {e.strerror}") from None
+    if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO) and not path.startswith("/run/secrets/"):
+        logger.warning("cluster secret %s is readable by others (mode %o): chmod 600 it", path,
+                       stat.S_IMODE(st.st_mode))
+    try:
+        raw = bytes.fromhex(text.decode())
+    except (ValueError, UnicodeDecodeError):
+        raw = text
+    return ClusterSecret(raw, path)
+
+
+def load_secret(path: str | None = None) -> ClusterSecret | None:
+    """`path`, else $RAYFREE_SECRET_FILE, else the docker secret if mounted; None if there is none."""
+    path = path or os.environ.get(SECRET_FILE_ENV)
+    if path:
+        return _read(path)
+    if os.path.exists(DOCKER_SECRET):
+        return _read(DOCKER_SECRET)
+    return None
+
+
+_lock = threading.Lock()
+_cached: tuple[str | None, ClusterSecret | None] | None = None
+_warned = False
+
+
+def process_secret() -> ClusterSecret | None:
+    """This process's secret (read once per secret file path)."""
+    global _cached
+    key = os.environ.get(SECRET_FILE_ENV) or (DOCKER_SECRET if os.path.exists(DOCKER_SECRET) else None)
+    with _lock:
+        if _cached is None or _cached[0] != key:
+            _cached = (key, load_secret())
+        return _cached[1]
+
+
+def insecure() -> bool:
+    """--insecure / RAYFREE_INSECURE=1: plain TCP without a secret (logged as a warning, once per process)."""
+    global _warned
+    on = os.environ.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes")
+    if on and not _warned:
+        _warned = True
+        logger.warning("INSECURE: TCP sockets are neither authenticated nor encrypted (--insecure / %s=1); anyone "
+                       "who reaches them can read the broadcasts and run code on the workers", INSECURE_ENV)
+    return on
+
+
+def require_secret(what: str) -> ClusterSecret | None:
+    """The secret for a TCP socket; None in insecure mode; InsecureTransport when neither."""
+    s = process_secret()
+    if s is not None:
+        return s
+    if insecure():
+        return None
+    raise InsecureTransport(f"{what} needs TCP, and TCP needs a cluster secret: run `rayfree keygen FILE` once, "
+                            f"give every node that file (--secret-file FILE or {SECRET_FILE_ENV}=FILE; in compose, "
+                            f"the rayfree_secret secret), or pass --insecure ({INSECURE_ENV}=1) on a trusted network")
+
+
+# -- signed handles -----------------------------------------------------------------------
+
+class _Sealed(msgspec.Struct, array_like=True):
+    payload: bytes
+    nonce: bytes
+    issued: float
+    mac: bytes
+
+
+_seen: OrderedDict[bytes, None] = OrderedDict()
+_SEEN_MAX = 100_000
+
+
+def seal(payload: bytes) -> bytes:
+    """`payload` signed with the cluster secret (unchanged when there is none)."""
+    s = process_secret()
+    if s is None:
+        return payload
+    nonce, issued = secrets.token_bytes(16), time.time()
+    mac = s.mac(_signed_bytes(payload, nonce, issued))
+    return _SEAL_MAGIC + msgspec.msgpack.encode(_Sealed(payload, nonce, issued, mac))
+
+
+def unseal(data: bytes, what: str = "handle") -> tuple[bytes, bytes | None]:
+    """(payload, nonce) of `seal(...)`; HandleError if forged, too old, or unsigned while a secret is set.
+
+    Whether the nonce was seen before is the caller's question (`check_fresh`): one process may
+    legitimately read a handle twice (for two readers), but not attach the same reader twice.
+    """
+    s = process_secret()
+    if not data.startswith(_SEAL_MAGIC):
+        if s is not None:
+            raise HandleError(f"refused an unsigned {what}: this node has a cluster secret, so every {what} must be "
+                              f"signed with it (is the sender running without --secret-file?)")
+        return data, None
+    if s is None:
+        raise HandleError(f"a signed {what} arrived, but this node has no cluster secret: give it the same "
+                          f"--secret-file as the others")
+    try:
+        sealed = msgspec.msgpack.decode(data[len(_SEAL_MAGIC):], type=_Sealed)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandleError(f"refused a {what}: its signature envelope is corrupt ({e})") from None
+    want = s.mac(_signed_bytes(sealed.payload, sealed.nonce, sealed.issued))
+    if not hmac.compare_digest(want, sealed.mac):
+        raise HandleError(f"refused a forged {what}: its signature does not match this cluster's secret")
+    max_age = float(os.environ.get(MAX_AGE_ENV, "3600"))
+    age = time.time() - sealed.issued
+    if abs(age) > max_age:
+        raise HandleError(f"refused a replayed {what}: signed {age:.0f}s ago (limit {MAX_AGE_ENV}={max_age:.0f}s; "
+                          f"check the nodes' clocks)")
+    return sealed.payload, sealed.nonce
+
+
+def check_fresh(nonce: bytes | None, use: str, what: str = "handle") -> None:
+    """Refuse the second use `use` (e.g. "reader 2") of the signed message with `nonce` in this process."""
+    if nonce is None:
+        return
+    key = nonce + use.encode()
+    with _lock:
+        if key in _seen:
+            raise HandleError(f"refused a replayed {what}: this process has already used it for {use}")
+        _seen[key] = None
+        while len(_seen) > _SEEN_MAX:
+            _seen.popitem(last=False)
+
+
+def _signed_bytes(payload: bytes, nonce: bytes, issued: float) -> bytes:
+    return msgspec.msgpack.encode((payload, nonce, issued))
