@@ -92,6 +92,8 @@ class _Beater:
         #: when a connection last dropped; a peer silent since then is lost after `suspect_window`
         self.suspect_at: float | None = None
         self.suspect_window = min(timeout, 2 * interval + 0.2)
+        self.dropped = 0
+        self._dropped_logged_at = 0.0
         self._stop = threading.Event()
         self._bye: Bye | None = None
         self._thread = threading.Thread(target=self._run_guarded, daemon=True, name=name)
@@ -106,6 +108,14 @@ class _Beater:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+    def _dropped(self, what: str) -> None:
+        """Report a message that was dropped, once per burst (a broken peer must not flood the log)."""
+        self.dropped += 1
+        now = time.monotonic()
+        if now - self._dropped_logged_at > 5.0:
+            self._dropped_logged_at = now
+            logger.warning("heartbeat: dropped %s; %d dropped so far", what, self.dropped)
 
     def _poller(self, sock: zmq.Socket) -> tuple[zmq.Poller, zmq.Socket]:
         """Poll the socket and a monitor of its dropped connections."""
@@ -200,18 +210,18 @@ class HeartbeatServer(_Beater):
 
     def _on_message(self, sock: zmq.Socket, frames: list[bytes], me: int, seq: int) -> None:
         if len(frames) != 2:
-            logger.warning("heartbeat: dropped a message of %d frames", len(frames))
+            self._dropped(f"a message of {len(frames)} frames")
             return
         identity, payload = frames
         try:
             msg = _decode(payload)
         except msgspec.DecodeError as e:
-            logger.warning("heartbeat: dropped an unreadable message (%s)", e)
+            self._dropped(f"an unreadable message ({e})")
             return
         peer = self.peers.get(msg.node_rank)
         if peer is None:
-            logger.warning("heartbeat from node %d, which is not a follower of this leader (followers: %s)",
-                           msg.node_rank, sorted(self.peers))
+            self._dropped(f"a message from node {msg.node_rank}, which is not a follower of this leader "
+                          f"(followers: {sorted(self.peers)})")
             return
         if peer.gone:
             return
@@ -319,7 +329,7 @@ class HeartbeatClient(_Beater):
         try:
             msg = _decode(payload)
         except msgspec.DecodeError as e:
-            logger.warning("heartbeat: dropped an unreadable message from the leader (%s)", e)
+            self._dropped(f"an unreadable message from the leader ({e})")
             return False
         if isinstance(msg, Bye):
             logger.info("node %d: the leader stopped (%s)", self.node_rank, msg.reason)

@@ -238,3 +238,35 @@ def test_doctor_and_node_refuse_a_multi_node_cluster_without_a_secret() -> None:
 
 def test_zmq_has_curve() -> None:
     assert zmq.has("curve"), "this pyzmq/libzmq was built without CURVE: rayfree cannot secure TCP"
+
+
+@pytest.mark.timeout(120)
+def test_the_heartbeat_endpoint_drops_10000_malformed_messages_and_keeps_answering() -> None:
+    """An authenticated but broken peer: garbage, wrong frame counts, unknown nodes; beats still answered."""
+    from cluster.heartbeat import Beat, HeartbeatServer, _encode
+    from transport import get_open_port
+    from transport.sockets import make_dealer
+    lost: list[int] = []
+    port = get_open_port("127.0.0.1")
+    server = HeartbeatServer("127.0.0.1", port, {1: [2, 3]}, 0.1, 5.0, lambda n, r, ip, why: lost.append(n))
+    peer = make_dealer(f"tcp://127.0.0.1:{port}")
+    rng = random.Random(7)
+    try:
+        answers = 0
+        for i in range(10_000):
+            junk = bytes(rng.randrange(256) for _ in range(rng.randrange(0, 30)))
+            frames = [junk] if i % 3 else [junk, b"x"]
+            if i % 1000 == 0:  # now and then a message that parses but names a node that is no follower
+                frames = [_encode(Beat(9, [7], "10.6.6.6", 1, i))]
+            peer.send_multipart(frames)
+            if i % 100 == 0:
+                peer.send(_encode(Beat(1, [2, 3], "127.0.0.1", os.getpid(), i)))
+        deadline = time.monotonic() + 30
+        while answers < 100 and time.monotonic() < deadline:
+            if peer.poll(1000):
+                answers += 1 if isinstance(msgspec.msgpack.decode(peer.recv()), list) else 0
+        assert answers == 100, f"{answers} of 100 legitimate beats were answered"
+        assert server.dropped >= 9_000 and not lost
+    finally:
+        peer.close(linger=0)
+        server.close()
