@@ -66,15 +66,15 @@ def _iface_of(ip: str) -> str | None:
 
 
 def check_ip(config: ClusterConfig) -> tuple[Check, str]:
-    from transport.net import HOST_IP_ENV, _default_route_ip, _route_to, get_ip
+    from transport.net import HOST_IP_ENV, default_route_ip, route_to, get_ip
     par = config.parallel
     multi = par.nnodes > 1
     ip = get_ip(peer=par.master_addr if multi else None)
     if os.environ.get(HOST_IP_ENV):
         why = f"{HOST_IP_ENV} is set"
-    elif multi and _route_to(par.master_addr) == ip:
+    elif multi and route_to(par.master_addr) == ip:
         why = f"it is the source address of the route toward master_addr {par.master_addr}"
-    elif ip == _default_route_ip():
+    elif ip == default_route_ip():
         why = "it is the address of the default route's interface"
     else:
         why = "nothing better was found"
@@ -88,7 +88,7 @@ def check_ip(config: ClusterConfig) -> tuple[Check, str]:
 
 def check_master(config: ClusterConfig, quick: bool) -> Check:
     from cluster.config import is_local_address
-    from transport.net import _route_to
+    from transport.net import route_to
     par = config.parallel
     where = f"{par.master_addr}:{par.master_port}"
     try:
@@ -101,7 +101,7 @@ def check_master(config: ClusterConfig, quick: bool) -> Check:
             return Check("master_addr", "FAIL", f"{par.master_addr} is not an address of this machine, but this "
                          f"is node 0, which hosts the rendezvous", "set master_addr to one of this node's addresses")
         return Check("master_addr", "ok", f"{where} is local (this node hosts the rendezvous)")
-    src = _route_to(par.master_addr)
+    src = route_to(par.master_addr)
     if src is None:
         return Check("master_addr", "FAIL", f"no route to {par.master_addr}",
                      "check the network between the nodes, or the address")

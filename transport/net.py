@@ -14,7 +14,7 @@ import shutil
 import socket
 import tempfile
 
-__all__ = ["get_ip", "get_open_port", "tcp_endpoint", "is_ipv6", "IpcDir"]
+__all__ = ["get_ip", "get_open_port", "tcp_endpoint", "is_ipv6", "IpcDir", "route_to", "default_route_ip"]
 
 logger = logging.getLogger("rayfree.transport")
 
@@ -34,7 +34,8 @@ def tcp_endpoint(host: str, port: int | str) -> str:
     return f"tcp://[{host}]:{port}" if is_ipv6(host) else f"tcp://{host}:{port}"
 
 
-def _route_to(peer: str) -> str | None:
+def route_to(peer: str) -> str | None:
+    """The local address the kernel would use toward `peer` (None: no route, or it does not resolve)."""
     try:
         infos = socket.getaddrinfo(peer, 9, type=socket.SOCK_DGRAM)
     except OSError:
@@ -49,7 +50,8 @@ def _route_to(peer: str) -> str | None:
     return None
 
 
-def _default_route_ip() -> str | None:
+def default_route_ip() -> str | None:
+    """The address of the default route's interface, if there is one."""
     try:
         import netifaces
     except ImportError:  # pragma: no cover - it is a dependency
@@ -79,11 +81,11 @@ def get_ip(peer: str | None = None) -> str:
     if env:
         return env.strip()
     if peer:
-        ip = _route_to(peer)
+        ip = route_to(peer)
         if ip:
             return ip
         logger.warning("no route toward %s; falling back to the default interface", peer)
-    ip = _default_route_ip()
+    ip = default_route_ip()
     if ip:
         return ip
     logger.warning("no default route; using loopback. Set %s to this node's cluster address.", HOST_IP_ENV)
