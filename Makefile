@@ -23,6 +23,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/transport.py
+	$(PY) bench/rpc.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,13 +1,19 @@
 """Executor benchmark: collective_rpc round trips beside the bare transport, and start-up time.
 
-Round trip: `collective_rpc("nbytes", args=(payload,), unique_reply_rank=0)`
+Round trip: `collective_rpc("ack", args=(payload,), unique_reply_rank=0)`
 through a MultiprocExecutor with N workers, beside bench/transport.py's
-broadcast + one reply with the same N readers, in the same run. Start-up: a
+broadcast + one reply with the same N readers, in the same run. `ack` replies
+b"ok", as the transport bench's reader does, so both rigs move the same bytes
+and the difference is the executor's own work: the call envelope, the
+worker's dispatch, the reply check. (Before timing, `nbytes` checks once that
+each payload arrives whole.) Both rigs are
+up at once and measured in alternating rounds (each round warmed up first),
+so a slow spell of the machine hits both alike instead of whichever ran then. Start-up: a
 MultiprocExecutor with the toy engine on 4 workers (TP=2 x PP=2: spawn,
 torch, gloo world and groups, model, queues) beside starting 4 bare Python
 processes that import torch, in the same run.
 
-    python bench/rpc.py [--quick]
+    python bench/rpc.py [--quick] [--rounds R]
 """
 
 from __future__ import annotations
@@ -40,13 +46,29 @@ class ExecRig:
     def __init__(self, n: int) -> None:
         self.ex = MultiprocExecutor(cfg(n), "examples.echo_worker:EchoWorker")
 
+    def check(self, obj) -> None:
+        got = self.ex.collective_rpc("nbytes", args=(obj,), unique_reply_rank=0)
+        if got != bt.nbytes(obj) and not isinstance(obj, tuple):
+            raise RuntimeError(f"the worker received {got} bytes of a {bt.nbytes(obj)}-byte payload")
+
     def round_trip(self, obj) -> float:
         t0 = time.perf_counter()
-        self.ex.collective_rpc("nbytes", args=(obj,), unique_reply_rank=0)
+        self.ex.collective_rpc("ack", args=(obj,), unique_reply_rank=0)
         return time.perf_counter() - t0
 
     def close(self) -> None:
         self.ex.shutdown()
+
+
+def interleaved(rigs: dict, loads: list, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """Each payload's iterations split into `rounds` rounds; within a round every rig takes its turn."""
+    res: dict[str, dict[str, list[float]]] = {k: {} for k in rigs}
+    for name, obj, iters in loads:
+        per = max(5, iters // rounds)
+        for _ in range(rounds):
+            for key, rig in rigs.items():
+                res[key].setdefault(name, []).extend(bt.measure(rig, obj, per))
+    return res
 
 
 def bare_start(n: int) -> float:
@@ -71,6 +93,7 @@ def main() -> None:
     ap.add_argument("--workers", default="1,4", help="comma-separated worker counts")
     ap.add_argument("--payloads", default="tiny,64KiB,4MiB,32MiB", help="comma-separated subset")
     ap.add_argument("--no-startup", action="store_true", help="skip the start-up comparison")
+    ap.add_argument("--rounds", type=int, default=10, help="alternating rounds per payload")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
@@ -82,20 +105,19 @@ def main() -> None:
     print(hdr)
     print("-" * len(hdr))
     for n in (int(x) for x in args.workers.split(",")):
-        rig = bt.MQRig(n, 0)
+        rigs = {"transport": bt.MQRig(n, 0)}
         try:
-            base = {name: bt.measure(rig, obj, iters) for name, obj, iters in loads}
+            rigs["executor"] = ExecRig(n)
+            for _, obj, _ in loads:
+                rigs["executor"].check(obj)
+            res = interleaved(rigs, loads, args.rounds)
         finally:
-            rig.close()
-        erig = ExecRig(n)
-        try:
-            mine = {name: bt.measure(erig, obj, iters) for name, obj, iters in loads}
-        finally:
-            erig.close()
+            for rig in rigs.values():
+                rig.close()
         for name, _, _ in loads:
-            b, e = bt.pct(base[name], 0.5), bt.pct(mine[name], 0.5)
-            print(f"{n:>7} {name:>8} {b * 1e6:>17.1f} {e * 1e6:>16.1f} {bt.pct(mine[name], 0.99) * 1e6:>16.1f} "
-                  f"{(e / b - 1) * 100:>8.0f}%", flush=True)
+            b, e = bt.pct(res["transport"][name], 0.5), bt.pct(res["executor"][name], 0.5)
+            print(f"{n:>7} {name:>8} {b * 1e6:>17.1f} {e * 1e6:>16.1f} "
+                  f"{bt.pct(res['executor'][name], 0.99) * 1e6:>16.1f} {(e / b - 1) * 100:>8.0f}%", flush=True)
     print()
     if args.no_startup:
         return

@@ -17,6 +17,10 @@ class EchoWorker(WorkerBase):
     def echo(self, x: Any) -> Any:
         return x
 
+    def ack(self, payload: Any) -> bytes:
+        """The reply bench/transport.py's reader sends: bench/rpc.py compares like with like."""
+        return b"ok"
+
     def nbytes(self, payload: Any) -> int:
         """Size of what arrived (tensors, bytes-likes), so the reply stays tiny."""
         n = getattr(payload, "nbytes", None)

@@ -32,7 +32,7 @@ import cloudpickle
 
 from cluster.heartbeat import Bye, HeartbeatClient, HeartbeatServer
 from transport import MessageQueue, QueueClosed, QueueShutdown, QueueTimeout, TransportError, get_ip, get_open_port
-from worker.messages import FAILURE
+from worker.messages import Boxed, RemoteError, is_special
 from worker.proc import (UnreadyWorkerProcHandle, WorkerProc, WorkerProcHandle, WorkerStartupError,
                          exit_description)
 
@@ -145,6 +145,8 @@ class MultiprocExecutor(Executor):
             self._drive_lock = threading.RLock()
             # Replies still owed by calls that timed out: read and dropped before newer ones.
             self._owed = [0] * self.world_size
+            if self.is_leader:
+                self._refresh_fast()
             success = True
         except BaseException as e:
             if isinstance(e, (QueueTimeout, WorkerStartupError)) and "within" in str(e):
@@ -263,6 +265,7 @@ class MultiprocExecutor(Executor):
                 return
             self._failure = error
             self.is_failed = True
+            self._fast = False
         for mq in self.response_mqs:  # pending dequeues raise now, and collect() reports `error`
             mq.shutdown()
         self.shutdown()
@@ -274,6 +277,43 @@ class MultiprocExecutor(Executor):
                        kwargs: dict[str, Any] | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None,
                        aggregator: Callable[[list[Any]], Any] | None = None) -> Any:
+        """See `Executor.collective_rpc`. One thread calls it at a time (futures' results may be read from
+        any thread)."""
+        recv = self._fast_recv.get(unique_reply_rank) if self._fast else None
+        if (recv is not None and type(method) is str and type(unique_reply_rank) is int and not non_block
+                and aggregator is None and not self.futures_queue):
+            # The engine's step: a method name, one reply, nothing older pending.
+            end = None if timeout is None else time.monotonic() + timeout
+            try:
+                self._fast_send((method, args, kwargs, unique_reply_rank), timeout)
+            except QueueTimeout as e:
+                raise RpcTimeout(f"RPC {method}: could not even send it before the {timeout}s deadline: {e}") \
+                    from None
+            except TransportError:
+                raise self._cut_short(method)
+            except Exception:  # the arguments could not be pickled: nothing was sent
+                raise
+            except BaseException as e:
+                self._interrupted(method, e, "sending it")
+                raise
+            try:
+                value = recv() if end is None else recv(max(0.0, end - time.monotonic()))
+            except QueueTimeout:
+                self._owe([unique_reply_rank])
+                raise RpcTimeout(f"RPC {method} timed out after {timeout}s: rank(s) [{unique_reply_rank}] have "
+                                 f"not replied") from None
+            except TransportError:
+                raise self._cut_short(method)
+            except Exception as e:  # read, but not understood here (say, its class is not importable)
+                raise _unreadable(unique_reply_rank, e, method) from e
+            except BaseException as e:
+                self._interrupted(method, e, "waiting for its reply")
+                raise
+            t = type(value)
+            return _unwrap(value, method) if t is RemoteError or t is Boxed else value
+        return self._collective_rpc(method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator)
+
+    def _collective_rpc(self, method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator) -> Any:
         mq = self.rpc_broadcast_mq
         if mq is None or self.is_failed or self.shutting_down:
             if mq is None and not self.is_leader:
@@ -282,17 +322,9 @@ class MultiprocExecutor(Executor):
                                      f"leader node calls collective_rpc")
             self._raise_failed()
         output_rank = None if aggregator is not None else unique_reply_rank
-        if (output_rank is not None and timeout is None and not non_block and not self.futures_queue
-                and type(method) is str and 0 <= output_rank < self.world_size):
-            # The engine's step: one reply, no deadline, nothing older pending.
-            try:
-                mq.enqueue((method, args, kwargs, output_rank))
-            except (QueueShutdown, QueueClosed):
-                self._raise_failed()
-            with self._drive_lock:
-                return _Collector(self, method, [output_rank], None, None, True)(None)
-        if unique_reply_rank is not None and not 0 <= unique_reply_rank < self.world_size:
-            raise ValueError(f"unique_reply_rank={unique_reply_rank} is not a rank (0..{self.world_size - 1})")
+        if unique_reply_rank is not None and (not isinstance(unique_reply_rank, int)
+                                              or not 0 <= unique_reply_rank < self.world_size):
+            raise ValueError(f"unique_reply_rank={unique_reply_rank!r} is not a rank (0..{self.world_size - 1})")
         deadline = None if timeout is None else time.monotonic() + timeout
         send = method if isinstance(method, str) else cloudpickle.dumps(method)
         name = method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
@@ -303,6 +335,11 @@ class MultiprocExecutor(Executor):
             raise RpcTimeout(f"RPC {name}: could not even send it before the {timeout}s deadline: {e}") from None
         except (QueueShutdown, QueueClosed):
             self._raise_failed()
+        except Exception:  # the arguments could not be pickled: nothing was sent
+            raise
+        except BaseException as e:
+            self._interrupted(name, e, "sending it")
+            raise
         ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
         collect = _Collector(self, name, ranks, deadline, timeout, single=output_rank is not None)
         if not non_block and not self.futures_queue:
@@ -313,6 +350,54 @@ class MultiprocExecutor(Executor):
         fut = FutureWrapper(self.futures_queue, self._drive_lock, collect,
                             aggregator if aggregator is not None else (lambda x: x))
         return fut if non_block else fut.result()
+
+    # The fast path's state: on only while the leader is healthy and owes no late replies.
+    _fast = False
+    _fast_send: Callable[[Any, float | None], None]
+    _fast_recv: dict[int, Callable[[], Any]] = {}
+
+    def _refresh_fast(self) -> None:
+        mq = self.rpc_broadcast_mq
+        ok = (mq is not None and not self.is_failed and not self.shutting_down and not any(self._owed))
+        if ok:
+            self._fast_send = mq.enqueue
+            self._fast_recv = {r: q.dequeue for r, q in enumerate(self.response_mqs)}
+        self._fast = ok
+
+    def _interrupted(self, name: str, e: BaseException, where: str) -> None:
+        """An interrupt (Ctrl-C, an exception from a signal handler) cut a call off mid-way.
+
+        It may have landed between a reply's read and its hand-over, or a
+        message's write and its bookkeeping; which replies are still owed is
+        then unknown, and a later call could be handed an earlier call's reply.
+        So the executor takes no more calls (the interrupt itself propagates;
+        shutdown is left to the caller, who is being interrupted).
+        """
+        with self._callback_lock:
+            if self.is_failed or self.shutting_down:
+                return
+            self._failure = ExecutorFailed(
+                f"RPC {name} was interrupted ({type(e).__name__}) while {where}; its replies can no longer be "
+                f"matched to their calls for certain: shut this executor down and start a new one")
+            self.is_failed = True
+            self._fast = False
+        logger.error("%s", self._failure)
+        self._fire_failure_callback()
+
+    def _owe(self, ranks: list[int]) -> None:
+        """These ranks will still send a reply nobody waits for: skip it before reading theirs."""
+        self._fast = False
+        for r in ranks:
+            self._owed[r] += 1
+
+    def _cut_short(self, name: str) -> ExecutorFailed:
+        if self._failure is not None:
+            e = ExecutorFailed(f"RPC {name} failed: {self._failure}")
+            e.__cause__ = self._failure
+            return e
+        e = ExecutorFailed(f"RPC {name} was cut short: the executor was shut down")
+        e.__suppress_context__ = True  # the queue's own error says nothing more
+        return e
 
     def _raise_failed(self) -> None:
         if self._failure is not None:
@@ -331,6 +416,7 @@ class MultiprocExecutor(Executor):
         with self._callback_lock:
             first = not self.shutting_down
             self.shutting_down = True
+            self._fast = False
         if not first:
             self._shutdown_done.wait()
             return
@@ -360,7 +446,7 @@ class MultiprocExecutor(Executor):
             mqs += [w.worker_response_mq, *w.peer_worker_response_mqs]
         for mq in mqs:
             if mq is not None:
-                mq.close()
+                mq.close(flush_timeout=0)  # remote workers are stopped by their own node, not by CLOSE
         for w in workers:
             w.worker_response_mq = None
         self.rpc_broadcast_mq = None
@@ -412,7 +498,7 @@ class _Collector:
         self.deadline = deadline
         self.timeout = timeout
         self.single = single
-        self.got: dict[int, tuple[int, Any]] = {}
+        self.got: dict[int, Any] = {}
 
     def __call__(self, wait_deadline: float | None) -> Any:
         ex = self.ex
@@ -423,30 +509,56 @@ class _Collector:
             try:
                 mq = ex.response_mqs[rank]
                 while ex._owed[rank]:  # a late reply to a call that timed out: not ours
-                    mq.dequeue(timeout=None if not ends else max(0.0, min(ends) - time.monotonic()))
+                    try:
+                        mq.dequeue(timeout=None if not ends else max(0.0, min(ends) - time.monotonic()))
+                    except TransportError:
+                        raise
+                    except Exception:  # noqa: BLE001 - unreadable, and dropped anyway
+                        pass
                     ex._owed[rank] -= 1
+                    if not any(ex._owed):
+                        ex._refresh_fast()
                 self.got[rank] = mq.dequeue(timeout=None if not ends else max(0.0, min(ends) - time.monotonic()))
             except QueueTimeout:
                 if self.deadline is not None and time.monotonic() >= self.deadline:
                     missing = [r for r in self.ranks if r not in self.got]
-                    for r in missing:
-                        ex._owed[r] += 1
+                    ex._owe(missing)
                     busy = [r for r in missing if ex._owed[r] > 1]
                     raise RpcTimeout(f"RPC {self.name} timed out after {self.timeout}s: rank(s) {missing} have "
                                      f"not replied" + (f" (ranks {busy} are still busy with earlier calls that "
                                                        f"timed out)" if busy else "")) from None
                 raise WaitExpired() from None
-            except (QueueShutdown, QueueClosed, TransportError, IndexError):
-                if ex._failure is not None:
-                    raise ExecutorFailed(f"RPC {self.name} failed: {ex._failure}") from ex._failure
-                raise ExecutorFailed(f"RPC {self.name} was cut short: the executor was shut down") from None
+            except (TransportError, IndexError):
+                raise ex._cut_short(self.name)
+            except Exception as e:  # read, but not understood here: that rank's answer is this error
+                logger.error("RPC %s: the reply of rank %d could not be read: %s", self.name, rank, e)
+                self.got[rank] = _unreadable_reply(rank, e)
+            except BaseException as e:
+                ex._interrupted(self.name, e, "waiting for its replies")
+                raise
         # Every expected reply is read (so none is left for the next call) before a failure is raised.
-        for rank in self.ranks:
-            status, value = self.got[rank]
-            if status == FAILURE:
-                raise WorkerError(value.rank, value.error_type, value.message, value.traceback, self.name)
-        values = [self.got[r][1] for r in self.ranks]
+        values = [self.got[r] for r in self.ranks]
+        for i, value in enumerate(values):
+            if is_special(value):
+                values[i] = _unwrap(value, self.name)
         return values[0] if self.single else values
+
+
+def _unreadable_reply(rank: int, e: Exception) -> RemoteError:
+    return RemoteError(rank, type(e).__name__, f"its reply arrived but could not be read here: {e}",
+                       "(raised while unpickling the reply in the calling process)")
+
+
+def _unreadable(rank: int, e: Exception, name: str) -> WorkerError:
+    r = _unreadable_reply(rank, e)
+    return WorkerError(rank, r.error_type, r.message, r.traceback, name)
+
+
+def _unwrap(value: Any, name: str) -> Any:
+    """A RemoteError reply becomes the caller's WorkerError; a Boxed one gives back its value."""
+    if type(value) is RemoteError:
+        raise WorkerError(value.rank, value.error_type, value.message, value.traceback, name)
+    return value.value
 
 
 def _resolve(host: str) -> str:

@@ -73,7 +73,8 @@ def leak_guard():
     leaked = orphan_segments() - before
     for n in leaked:  # do not let one test's leak fail the next one too
         shutil.rmtree(n, ignore_errors=True) if os.path.isdir(n) else os.unlink(n)
-    from transport import sockets, zap
+    from transport import lingering, sockets, zap
+    lingering.flush()  # what the process would do at exit: closed writers' publishers wait for their readers
     ctx = sockets._ctx
     open_socks = []
     if ctx is not None and sockets._ctx_pid == os.getpid():

@@ -129,6 +129,18 @@ def writer_then_wait(n_reader: int, conn, chunk: int = 1 << 16) -> None:
     signal.pause()
 
 
+def writer_burst_then_exit(n_msgs: int, size: int, conn) -> None:
+    """A writer with one remote reader: enqueue a backlog, close, and let the process end at once."""
+    from transport import MessageQueue
+    mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    conn.send(mq.export_handle().to_bytes())
+    mq.wait_until_ready(timeout=60)
+    for i in range(n_msgs):
+        mq.enqueue(bytearray(i.to_bytes(4, "little")) * (size // 4), timeout=60)
+    mq.close()
+    conn.send("closed")
+
+
 def reader_collect(handle: bytes, rank: int, n: int, conn, timeout: float = 60.0) -> None:
     """Attach, read `n` messages, send back ("done", messages, how many bad frames were skipped)."""
     from transport import MessageQueue

@@ -32,15 +32,28 @@ def start(sim: SimulatedCluster, scenario: str, ranks, port: int, env: dict[str,
     return procs
 
 
-def results(procs, timeout: float = 150) -> dict:
-    out = {}
+def results(procs, timeout: float = 150, also=None) -> dict:
+    """Every rank's RESULT; on failure, what every rank (and `also`, a (name, Popen)) said, not just the first."""
     deadline = time.monotonic() + timeout
-    for rank, p in procs.items():
-        stdout, stderr = p.communicate(timeout=max(1, deadline - time.monotonic()))
+    said = {}
+    for rank, p in [*procs.items(), *([also] if also else [])]:
+        try:
+            stdout, stderr = p.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            stdout, stderr = p.communicate(timeout=30)
+            stderr += "\n[no result in time: killed by the test]"
+        said[rank] = (p.returncode, stdout, stderr)
+    out, problems = {}, []
+    for rank, (code, stdout, stderr) in said.items():
         lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT:")]
-        assert lines, f"rank {rank} printed no result (exit {p.returncode}):\n{stdout}\n{stderr[-3000:]}"
+        if not lines:
+            problems.append(f"{rank} printed no result (exit {code}):\n{stdout[-1500:]}\n{stderr[-3000:]}")
+            continue
         out[rank] = json.loads(lines[-1][len("RESULT:"):])
-        assert "crash" not in out[rank], f"rank {rank} crashed:\n{out[rank]['crash']}\n{stderr[-2000:]}"
+        if "crash" in out[rank]:
+            problems.append(f"{rank} crashed (exit {code}):\n{out[rank]['crash']}\n{stderr[-2000:]}")
+    assert not problems, "\n\n".join(f"--- rank {p}" for p in problems)
     return out
 
 
@@ -82,9 +95,9 @@ def test_external_writer_handle_is_relayed_by_rank_0() -> None:
         line = w.stdout.readline()
         assert line.startswith("HANDLE:"), f"writer said {line!r}: {w.stderr.read()[-2000:]}"
         handle = line.strip()[len("HANDLE:"):]
-        res = results(start(sim, "external", range(WORLD), port_for(sim), env={0: {"RF_HANDLE": handle}}))
-        wout, werr = w.communicate(timeout=60)
-        assert w.returncode == 0 and '"writer": true' in wout, werr[-2000:]
+        res = results(start(sim, "external", range(WORLD), port_for(sim), env={0: {"RF_HANDLE": handle}}),
+                      also=("writer", w))
+        assert w.returncode == 0 and res.pop("writer")["writer"] is True
     local = PER_NODE if sim.mode == "netns" else 1
     for rank, r in res.items():
         assert r["ok"] and r["bad"] == 0, f"rank {rank}: {r}"

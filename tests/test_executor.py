@@ -103,6 +103,77 @@ def test_rpc_timeout_names_the_ranks_that_did_not_reply_and_late_replies_are_not
     assert time.monotonic() - t0 < 1.0
     # rank 1's late reply to the timed-out call must not be taken as the answer to this one
     assert echo2.collective_rpc("echo", args=("fresh",), timeout=30) == ["fresh", "fresh"]
+    # the same through the engine's step path (one reply)
+    with pytest.raises(RpcTimeout, match=r"rank\(s\) \[1\] have not replied"):
+        echo2.collective_rpc("sleep", args=(1.5,), unique_reply_rank=1, timeout=0.3)
+    assert echo2.collective_rpc("echo", args=("fresh",), unique_reply_rank=1) == "fresh"
+    assert echo2.collective_rpc("echo", args=("fresh",), unique_reply_rank=1, timeout=30) == "fresh"
+
+
+def test_the_step_path_gives_the_same_answers_as_the_general_one(echo2) -> None:
+    # collective_rpc(name, unique_reply_rank=r) without a future is the engine's step and has its own
+    # lean path; each group below crosses both paths and must agree.
+    from worker.messages import Boxed, RemoteError
+    for value in ("x", None, 7, b"raw", {"a": (1, 2)}, RemoteError(3, "E", "m", "tb"), Boxed(Boxed(1))):
+        assert echo2.collective_rpc("echo", args=(value,), unique_reply_rank=1) == value  # a value, not a failure
+        assert echo2.collective_rpc("echo", args=(value,), unique_reply_rank=1, non_block=True).result(30) == value
+        assert echo2.collective_rpc("echo", args=(value,)) == [value, value]
+    with pytest.raises(WorkerError) as info:
+        echo2.collective_rpc("fail", args=("step",), unique_reply_rank=1)
+    assert info.value.rank == 1 and info.value.message == "step"
+    with pytest.raises(WorkerError, match="could not be sent"):
+        echo2.collective_rpc("unpicklable", unique_reply_rank=0)
+    for bad in (2, -1, "0", 1.0):
+        with pytest.raises(ValueError, match="is not a rank"):
+            echo2.collective_rpc("echo", args=(1,), unique_reply_rank=bad)
+    assert echo2.collective_rpc("echo", args=("ok",), unique_reply_rank=0) == "ok"
+
+
+class _Interrupt(BaseException):
+    pass
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("step_path", [True, False], ids=["step-path", "general-path"])
+def test_an_interrupted_call_fails_the_executor_instead_of_shifting_replies(step_path) -> None:
+    # An interrupt can land between a reply's read and its hand-over; afterwards no reply can be trusted
+    # to answer its call, so the executor must refuse further calls rather than hand out wrong answers.
+    ex = MultiprocExecutor(cfg(), ECHO)
+    fired: list[int] = []
+    ex.register_failure_callback(lambda: fired.append(1))
+
+    def raise_interrupt(signum, frame):
+        raise _Interrupt()
+
+    old = signal.signal(signal.SIGUSR2, raise_interrupt)
+    try:
+        with pytest.raises(_Interrupt):  # rank 0 signals us once it runs the call
+            call = ("poke_then_sleep", (os.getpid(), signal.SIGUSR2, 0.5))
+            if step_path:
+                ex.collective_rpc(call[0], args=call[1], unique_reply_rank=0)
+            else:
+                ex.collective_rpc(call[0], args=call[1], unique_reply_rank=0, non_block=True).result(timeout=30)
+        signal.signal(signal.SIGUSR2, old)
+        assert ex.is_failed and fired == [1]
+        with pytest.raises(ExecutorFailed, match=r"poke_then_sleep was interrupted \(_Interrupt\)"):
+            ex.collective_rpc("echo", args=("next",), unique_reply_rank=0)
+        with pytest.raises(ExecutorFailed, match="interrupted"):
+            ex.collective_rpc("echo", args=("next",))
+    finally:
+        signal.signal(signal.SIGUSR2, old)
+        pids = [w.proc.pid for w in ex.workers]
+        ex.shutdown()
+    assert wait_dead(pids, 10)
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_the_caller_cannot_read_is_that_ranks_error_and_later_replies_stay_in_step(echo2) -> None:
+    with pytest.raises(WorkerError, match=r"rank 1 .*could not be read here.*only_in_this_worker"):
+        echo2.collective_rpc("unimportable_result", unique_reply_rank=1)
+    with pytest.raises(WorkerError, match=r"rank 0 .*could not be read here"):
+        echo2.collective_rpc("unimportable_result")  # both ranks' replies are read before it is raised
+    assert echo2.collective_rpc("echo", args=("in step",)) == ["in step", "in step"]
+    assert echo2.collective_rpc("echo", args=("in step",), unique_reply_rank=1) == "in step"
 
 
 # -- failures -------------------------------------------------------------------------
@@ -144,6 +215,22 @@ def test_sigkilled_worker_fails_pending_and_later_calls_fast_and_calls_back_once
         assert ex.is_failed
         ex.register_failure_callback(lambda: calls.append("late"))  # registered after: called at once
         assert calls == ["first", "late"]
+    finally:
+        ex.shutdown()
+    assert wait_dead(pids, 10), "worker processes left behind"
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_dying_in_the_engines_step_fails_it_with_the_death_as_cause() -> None:
+    from executor import WorkerDied
+    ex = MultiprocExecutor(cfg(), ECHO)
+    try:
+        pids = [w["pid"] for w in ex.collective_rpc("whoami")]
+        with pytest.raises(ExecutorFailed, match=r"RPC die failed: worker rank 1 .* died \(signal SIGKILL\)") as info:
+            ex.collective_rpc("die", args=(1,), unique_reply_rank=1)  # the lean path, waiting on rank 1
+        assert isinstance(info.value.__cause__, WorkerDied) and info.value.__cause__.rank == 1
+        with pytest.raises(ExecutorFailed, match="rank 1"):
+            ex.collective_rpc("echo", args=(1,), unique_reply_rank=0)
     finally:
         ex.shutdown()
     assert wait_dead(pids, 10), "worker processes left behind"

@@ -267,6 +267,28 @@ def test_writer_close_ends_a_waiting_reader_with_queue_closed(path: str) -> None
         r.close()
 
 
+@pytest.mark.timeout(120)
+def test_a_writer_that_exits_right_after_close_loses_nothing_in_flight() -> None:
+    # 48 x 1 MiB over CURVE is far more than ZeroMQ's I/O thread sends before the writer's process ends;
+    # without the held publisher (lingering.py) the tail and CLOSE were lost and the reader hung.
+    n, size = 48, 1 << 20
+    p, conn = procs.spawn(procs.writer_burst_then_exit, n, size, env={"RAYFREE_CLOSE_FLUSH_S": "90"})
+    r = MessageQueue.create_from_handle(procs.recv(conn), 0)
+    try:
+        r.wait_until_ready(timeout=60)
+        # close() must not wait for this reader, which reads only once close() has returned
+        assert procs.recv(conn, timeout=60) == "closed"
+        for i in range(n):
+            got = r.dequeue(timeout=30)
+            assert len(got) == size and got[:4] == i.to_bytes(4, "little"), f"message {i}"
+        with pytest.raises(QueueClosed):
+            r.dequeue(timeout=30)
+    finally:
+        r.close()
+    p.join(60)
+    assert p.exitcode == 0
+
+
 # -- shared-memory hygiene ---------------------------------------------------------------
 
 def _ours(name: str) -> bool:

@@ -40,6 +40,28 @@ class EchoWorker(WorkerBase):
             raise ValueError(message)
         return self.rank
 
+    def poke_then_sleep(self, pid: int, signum: int, seconds: float, only_rank: int = 0):
+        """Signal the caller once this call is under way (so it is interrupted mid-wait), then be slow."""
+        if self.rank == only_rank:
+            os.kill(pid, signum)
+            time.sleep(seconds)
+        return "late"
+
+    def unimportable_result(self):
+        """A result whose class lives in a module only this process has: the caller cannot unpickle it."""
+        import sys
+        import types
+        mod = sys.modules.setdefault("only_in_this_worker", types.ModuleType("only_in_this_worker"))
+        if not hasattr(mod, "Thing"):
+            mod.Thing = type("Thing", (), {"__module__": "only_in_this_worker"})
+        return mod.Thing()
+
+    def die(self, only_rank: int):
+        """SIGKILL this worker in the middle of a call."""
+        if self.rank == only_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.rank
+
     def unpicklable(self):
         return lambda: None  # a lambda cannot be sent back with pickle
 

@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 
 from . import serde
-from . import security
+from . import lingering, security
 from .errors import BadFrame, MessageTooLarge, QueueShutdown, QueueTimeout, TransportError
 from .handle import HANDLE_VERSION, Handle
 from .net import IpcDir, get_ip, tcp_endpoint
@@ -49,6 +49,8 @@ DEFAULT_MAX_CHUNKS = 24
 REMOTE_SNDHWM = 1000
 #: close() waits this long for threads blocked in the queue to leave.
 CLOSE_WAIT_S = 2.0
+#: A closed writer keeps its remote publisher up to this long for readers to confirm CLOSE (RAYFREE_CLOSE_FLUSH_S).
+CLOSE_FLUSH_S = float(os.environ.get("RAYFREE_CLOSE_FLUSH_S", "5"))
 
 _perf = time.perf_counter
 
@@ -185,7 +187,7 @@ class MessageQueue:
                 sock = make_subscriber(handle.local_endpoint, str(rank).encode(), maxmsgsize=limit)
             else:
                 sock = make_subscriber(handle.remote_endpoint, str(rank).encode(), maxmsgsize=limit)
-            self._recv = SocketReceiver(sock)
+            self._recv = SocketReceiver(sock, None if self._ring is not None else HELLO_PREFIX + str(rank).encode())
         except BaseException:
             self.close()
             raise
@@ -388,14 +390,21 @@ class MessageQueue:
         if self._recv is not None:
             self._recv.shutdown_requested = True
 
-    def close(self) -> None:
+    def close(self, *, flush_timeout: float | None = None) -> None:
         """Release every socket and mapping; the writer also tells readers it is gone.
 
-        Call it from the thread that uses the queue, or after `shutdown()` from
-        any thread: threads blocked in this queue are woken and let out first.
+        A writer's remote publisher is kept open after close() until each
+        remote reader has read everything up to CLOSE or disconnected, for at
+        most `flush_timeout` seconds (default RAYFREE_CLOSE_FLUSH_S=5), and
+        the process waits for it at exit, so nothing in flight is lost
+        (lingering.py); close() itself does not wait. 0 closes at once, and so
+        does a queue that was shut down. Call it from the thread that uses the
+        queue, or after `shutdown()` from any thread: threads blocked in this
+        queue are woken and let out first.
         """
         if self._closed:
             return
+        flush = (self._is_writer and self._ready and not self._shutdown and self._remote_out is not None)
         self.shutdown()
         self._closed = True
         for ch in (self._shm, self._recv):
@@ -405,10 +414,16 @@ class MessageQueue:
             self._shm.close()
         elif isinstance(self._shm, ShmReader):
             self._shm.close()
-        for out in (self._local_out, self._remote_out):
-            if out is not None:
-                out.send_control(CLOSE, block=False)
-                out.close(linger_ms=100)
+        if self._local_out is not None:
+            self._local_out.send_control(CLOSE, block=False)
+            self._local_out.close(linger_ms=100)
+        if self._remote_out is not None:
+            limit = CLOSE_FLUSH_S if flush_timeout is None else max(0.0, flush_timeout)
+            if flush and limit > 0:
+                lingering.hold(self._remote_out, self.remote_reader_ranks, HELLO_PREFIX, limit)
+            else:
+                self._remote_out.send_control(CLOSE, block=False)
+                self._remote_out.close(linger_ms=100)
         if self._recv is not None:
             self._recv.close()
         if self._finalizer is not None:

@@ -120,6 +120,10 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+_ATOMS = frozenset({int, float, str, bool, type(None)})
+_dumps = pickle.dumps
+
+
 class Serializer:
     """Reusable per-writer pickler (not thread-safe: one per queue, used by its writer)."""
 
@@ -137,6 +141,8 @@ class Serializer:
 
     def dumps(self, obj: Any) -> list:
         """[pickle stream, *out-of-band buffers as 'B' memoryviews]."""
+        if type(obj) in _ATOMS:  # nothing inside to send out-of-band: skip the stream set-up (a reply's int)
+            return [_dumps(obj, 5)]
         if (type(obj) is bytes or type(obj) is bytearray) and len(obj) >= OOB_MIN_BYTES:
             obj = _BigBytes(obj)
         p, bio = self._p, self._bio

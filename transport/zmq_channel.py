@@ -83,6 +83,29 @@ class SocketSender:
                 raise TransportError(f"sending {msg[len(CTRL):].decode()} to {self.path} readers: "
                                      f"{e.strerror}") from e
 
+    def read_close_acks(self, pending: set[int], hello_prefix: bytes, wait_ms: int) -> None:
+        """Remove from `pending` the readers that confirmed CLOSE or went away (see lingering.py);
+        waits up to `wait_ms` for the first report."""
+        sock = self.sock
+        if not sock.poll(wait_ms, zmq.POLLIN):
+            return
+        while True:
+            try:
+                msg = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # XPUB reports 0x01 + topic per subscription and 0x00 + topic when one is dropped.
+            if msg[1:1 + len(hello_prefix)] != hello_prefix:
+                continue
+            try:
+                rank = int(msg[1 + len(hello_prefix):])
+            except ValueError:
+                continue
+            if msg[:1] == b"\x00":
+                pending.discard(rank)
+            elif msg[:1] == b"\x01" and rank in self.readers:  # it reconnected: not confirmed after all
+                pending.add(rank)
+
     def close(self, linger_ms: int) -> None:
         self.sock.close(linger=linger_ms)
 
@@ -94,8 +117,10 @@ class SocketReceiver:
     with ZeroMQ's I/O thread for the core, which costs more than it saves.
     """
 
-    def __init__(self, sock: zmq.Socket) -> None:
+    def __init__(self, sock: zmq.Socket, hello_topic: bytes | None = None) -> None:
         self.sock = sock
+        #: dropped when CLOSE is read: the writer's sign that this reader has every message
+        self.hello_topic = hello_topic
         self.shutdown_requested = False
         self.waiters = Waiters()
         self._rcvtimeo = -2
@@ -110,6 +135,9 @@ class SocketReceiver:
         while True:
             try:
                 return self._get(timeout, indefinite, what)
+            except QueueClosed:
+                self.ack_close()
+                raise
             except BadFrame as e:
                 self.bad_frames += 1
                 now = _perf()
@@ -197,6 +225,15 @@ class SocketReceiver:
             return _loads(first, buffers=parts[1:])
         except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad frame
             raise BadFrame(f"could not decode a {len(parts)}-frame message: {type(e).__name__}: {e}") from e
+
+    def ack_close(self) -> None:
+        """Tell the writer this reader has read its CLOSE (by dropping the hello topic)."""
+        topic, self.hello_topic = self.hello_topic, None
+        if topic is not None:
+            try:
+                self.sock.setsockopt(zmq.UNSUBSCRIBE, topic)
+            except zmq.ZMQError:
+                pass  # closing anyway; the writer sees the disconnect instead
 
     def close(self) -> None:
         self.sock.close(linger=0)

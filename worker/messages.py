@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Ready", "StartupFailed", "PipeMsg", "encode", "decode", "SUCCESS", "FAILURE", "RemoteError"]
-
-#: Reply statuses: a reply is (status, result); a FAILURE's result is a RemoteError.
-SUCCESS = 0
-FAILURE = 1
+__all__ = ["Ready", "StartupFailed", "PipeMsg", "encode", "decode", "RemoteError", "Boxed", "box", "is_special"]
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -43,9 +39,32 @@ def decode(data: bytes) -> PipeMsg:
 
 
 class RemoteError(msgspec.Struct, frozen=True):
-    """An exception raised in a worker: type, message and the worker's formatted traceback."""
+    """An exception raised in a worker: type, message and the worker's formatted traceback.
+
+    A reply is the method's return value itself (no status envelope: the
+    engine's step pays for nothing it does not use), or a RemoteError when the
+    method raised.
+    """
 
     rank: int
     error_type: str
     message: str
     traceback: str
+
+
+class Boxed(msgspec.Struct, frozen=True):
+    """A return value that is itself a RemoteError or a Boxed, so it is not taken for a failure."""
+
+    value: object
+
+
+def box(output: object) -> object:
+    """What the worker sends for `output` (only a RemoteError or Boxed result gets wrapped)."""
+    t = type(output)
+    return Boxed(output) if t is RemoteError or t is Boxed else output
+
+
+def is_special(value: object) -> bool:
+    """The reader's one check: is this reply a failure or a wrapped value (see `box`)?"""
+    t = type(value)
+    return t is RemoteError or t is Boxed

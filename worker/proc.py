@@ -9,7 +9,7 @@ sentinels at once.
 Child side: `worker_main` builds the worker (device, model, queues), reports
 READY, completes the queue handshake, then serves RPCs from the broadcast
 queue until told to stop. Start-up failures are reported to the parent with
-their traceback; run-time failures become FAILURE replies; a parent that dies
+their traceback; run-time failures become RemoteError replies; a parent that dies
 makes the child shut its queues and exit.
 """
 
@@ -36,7 +36,7 @@ import cloudpickle
 from cluster.config import ClusterConfig
 from transport import Handle, MessageQueue, TransportError
 
-from .messages import FAILURE, SUCCESS, Ready, RemoteError, StartupFailed, decode, encode
+from .messages import Boxed, Ready, RemoteError, StartupFailed, box, decode, encode
 
 __all__ = ["WorkerProc", "UnreadyWorkerProcHandle", "WorkerProcHandle", "WorkerStartupError", "resolve_worker_cls",
            "exit_description", "worker_info"]
@@ -374,51 +374,78 @@ class WorkerProc:
             raise SystemExit(1)
 
     def worker_busy_loop(self) -> None:
-        """Serve RPCs: (method, args, kwargs, output_rank) in, (status, result) out."""
+        """Serve RPCs: (method, args, kwargs, output_rank) in; the result (or a RemoteError) out.
+
+        The engine's step comes through here at every token, so the loop keeps
+        to locals and pays for nothing the common case does not need.
+        """
         mq = self.rpc_broadcast_mq
         assert mq is not None
+        dequeue = mq.dequeue
         rank = self.rank
         worker = self.worker
+        put = self.async_output_queue.put if self.async_output_queue is not None else None
+        assert self.worker_response_mq is not None
+        send = self.worker_response_mq.enqueue
         while True:
-            method, args, kwargs, output_rank = mq.dequeue(indefinite=True)
+            method, args, kwargs, output_rank = dequeue(indefinite=True)
             try:
-                if isinstance(method, str):
+                if type(method) is str:
                     func = getattr(worker, method)
-                elif isinstance(method, bytes):
+                elif type(method) is bytes:
                     func = partial(cloudpickle.loads(method), worker)
                 else:
                     raise TypeError(f"an RPC method is a name or a pickled callable, got {type(method).__name__}")
-                output = func(*args, **(kwargs or {}))
+                output = func(*args, **kwargs) if kwargs else func(*args)
             except Exception as e:
                 logger.exception("worker rank %d: RPC %s raised", rank, _method_name(method))
                 if output_rank is None or rank == output_rank:
-                    self.handle_output(RemoteError(rank, type(e).__name__, str(e), traceback.format_exc()))
+                    output = RemoteError(rank, type(e).__name__, str(e), traceback.format_exc())
+                    if put is not None:
+                        put(output)
+                    else:
+                        send(output)
                 continue
             if output_rank is None or rank == output_rank:
-                self.handle_output(output)
+                t = type(output)
+                if t is RemoteError or t is Boxed:
+                    output = Boxed(output)
+                if put is not None:
+                    put(output)
+                    continue
+                try:
+                    send(output)
+                except TransportError:
+                    raise
+                except Exception as e:
+                    self._send_unsendable(output, e)
 
     def handle_output(self, output: Any) -> None:
+        """Send one reply (through the async-output thread when async scheduling is on)."""
         if self.async_output_queue is not None:
-            self.async_output_queue.put(output)
+            self.async_output_queue.put(box(output))
         else:
-            self.enqueue_output(output)
+            self.enqueue_output(box(output))
 
     def enqueue_output(self, output: Any) -> None:
+        """`output` is already a reply (see messages.box)."""
         mq = self.worker_response_mq
         if mq is None:
             return
-        if isinstance(output, RemoteError):
-            mq.enqueue((FAILURE, output))
-            return
         try:
-            mq.enqueue((SUCCESS, output))
+            mq.enqueue(output)
         except TransportError:
             raise
-        except Exception as e:  # the result itself cannot be sent: tell the caller instead of leaving it waiting
-            logger.exception("worker rank %d: cannot send a result of type %s", self.rank, type(output).__name__)
-            mq.enqueue((FAILURE, RemoteError(self.rank, type(e).__name__,
-                                             f"the result ({type(output).__name__}) could not be sent: {e}",
-                                             traceback.format_exc())))
+        except Exception as e:
+            self._send_unsendable(output, e)
+
+    def _send_unsendable(self, output: Any, e: Exception) -> None:
+        """The result itself cannot be sent (say, unpicklable): tell the caller instead of leaving it waiting."""
+        logger.exception("worker rank %d: cannot send a result of type %s", self.rank, type(output).__name__)
+        assert self.worker_response_mq is not None
+        self.worker_response_mq.enqueue(RemoteError(self.rank, type(e).__name__,
+                                                    f"the result ({type(output).__name__}) could not be sent: {e}",
+                                                    traceback.format_exc()))
 
     def async_output_busy_loop(self) -> None:
         """Send outputs from a thread so the busy loop can start the next step at once."""
@@ -438,7 +465,7 @@ class WorkerProc:
             self.async_output_queue.put(_STOP)
         for mq in (self.rpc_broadcast_mq, self.worker_response_mq):
             if mq is not None:
-                mq.close()
+                mq.close(flush_timeout=0)  # the executor is stopping too: it reads no more replies
         self.rpc_broadcast_mq = self.worker_response_mq = None
         try:
             self.worker.shutdown()
