@@ -412,13 +412,15 @@ class WorkerProc:
                     output = Boxed(output)
                 if put is not None:
                     put(output)
-                    continue
-                try:
-                    send(output)
-                except TransportError:
-                    raise
-                except Exception as e:
-                    self._send_unsendable(output, e)
+                else:
+                    try:
+                        send(output)
+                    except TransportError:
+                        raise
+                    except Exception as e:
+                        self._send_unsendable(output, e)
+            # Free this call's objects now, while the caller reads the reply, not when the next call arrives.
+            method = args = kwargs = func = output = None
 
     def handle_output(self, output: Any) -> None:
         """Send one reply (through the async-output thread when async scheduling is on)."""
