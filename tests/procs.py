@@ -77,16 +77,24 @@ def mixed_messages(n: int, chunk: int, seed: int = 0) -> list[Any]:
 
 def reader_digests(handle: bytes, rank: int, n: int, conn, timeout: float = 60.0, spin_us=None) -> None:
     """Attach as `rank`, read `n` messages, send back (rank, path, digests) or an error."""
+    import faulthandler
+    import sys
+
     from transport import MessageQueue
+    got: list[str] = []
     try:
         mq = MessageQueue.create_from_handle(handle, rank, spin_us=spin_us)
         with mq:
             mq.wait_until_ready(timeout=timeout)
             path = "shm" if mq.is_local_reader else "tcp"
-            got = [digest(mq.dequeue(timeout=timeout)) for _ in range(n)]
+            for _ in range(n):
+                # stuck this long on one message: print where (to the test's captured stderr)
+                faulthandler.dump_traceback_later(timeout * 0.8, file=sys.stderr)
+                got.append(digest(mq.dequeue(timeout=timeout)))
+            faulthandler.cancel_dump_traceback_later()
         conn.send(("ok", rank, path, got))
     except BaseException:
-        conn.send(("error", rank, traceback.format_exc(), None))
+        conn.send(("error", rank, f"after {len(got)} messages:\n{traceback.format_exc()}", None))
 
 
 def reader_echo(handle: bytes, rank: int, conn, timeout: float = 60.0) -> None:

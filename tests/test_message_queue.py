@@ -83,8 +83,12 @@ def test_every_reader_gets_every_message_once_in_order_bit_exact(n_local: int) -
         h = mq.export_handle().to_bytes()
         children = [procs.spawn(procs.reader_digests, h, r, len(msgs)) for r in range(n)]
         mq.wait_until_ready(timeout=120)
-        for m in msgs:
-            mq.enqueue(m, timeout=60)
+        try:
+            for m in msgs:
+                mq.enqueue(m, timeout=60)
+        except QueueTimeout as e:  # say what each reader says (it reports once its own dequeue times out)
+            said = [conn.recv() if conn.poll(90) else "nothing" for _, conn in children]
+            raise AssertionError(f"{e}\nreaders: {said}") from e
         results = [procs.recv(conn, 180) for _, conn in children]
     finally:
         mq.close()
