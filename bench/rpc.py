@@ -8,12 +8,14 @@ and the difference is the executor's own work: the call envelope, the
 worker's dispatch, the reply check. (Before timing, `nbytes` checks once that
 each payload arrives whole.) Both rigs are
 up at once and measured in alternating rounds (each round warmed up first),
-so a slow spell of the machine hits both alike instead of whichever ran then. Start-up: a
+so a slow spell of the machine hits both alike instead of whichever ran then,
+and each rig's processes are pinned to the same cores as the other's (see
+`pin`; `--no-pin` leaves placement to the scheduler). Start-up: a
 MultiprocExecutor with the toy engine on 4 workers (TP=2 x PP=2: spawn,
 torch, gloo world and groups, model, queues) beside starting 4 bare Python
 processes that import torch, in the same run.
 
-    python bench/rpc.py [--quick] [--rounds R]
+    python bench/rpc.py [--quick] [--rounds R] [--no-pin]
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class ExecRig:
         if got != bt.nbytes(obj) and not isinstance(obj, tuple):
             raise RuntimeError(f"the worker received {got} bytes of a {bt.nbytes(obj)}-byte payload")
 
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.ex.workers]
+
     def round_trip(self, obj) -> float:
         t0 = time.perf_counter()
         self.ex.collective_rpc("ack", args=(obj,), unique_reply_rank=0)
@@ -69,6 +74,55 @@ def interleaved(rigs: dict, loads: list, rounds: int) -> dict[str, dict[str, lis
             for key, rig in rigs.items():
                 res[key].setdefault(name, []).extend(bt.measure(rig, obj, per))
     return res
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return [pid]
+
+
+def pin(rigs: dict) -> tuple[str, dict[int, set[int]]] | None:
+    """Give both rigs the same placement: the caller on the first core, rank i on core (i + 1) mod cores.
+
+    Left to the scheduler, the placement of 1 + N spinning processes on fewer
+    cores is luck that lasts: one rig's p50 sits at 30, 60 or 110 us for a
+    whole run while the other's sits elsewhere, which swamps the few us being
+    compared. Returns (layout, the caller's previous masks) or None where
+    affinity cannot be set.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    me = os.getpid()
+    before = {}
+    for t in _threads(me):
+        try:
+            before[t] = os.sched_getaffinity(t)
+        except OSError:  # the thread has ended
+            pass
+    _set(before, {cores[0]})
+    for rig in rigs.values():
+        for i, pid in enumerate(rig.pids()):
+            _set(_threads(pid), {cores[(i + 1) % len(cores)]})
+    n = len(next(iter(rigs.values())).pids())
+    layout = f"caller on core {cores[0]}, " + ", ".join(f"rank {i} on core {cores[(i + 1) % len(cores)]}"
+                                                        for i in range(n))
+    return layout, before
+
+
+def _set(threads, mask: set[int]) -> None:
+    for t in threads:
+        try:
+            os.sched_setaffinity(t, mask)
+        except OSError:  # the thread has ended
+            pass
+
+
+def unpin(before: dict[int, set[int]]) -> None:
+    for t, mask in before.items():
+        _set([t], mask)
 
 
 def bare_start(n: int) -> float:
@@ -94,6 +148,7 @@ def main() -> None:
     ap.add_argument("--payloads", default="tiny,64KiB,4MiB,32MiB", help="comma-separated subset")
     ap.add_argument("--no-startup", action="store_true", help="skip the start-up comparison")
     ap.add_argument("--rounds", type=int, default=10, help="alternating rounds per payload")
+    ap.add_argument("--no-pin", action="store_true", help="leave the placement of processes to the scheduler")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
@@ -104,20 +159,28 @@ def main() -> None:
            f"{'overhead':>9}")
     print(hdr)
     print("-" * len(hdr))
+    layouts = []
     for n in (int(x) for x in args.workers.split(",")):
         rigs = {"transport": bt.MQRig(n, 0)}
+        pinned = None
         try:
             rigs["executor"] = ExecRig(n)
             for _, obj, _ in loads:
                 rigs["executor"].check(obj)
+            pinned = None if args.no_pin else pin(rigs)
+            layouts.append(f"{n} worker(s): " + (pinned[0] if pinned else "placement left to the scheduler"))
             res = interleaved(rigs, loads, args.rounds)
         finally:
+            if pinned:
+                unpin(pinned[1])
             for rig in rigs.values():
                 rig.close()
         for name, _, _ in loads:
             b, e = bt.pct(res["transport"][name], 0.5), bt.pct(res["executor"][name], 0.5)
             print(f"{n:>7} {name:>8} {b * 1e6:>17.1f} {e * 1e6:>16.1f} "
                   f"{bt.pct(res['executor'][name], 0.99) * 1e6:>16.1f} {(e / b - 1) * 100:>8.0f}%", flush=True)
+    print()
+    print("placement, the same for both rigs:", *layouts, sep="\n  ")
     print()
     if args.no_startup:
         return

@@ -1,0 +1,30 @@
+"""The executor bench still runs end to end (benches are not in CI otherwise, and rot quietly).
+
+No timing is asserted: only that both rigs came up, every payload arrived whole (the bench's
+`nbytes` check raises otherwise), each row was printed and the rigs' processes were pinned alike.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(300)
+def test_rpc_bench_runs_and_prints_every_row() -> None:
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "rpc.py"), "--quick", "--workers", "1,2",
+           "--payloads", "tiny,64KiB", "--rounds", "2", "--no-startup"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, f"bench/rpc.py failed:\n{out.stdout}\n{out.stderr}"
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?\d+)%$", out.stdout, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("1", "tiny"), ("1", "64KiB"), ("2", "tiny"), ("2", "64KiB")], \
+        out.stdout
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows), out.stdout
+    if hasattr(os, "sched_setaffinity"):
+        assert "2 worker(s): caller on core" in out.stdout, out.stdout
