@@ -16,7 +16,7 @@ COPY transport transport
 COPY cluster cluster
 COPY worker worker
 COPY executor executor
-COPY examples examples
+COPY rayfree rayfree
 RUN pip install --no-cache-dir .
 
 # The engine's own package goes in a derived image (FROM rayfree:latest, pip install my-engine) and is named

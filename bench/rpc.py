@@ -31,8 +31,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from cluster.config import ClusterConfig, ParallelConfig  # noqa: E402
-from executor import MultiprocExecutor  # noqa: E402
+from rayfree.cluster.config import ClusterConfig, ParallelConfig  # noqa: E402
+from rayfree.executor import MultiprocExecutor  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("bench_transport", os.path.join(ROOT, "bench", "transport.py"))
 bt = importlib.util.module_from_spec(_spec)
@@ -135,7 +135,7 @@ def bare_start(n: int) -> float:
 
 def executor_start() -> float:
     t0 = time.perf_counter()
-    ex = MultiprocExecutor(cfg(2, 2), "examples.toy_engine:ToyWorker")
+    ex = MultiprocExecutor(cfg(2, 2), "rayfree.cli.toy_engine:ToyWorker")
     took = time.perf_counter() - t0
     ex.shutdown()
     return took
@@ -192,6 +192,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from executor.demo import demo_secret
+    from rayfree.cli.demo import demo_secret
     with demo_secret():  # the remote paths are TCP, which needs a cluster secret (a throwaway one here)
         main()

@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 
 
 def _reader(handle: bytes, conn) -> None:
-    from transport import MessageQueue
+    from rayfree.transport import MessageQueue
     rq = MessageQueue(1, 0, connect_ip="127.0.0.1", max_chunk_bytes=1 << 16, max_chunks=8)
     conn.send_bytes(rq.export_handle().to_bytes())
     bq = MessageQueue.create_from_handle(handle, 0)
@@ -39,7 +39,7 @@ def _reader(handle: bytes, conn) -> None:
 def run(mode: str, n_tiny: int, n_big: int) -> dict[str, float]:
     import torch
 
-    from transport import MessageQueue
+    from rayfree.transport import MessageQueue
     os.environ.pop("RAYFREE_INSECURE", None)
     if mode == "insecure":
         saved = os.environ.pop("RAYFREE_SECRET_FILE")
@@ -109,6 +109,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from executor.demo import demo_secret
+    from rayfree.cli.demo import demo_secret
     with demo_secret():
         main()

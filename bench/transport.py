@@ -23,16 +23,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from transport import MessageQueue  # noqa: E402
+from rayfree.procs import cpu_seconds  # noqa: E402
+from rayfree.transport import MessageQueue  # noqa: E402
 
-CLK = os.sysconf("SC_CLK_TCK")
 STOP = ("__stop__",)
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 def payloads(quick: bool):
@@ -357,6 +351,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from executor.demo import demo_secret
+    from rayfree.cli.demo import demo_secret
     with demo_secret():  # the remote paths are TCP, which needs a cluster secret (a throwaway one here)
         main()

@@ -6,6 +6,11 @@ parallel_state the process-wide world / TP / PP / DP / PCP / DCP / EP / inner-DP
 simulate.py    simulated nodes on one machine (network namespaces, private /dev/shm)
 """
 
+if __name__ != "rayfree.cluster":  # the repository's folder imported as a top-level package: two copies of rayfree
+    raise ImportError(f"import rayfree.cluster, not {__name__}: this folder installs as rayfree.cluster "
+                      f"(pip install -e . puts it there)")
+
+
 from .config import ClusterConfig, ConfigError, ParallelConfig, load_config
 
 __all__ = ["ClusterConfig", "ParallelConfig", "ConfigError", "load_config"]

@@ -13,13 +13,13 @@ then command-line flags (`load_config`), later ones winning.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import os
-import socket
 from typing import Any, Mapping, Sequence
 
 import msgspec
+
+from rayfree.transport.net import is_local_address, local_addresses
 
 __all__ = ["ParallelConfig", "ClusterConfig", "ConfigError", "load_config", "add_config_arguments"]
 
@@ -287,33 +287,3 @@ def load_config(args: argparse.Namespace | Sequence[str] | None = None,
         if v is not None:
             data[name] = _parse_value(name, v)
     return ClusterConfig.from_dict(data).validate(check_local_master=check_local_master)
-
-
-def local_addresses() -> set[str]:
-    """Every address of this machine's interfaces (loopback included)."""
-    out = {"127.0.0.1", "::1"}
-    try:
-        import netifaces
-        for iface in netifaces.interfaces():
-            for fam in (netifaces.AF_INET, netifaces.AF_INET6):
-                for a in netifaces.ifaddresses(iface).get(fam, []):
-                    out.add(a["addr"].split("%")[0])
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-    return out
-
-
-def is_local_address(host: str) -> bool:
-    """Does `host` (an address or a name) resolve to an address of this machine?"""
-    try:
-        ip = ipaddress.ip_address(host.strip("[]"))
-        if ip.is_loopback:
-            return True
-        candidates = {str(ip)}
-    except ValueError:
-        try:
-            candidates = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
-        except OSError:
-            return False
-    mine = local_addresses()
-    return any(c.split("%")[0] in mine or ipaddress.ip_address(c.split("%")[0]).is_loopback for c in candidates)

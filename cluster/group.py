@@ -9,15 +9,15 @@ is the only decoder that ever sees them.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import msgspec
 import torch
 import torch.distributed as dist
 
-from transport import Handle, MessageQueue
-from transport.shm_probe import check_probe, create_probe, remove_probe
+from rayfree import settings
+from rayfree.transport import Handle, MessageQueue
+from rayfree.transport.shm_probe import check_probe, create_probe, remove_probe
 
 __all__ = ["Group", "GroupError", "FORCE_REMOTE_ENV"]
 
@@ -60,7 +60,7 @@ class Group:
         self.cpu_group = cpu_group
         self.advertise_ip = advertise_ip
         if force_remote is None:
-            force_remote = os.environ.get(FORCE_REMOTE_ENV, "") not in ("", "0")
+            force_remote = settings.get(FORCE_REMOTE_ENV)
         self.force_remote = force_remote
         self.queue_timeout_s = queue_timeout_s
         self._queues: list[MessageQueue] = []

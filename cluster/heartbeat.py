@@ -29,8 +29,8 @@ from typing import Callable
 import msgspec
 import zmq
 
-from transport.net import tcp_endpoint
-from transport.sockets import make_dealer, make_router
+from rayfree.transport.net import tcp_endpoint
+from rayfree.transport.sockets import make_dealer, make_router
 
 __all__ = ["Beat", "Bye", "HeartbeatServer", "HeartbeatClient"]
 
@@ -188,9 +188,6 @@ class HeartbeatServer(_Beater):
         self.on_lost = on_lost
         self._sock = make_router(self.endpoint)  # in the caller's thread: a busy port fails the start-up
         self._thread.start()
-
-    def heard_from(self) -> list[int]:
-        return sorted(k for k, p in self.peers.items() if p.last_seen is not None)
 
     def _run(self) -> None:
         sock = self._sock

@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from transport import get_ip
+from rayfree.transport import get_ip
 
 from .config import ParallelConfig
 from .group import Group, GroupError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.base import WorkerBase
+from rayfree.worker.base import WorkerBase
 
 
 class EchoWorker(WorkerBase):

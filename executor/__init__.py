@@ -1,17 +1,23 @@
-"""rayfree's top layer: the executors an engine calls, the `rayfree` command and the demo.
+"""rayfree's top layer: the executors an engine calls, and the worker group each one owns.
 
-    from executor import MultiprocExecutor
+    from rayfree.executor import MultiprocExecutor
     ex = MultiprocExecutor(config, "my_engine.worker:Worker", {"model": "..."})
     out = ex.collective_rpc("execute_model", args=(batch,), unique_reply_rank=ex.output_rank)
     ex.shutdown()
 """
 
+if __name__ != "rayfree.executor":  # the repository's folder imported as a top-level package: two copies of rayfree
+    raise ImportError(f"import rayfree.executor, not {__name__}: this folder installs as rayfree.executor "
+                      f"(pip install -e . puts it there)")
+
+
 from .abstract import Executor, FailureCallback, UniProcExecutor
-from .errors import (ExecutorError, ExecutorFailed, LeaderLost, NodeLost, NotLeaderError, RpcTimeout, WorkerDied,
-                     WorkerError)
+from .errors import (ExecutorError, ExecutorFailed, LeaderLost, NodeLost, NotLeaderError, RpcTimeout, StartupTimeout,
+                     WorkerDied, WorkerError, WorkerStartupError)
 from .future import FutureWrapper
 from .multiproc import MultiprocExecutor
+from .workers import WorkerGroup
 
 __all__ = ["Executor", "FailureCallback", "UniProcExecutor", "MultiprocExecutor", "FutureWrapper",
            "ExecutorError", "ExecutorFailed", "NotLeaderError", "RpcTimeout", "WorkerDied", "WorkerError",
-           "NodeLost", "LeaderLost"]
+           "NodeLost", "LeaderLost", "WorkerStartupError", "StartupTimeout", "WorkerGroup"]

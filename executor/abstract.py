@@ -7,10 +7,10 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, Callable
 
-from cluster.config import ClusterConfig
-from transport import get_open_port
-from worker.messages import RemoteError
-from worker.proc import resolve_worker_cls
+from rayfree.cluster.config import ClusterConfig
+from rayfree.transport import get_open_port
+from rayfree.worker.messages import RemoteError
+from rayfree.worker.proc import resolve_worker_cls
 
 from .errors import ExecutorFailed, WorkerError
 from .future import FutureWrapper
@@ -27,7 +27,7 @@ class Executor(ABC):
     def __init__(self, config: ClusterConfig, worker_cls: type | str, worker_kwargs: dict[str, Any] | None = None
                  ) -> None:
         if not isinstance(config, ClusterConfig):
-            raise TypeError(f"config must be a cluster.config.ClusterConfig, got {type(config).__name__}")
+            raise TypeError(f"config must be a rayfree.ClusterConfig, got {type(config).__name__}")
         config.validate()
         self.config = config
         self.parallel_config = config.parallel
@@ -159,6 +159,6 @@ class UniProcExecutor(Executor):
         try:
             self.worker.shutdown()
         finally:
-            from cluster.parallel_state import destroy_distributed_environment
+            from rayfree.cluster.parallel_state import destroy_distributed_environment
             destroy_distributed_environment()
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["ExecutorError", "WorkerError", "WorkerDied", "RpcTimeout", "ExecutorFailed", "NotLeaderError",
-           "NodeLost", "LeaderLost"]
+           "NodeLost", "LeaderLost", "WorkerStartupError", "StartupTimeout"]
 
 
 class ExecutorError(RuntimeError):
@@ -61,3 +61,20 @@ class LeaderLost(ExecutorError):
     def __init__(self, node_rank: int, why: str) -> None:
         super().__init__(f"node {node_rank}: the leader (node 0) is gone: {why}; this node stopped its workers")
         self.node_rank = node_rank
+
+
+class WorkerStartupError(ExecutorError):
+    """A worker could not start: it raised, died, or never became ready. Names its rank (and pid, title, exit)."""
+
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = "") -> None:
+        super().__init__(message + (f"\n\nWorker traceback:\n{remote_traceback}" if remote_traceback else ""))
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+class StartupTimeout(WorkerStartupError, TimeoutError):
+    """Workers did not become ready within ready_timeout_s (their stacks were dumped to their stderr)."""
+
+    def __init__(self, message: str, ranks: list[int]) -> None:
+        super().__init__(message, ranks[0] if ranks else None)
+        self.ranks = ranks

@@ -17,49 +17,30 @@ first, so the other side stops too instead of waiting for a timeout.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import multiprocessing
-import multiprocessing.connection
-import os
 import threading
 import time
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import cloudpickle
 
-from cluster.heartbeat import Bye, HeartbeatClient, HeartbeatServer
-from transport import MessageQueue, QueueClosed, QueueShutdown, QueueTimeout, TransportError, get_ip, get_open_port
-from worker.messages import Boxed, RemoteError, is_special
-from worker.proc import (UnreadyWorkerProcHandle, WorkerProc, WorkerProcHandle, WorkerStartupError,
-                         exit_description)
+from rayfree.cluster.heartbeat import Bye, HeartbeatClient, HeartbeatServer
+from rayfree.transport import MessageQueue, QueueClosed, QueueShutdown, get_ip, get_open_port
+from rayfree.transport.security import require_secret
+from rayfree.worker.messages import Boxed, RemoteError
 
 from .abstract import Executor
-from .errors import ExecutorFailed, LeaderLost, NodeLost, NotLeaderError, RpcTimeout, WorkerDied, WorkerError
-from .future import FutureWrapper, WaitExpired
+from .collect import Collector, map_failure, unwrap
+from .errors import ExecutorFailed, NotLeaderError, WorkerDied
+from .future import FutureWrapper
+from .liveness import start_heartbeat
+from .workers import WorkerGroup, WorkerHandle, exit_description
 
-__all__ = ["MultiprocExecutor", "set_multiprocessing_worker_envs"]
+__all__ = ["MultiprocExecutor"]
 
 logger = logging.getLogger("rayfree.executor")
-
-#: How workers are started: spawn (default; safe with CUDA and threads) or fork.
-START_METHOD_ENV = "RAYFREE_WORKER_MULTIPROC_METHOD"
-
-
-@contextlib.contextmanager
-def set_multiprocessing_worker_envs() -> Iterator[None]:
-    """While workers start: one OpenMP thread each unless OMP_NUM_THREADS is set (N workers x all cores
-    of threads only fight each other). The parent's own environment is restored afterwards."""
-    saved = os.environ.get("OMP_NUM_THREADS")
-    if saved is None:
-        os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
 
 
 class MultiprocExecutor(Executor):
@@ -69,11 +50,10 @@ class MultiprocExecutor(Executor):
         self.monitor_workers = monitor_workers
         self.shutting_down = False
         self._shutdown_done = threading.Event()
-        self.workers: list[WorkerProcHandle] = []
+        self.group: WorkerGroup | None = None
         self.response_mqs: list[MessageQueue] = []
         self.rpc_broadcast_mq: MessageQueue | None = None
         self._failure: Exception | None = None
-        self._monitor_wake_r = self._monitor_wake_w = None
         self._heartbeat: HeartbeatServer | HeartbeatClient | None = None
         self._stop_reason: str | None = None
         self._fast_stop = False  # a node is gone: its peers may hang in gloo, so do not wait long for them
@@ -86,28 +66,18 @@ class MultiprocExecutor(Executor):
         par = self.parallel_config
         self.world_size = par.world_size
         self.local_world_size = par.local_ranks
-        if self.world_size % par.nnodes_within_dp:
-            raise ValueError(f"world size {self.world_size} must be divisible by the {par.nnodes_within_dp} "
-                             f"node(s) of a DP replica")
         self.is_leader = par.node_rank_within_dp == 0
         multi_node = par.nnodes_within_dp > 1
         if multi_node:
-            port = par.master_port or 29500
-            distributed_init_method = f"tcp://{par.master_addr}:{port}"
+            distributed_init_method = f"tcp://{par.master_addr}:{par.master_port or 29500}"
         else:
             distributed_init_method = f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}"
-        method = os.environ.get(START_METHOD_ENV, "spawn")
-        if method not in ("spawn", "fork", "forkserver"):
-            raise ValueError(f"{START_METHOD_ENV}={method!r}: use spawn, fork or forkserver")
-        context = multiprocessing.get_context(method)
         worker_cls = self.worker_cls if isinstance(self.worker_cls, str) else cloudpickle.dumps(self.worker_cls)
-        unready: list[UnreadyWorkerProcHandle] = []
         success = False
         try:
             if multi_node:
-                from transport.security import require_secret
                 require_secret(f"a cluster of {par.nnodes_within_dp} nodes")  # before anything starts
-                self._start_heartbeat()
+                self._heartbeat = start_heartbeat(self)
             handle = None
             if self.is_leader:
                 connect_ip = get_ip(peer=par.master_addr) if multi_node else "127.0.0.1"
@@ -115,28 +85,17 @@ class MultiprocExecutor(Executor):
                                                      list(range(self.local_world_size)), connect_ip=connect_ip)
                 handle = self.rpc_broadcast_mq.export_handle().to_bytes()
             start = par.global_start_rank
-            inherited: list[int] | None = [] if method == "fork" else None
-            with set_multiprocessing_worker_envs():
-                # Start every local worker before waiting for any: they join the world together.
-                for local_rank in range(self.local_world_size):
-                    rank = start + local_rank
-                    uw = WorkerProc.make_worker_process(
-                        context, self.config, worker_cls, self.worker_kwargs, local_rank, rank,
-                        distributed_init_method, handle, par.is_driver_rank(rank), inherited)
-                    unready.append(uw)
-                    if inherited is not None:
-                        inherited += [uw.ready_pipe.fileno(), uw.death_writer.fileno()]
-            self.workers = WorkerProc.wait_for_ready(
-                unready, self.config.ready_timeout_s,
-                is_local_rank=lambda r: start <= r < start + self.local_world_size, attach=self.is_leader)
+            self.group = WorkerGroup(self.config, worker_cls, self.worker_kwargs,
+                                     list(range(start, start + self.local_world_size)), distributed_init_method,
+                                     handle, attach_replies=self.is_leader)
+            self.group.wait_ready(self.config.ready_timeout_s)
             if self.monitor_workers:
-                self.start_worker_monitor()
+                on_death = weakref.WeakMethod(self._on_worker_death)  # the monitor must not keep us alive
+                self.group.start_monitor(lambda w: on_death() and on_death()(w))
             if self._heartbeat is not None:
                 self._heartbeat.arm()
             if self.is_leader:
-                self.response_mqs = [
-                    self.workers[r].worker_response_mq if r < self.local_world_size
-                    else self.workers[0].peer_worker_response_mqs[r] for r in range(self.world_size)]
+                self.response_mqs = self.group.response_queues(self.world_size)
                 # The order the workers do it in: the broadcast queue, then the reply queues.
                 self.rpc_broadcast_mq.wait_until_ready(timeout=self.config.ready_timeout_s)
                 for mq in self.response_mqs:
@@ -149,78 +108,18 @@ class MultiprocExecutor(Executor):
                 self._refresh_fast()
             success = True
         except BaseException as e:
-            if isinstance(e, (QueueTimeout, WorkerStartupError)) and "within" in str(e):
-                self._dump_worker_stacks()
             self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             if self._failure is not None and not isinstance(e, KeyboardInterrupt):
                 raise self._failure from e  # a node left during start-up: that, not its fallout, is the cause
             raise
         finally:
             if not success:
-                if not self.workers:
-                    self.workers = [WorkerProcHandle(uw.proc, uw.rank, None, [], uw.death_writer) for uw in unready]
-                    for uw in unready:
-                        uw.ready_pipe.close()
                 self.shutdown()
 
-    def _dump_worker_stacks(self) -> None:
-        """Start-up timed out: have every live local worker print where it is stuck (to its stderr)."""
-        import signal
-        procs = [w.proc for w in self.workers] or []
-        for p in procs:
-            if p.is_alive() and p.pid is not None:
-                logger.error("start-up timed out: worker %s (pid %d) stack follows on its stderr", p.name, p.pid)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGUSR1)
-        if procs:
-            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)  # let them write it
-
-    # -- nodes ---------------------------------------------------------------------------
-
-    def _start_heartbeat(self) -> None:
-        par, cfg = self.parallel_config, self.config
-        port = cfg.heartbeat_endpoint_port
-        per_node = par.local_ranks
-        me = weakref.ref(self)
-        if self.is_leader:
-            followers = {k: list(range(k * per_node, (k + 1) * per_node)) for k in range(1, par.nnodes_within_dp)}
-
-            def on_lost(node: int, ranks: list[int], ip: str, why: str) -> None:
-                ex = me()
-                if ex is not None:
-                    ex._fast_stop = True
-                    ex._fail(NodeLost(node, ranks, ip, why))
-
-            self._heartbeat = HeartbeatServer(_resolve(par.master_addr), port, followers, cfg.heartbeat_interval_s,
-                                              cfg.heartbeat_timeout_s, on_lost)
-            logger.info("leader: heartbeat endpoint %s; waiting for %d follower node(s) to join (join_timeout_s="
-                        "%.0f)", self._heartbeat.endpoint, len(followers), cfg.join_timeout_s)
-            return
-        node = par.node_rank_within_dp
-        ranks = list(range(par.global_start_rank, par.global_start_rank + per_node))
-
-        def leader_lost(why: str) -> None:
-            ex = me()
-            if ex is not None:
-                ex._fast_stop = True
-                ex._fail(LeaderLost(node, why))
-
-        def leader_bye(_node: int, clean: bool, reason: str) -> None:
-            ex = me()
-            if ex is None:
-                return
-            if clean:
-                logger.info("node %d: the leader shut down; stopping this node's workers", node)
-                ex.shutdown()
-            else:
-                ex._fast_stop = True
-                ex._fail(LeaderLost(node, f"it stopped after a failure: {reason}"))
-
-        self._heartbeat = HeartbeatClient(par.master_addr, port, node, ranks, get_ip(peer=par.master_addr),
-                                          cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s, leader_lost, leader_bye)
-        logger.info("node %d: waiting for the leader (node 0) at %s:%d (heartbeats at %s) to form the world "
-                    "(join_timeout_s=%.0f)", node, par.master_addr, par.master_port, self._heartbeat.endpoint,
-                    cfg.join_timeout_s)
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        """This node's worker processes (`.rank`, `.proc`)."""
+        return self.group.workers if self.group is not None else []
 
     @property
     def failure(self) -> Exception | None:
@@ -231,32 +130,15 @@ class MultiprocExecutor(Executor):
         """Block until the executor has shut down (on request, on a failure, or when its leader stopped)."""
         return self._shutdown_done.wait(timeout)
 
-    # -- worker monitor ------------------------------------------------------------------
+    # -- failures --------------------------------------------------------------------------
 
-    def start_worker_monitor(self) -> None:
-        """A thread that wakes when any worker process exits (or when shutdown tells it to stop)."""
-        workers = list(self.workers)
-        self_ref = weakref.ref(self)
-        self._monitor_wake_r, self._monitor_wake_w = multiprocessing.Pipe(duplex=False)
-        wake = self._monitor_wake_r
-
-        def monitor() -> None:
-            sentinels = {w.proc.sentinel: w for w in workers}
-            ready = multiprocessing.connection.wait([*sentinels, wake])
-            me = self_ref()
-            if me is None or me.shutting_down:
-                return
-            dead = [sentinels[s] for s in ready if s in sentinels]
-            if not dead:
-                return
-            w = dead[0]
-            w.proc.join(0.5)
-            how = exit_description(w.proc.exitcode)
-            logger.error("worker rank %d (pid %s) died unexpectedly (%s); shutting down the executor",
-                         w.rank, w.proc.pid, how)
-            me._fail(WorkerDied(w.rank, how, w.proc.pid))
-
-        threading.Thread(target=monitor, daemon=True, name="RayfreeWorkerMonitor").start()
+    def _on_worker_death(self, w: WorkerHandle) -> None:
+        if self.shutting_down:
+            return
+        how = exit_description(w.proc.exitcode)
+        logger.error("worker rank %d (pid %s) died unexpectedly (%s); shutting down the executor", w.rank,
+                     w.proc.pid, how)
+        self._fail(WorkerDied(w.rank, how, w.proc.pid))
 
     def _fail(self, error: Exception) -> None:
         """Mark failed, wake every pending call with `error`, shut down, fire the callback once."""
@@ -286,31 +168,14 @@ class MultiprocExecutor(Executor):
             end = None if timeout is None else time.monotonic() + timeout
             try:
                 self._fast_send((method, args, kwargs, unique_reply_rank), timeout)
-            except QueueTimeout as e:
-                raise RpcTimeout(f"RPC {method}: could not even send it before the {timeout}s deadline: {e}") \
-                    from None
-            except TransportError:
-                raise self._cut_short(method)
-            except Exception:  # the arguments could not be pickled: nothing was sent
-                raise
             except BaseException as e:
-                self._interrupted(method, e, "sending it")
-                raise
+                raise map_failure(self, e, method, "sending it", timeout)
             try:
                 value = recv() if end is None else recv(max(0.0, end - time.monotonic()))
-            except QueueTimeout:
-                self._owe([unique_reply_rank])
-                raise RpcTimeout(f"RPC {method} timed out after {timeout}s: rank(s) [{unique_reply_rank}] have "
-                                 f"not replied") from None
-            except TransportError:
-                raise self._cut_short(method)
-            except Exception as e:  # read, but not understood here (say, its class is not importable)
-                raise _unreadable(unique_reply_rank, e, method) from e
             except BaseException as e:
-                self._interrupted(method, e, "waiting for its reply")
-                raise
+                raise map_failure(self, e, method, "waiting for its replies", timeout, [unique_reply_rank])
             t = type(value)
-            return _unwrap(value, method) if t is RemoteError or t is Boxed else value
+            return unwrap(value, method) if t is RemoteError or t is Boxed else value
         return self._collective_rpc(method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator)
 
     def _collective_rpc(self, method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator) -> Any:
@@ -331,17 +196,12 @@ class MultiprocExecutor(Executor):
         try:
             mq.enqueue((send, args, kwargs, output_rank),
                        timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-        except QueueTimeout as e:
-            raise RpcTimeout(f"RPC {name}: could not even send it before the {timeout}s deadline: {e}") from None
         except (QueueShutdown, QueueClosed):
             self._raise_failed()
-        except Exception:  # the arguments could not be pickled: nothing was sent
-            raise
         except BaseException as e:
-            self._interrupted(name, e, "sending it")
-            raise
+            raise map_failure(self, e, name, "sending it", timeout)
         ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
-        collect = _Collector(self, name, ranks, deadline, timeout, single=output_rank is not None)
+        collect = Collector(self, name, ranks, deadline, timeout, single=output_rank is not None)
         if not non_block and not self.futures_queue:
             # Nothing older is pending: read the replies here, without a Future.
             with self._drive_lock:
@@ -430,55 +290,17 @@ class MultiprocExecutor(Executor):
             reason = self._stop_reason or (str(self._failure).split("\n")[0] if self._failure else "shut down")
             clean = self._failure is None and self._stop_reason is None
             self._heartbeat.close(Bye(self.parallel_config.node_rank_within_dp, clean, reason[:300]))
-        if self._monitor_wake_w is not None:
-            self._monitor_wake_w.close()  # stop the monitor: it must not report our own stop as a failure
-        workers = self.workers
-        for w in workers:
-            if w.death_writer is not None:
-                w.death_writer.close()
-                w.death_writer = None
         grace, term = self.config.shutdown_grace_s, self.config.shutdown_term_s
         if self._fast_stop:
             grace, term = min(grace, 0.2), min(term, 1.0)
-        self._ensure_worker_termination([w.proc for w in workers], grace, term)
-        mqs: list[MessageQueue | None] = [self.rpc_broadcast_mq, *self.response_mqs]
-        for w in workers:
-            mqs += [w.worker_response_mq, *w.peer_worker_response_mqs]
-        for mq in mqs:
+        if self.group is not None:
+            self.group.close(grace, term)
+        for mq in (self.rpc_broadcast_mq, *self.response_mqs):
             if mq is not None:
                 mq.close(flush_timeout=0)  # remote workers are stopped by their own node, not by CLOSE
-        for w in workers:
-            w.worker_response_mq = None
         self.rpc_broadcast_mq = None
-        if self._monitor_wake_r is not None:
-            self._monitor_wake_r.close()
         if self._finalizer is not None:
             self._finalizer.detach()
-
-    @staticmethod
-    def _ensure_worker_termination(procs: list, grace_s: float, term_s: float) -> None:
-        """Stage 1: wait for a clean exit; 2: SIGTERM and wait; 3: SIGKILL."""
-        def wait_all(limit: float) -> bool:
-            end = time.monotonic() + limit
-            for p in procs:
-                p.join(max(0.0, end - time.monotonic()))
-            return not any(p.is_alive() for p in procs)
-
-        if wait_all(grace_s):
-            return
-        alive = [p for p in procs if p.is_alive()]
-        logger.warning("workers %s still running %.0fs after shutdown; sending SIGTERM",
-                       [p.name for p in alive], grace_s)
-        for p in alive:
-            p.terminate()
-        if wait_all(term_s):
-            return
-        alive = [p for p in procs if p.is_alive()]
-        logger.warning("workers %s ignored SIGTERM for %.0fs; sending SIGKILL", [p.name for p in alive], term_s)
-        for p in alive:
-            p.kill()
-        for p in alive:
-            p.join(5)
 
     @staticmethod
     def _finalize(ref: weakref.ref) -> None:
@@ -486,85 +308,3 @@ class MultiprocExecutor(Executor):
         if me is not None:
             me.shutdown()
 
-
-class _Collector:
-    """Reads one RPC's replies rank by rank; resumable when the caller's wait runs out first."""
-
-    def __init__(self, ex: MultiprocExecutor, name: str, ranks: list[int], deadline: float | None,
-                 timeout: float | None, single: bool) -> None:
-        self.ex = ex
-        self.name = name
-        self.ranks = ranks
-        self.deadline = deadline
-        self.timeout = timeout
-        self.single = single
-        self.got: dict[int, Any] = {}
-
-    def __call__(self, wait_deadline: float | None) -> Any:
-        ex = self.ex
-        for rank in self.ranks:
-            if rank in self.got:
-                continue
-            ends = [d for d in (self.deadline, wait_deadline) if d is not None]
-            try:
-                mq = ex.response_mqs[rank]
-                while ex._owed[rank]:  # a late reply to a call that timed out: not ours
-                    try:
-                        mq.dequeue(timeout=None if not ends else max(0.0, min(ends) - time.monotonic()))
-                    except TransportError:
-                        raise
-                    except Exception:  # noqa: BLE001 - unreadable, and dropped anyway
-                        pass
-                    ex._owed[rank] -= 1
-                    if not any(ex._owed):
-                        ex._refresh_fast()
-                self.got[rank] = mq.dequeue(timeout=None if not ends else max(0.0, min(ends) - time.monotonic()))
-            except QueueTimeout:
-                if self.deadline is not None and time.monotonic() >= self.deadline:
-                    missing = [r for r in self.ranks if r not in self.got]
-                    ex._owe(missing)
-                    busy = [r for r in missing if ex._owed[r] > 1]
-                    raise RpcTimeout(f"RPC {self.name} timed out after {self.timeout}s: rank(s) {missing} have "
-                                     f"not replied" + (f" (ranks {busy} are still busy with earlier calls that "
-                                                       f"timed out)" if busy else "")) from None
-                raise WaitExpired() from None
-            except (TransportError, IndexError):
-                raise ex._cut_short(self.name)
-            except Exception as e:  # read, but not understood here: that rank's answer is this error
-                logger.error("RPC %s: the reply of rank %d could not be read: %s", self.name, rank, e)
-                self.got[rank] = _unreadable_reply(rank, e)
-            except BaseException as e:
-                ex._interrupted(self.name, e, "waiting for its replies")
-                raise
-        # Every expected reply is read (so none is left for the next call) before a failure is raised.
-        values = [self.got[r] for r in self.ranks]
-        for i, value in enumerate(values):
-            if is_special(value):
-                values[i] = _unwrap(value, self.name)
-        return values[0] if self.single else values
-
-
-def _unreadable_reply(rank: int, e: Exception) -> RemoteError:
-    return RemoteError(rank, type(e).__name__, f"its reply arrived but could not be read here: {e}",
-                       "(raised while unpickling the reply in the calling process)")
-
-
-def _unreadable(rank: int, e: Exception, name: str) -> WorkerError:
-    r = _unreadable_reply(rank, e)
-    return WorkerError(rank, r.error_type, r.message, r.traceback, name)
-
-
-def _unwrap(value: Any, name: str) -> Any:
-    """A RemoteError reply becomes the caller's WorkerError; a Boxed one gives back its value."""
-    if type(value) is RemoteError:
-        raise WorkerError(value.rank, value.error_type, value.message, value.traceback, name)
-    return value.value
-
-
-def _resolve(host: str) -> str:
-    """An address to bind for `host` (node 0's master_addr, which is one of its own addresses)."""
-    import socket
-    try:
-        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError as e:
-        raise ValueError(f"master_addr={host!r} does not resolve ({e}): give node 0's IP address") from None

@@ -28,10 +28,10 @@ def path_of(mq) -> str:
 
 
 def groups(rank: int, world: int, master: str, port: int) -> None:
-    from cluster.parallel_state import (destroy_distributed_environment, get_world_group,
+    from rayfree.cluster.parallel_state import (destroy_distributed_environment, get_world_group,
                                         init_distributed_environment)
     from tests.procs import digest, mixed_messages
-    from transport import MessageQueue
+    from rayfree.transport import MessageQueue
     g = init_distributed_environment(world, rank, f"tcp://{master}:{port}", timeout_s=60)
     same = g.same_node_as(0)
     bq = g.create_mq_broadcaster(writer_rank=0, max_chunk_bytes=CHUNK, max_chunks=8)
@@ -83,7 +83,7 @@ def groups(rank: int, world: int, master: str, port: int) -> None:
 
 def external_writer(world: int, n_local: int, ip: str) -> None:
     from tests.procs import mixed_messages
-    from transport import MessageQueue
+    from rayfree.transport import MessageQueue
     mq = MessageQueue(world, n_local, list(range(n_local)), max_chunk_bytes=CHUNK, max_chunks=8, connect_ip=ip)
     print("HANDLE:" + mq.export_handle().to_bytes().hex(), flush=True)
     mq.wait_until_ready(timeout=60)
@@ -94,7 +94,7 @@ def external_writer(world: int, n_local: int, ip: str) -> None:
 
 
 def external(rank: int, world: int, master: str, port: int) -> None:
-    from cluster.parallel_state import destroy_distributed_environment, init_distributed_environment
+    from rayfree.cluster.parallel_state import destroy_distributed_environment, init_distributed_environment
     from tests.procs import digest, mixed_messages
     g = init_distributed_environment(world, rank, f"tcp://{master}:{port}", timeout_s=60)
     handle = bytes.fromhex(os.environ["RF_HANDLE"]) if rank == 0 else None
@@ -111,8 +111,8 @@ def layout(rank: int, world: int, master: str, port: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from cluster import parallel_state as ps
-    from cluster.config import ParallelConfig
+    from rayfree.cluster import parallel_state as ps
+    from rayfree.cluster.config import ParallelConfig
     before = []
     for getter in (ps.get_world_group, ps.get_tp_group):
         try:
@@ -135,7 +135,7 @@ def layout(rank: int, world: int, master: str, port: int) -> None:
 
 
 def missing(rank: int, world: int, master: str, port: int) -> None:
-    from cluster.parallel_state import JoinError, init_distributed_environment
+    from rayfree.cluster.parallel_state import JoinError, init_distributed_environment
     t0 = time.monotonic()
     try:
         init_distributed_environment(world, rank, f"tcp://{master}:{port}", timeout_s=float(os.environ["RF_JOIN_S"]))

@@ -12,9 +12,9 @@ import tempfile
 
 import pytest
 
-from transport.net import runtime_dir
-from transport.security import SECRET_FILE_ENV, write_secret
-from transport.shm_ring import SEGMENT_PREFIX, SHM_DIR
+from rayfree.transport.security import SECRET_FILE_ENV, write_secret
+from rayfree.transport.segments import creator_alive, entries
+from rayfree.transport.shm_ring import SEGMENT_PREFIX
 
 
 def _session_secret() -> None:
@@ -30,34 +30,10 @@ def _session_secret() -> None:
 _session_secret()
 
 
-def _segments() -> set[str]:
-    names = set()
-    for d in (SHM_DIR, runtime_dir()):
-        try:
-            names |= {os.path.join(d, n) for n in os.listdir(d) if n.startswith(SEGMENT_PREFIX)}
-        except FileNotFoundError:
-            pass
-    return names
-
-
-def _creator_alive(path: str) -> bool:
-    try:
-        pid = int(os.path.basename(path)[len(SEGMENT_PREFIX):].split("-", 1)[0])
-    except ValueError:
-        return True  # not a name rayfree makes (rayfree-<pid>-...): not ours to judge
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def orphan_segments() -> set[str]:
     """Segments and ipc directories whose creator is dead, or that this process made and still has."""
     me = f"{SEGMENT_PREFIX}{os.getpid()}-"
-    return {n for n in _segments() if os.path.basename(n).startswith(me) or not _creator_alive(n)}
+    return {n for n in entries() if os.path.basename(n).startswith(me) or not creator_alive(n)}
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +49,7 @@ def leak_guard():
     leaked = orphan_segments() - before
     for n in leaked:  # do not let one test's leak fail the next one too
         shutil.rmtree(n, ignore_errors=True) if os.path.isdir(n) else os.unlink(n)
-    from transport import lingering, sockets, zap
+    from rayfree.transport import lingering, sockets, zap
     lingering.flush()  # what the process would do at exit: closed writers' publishers wait for their readers
     ctx = sockets._ctx
     open_socks = []

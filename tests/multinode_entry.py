@@ -18,7 +18,7 @@ def say(tag: str, **kw: Any) -> None:
 
 
 def where(worker: Any) -> dict:
-    from worker.proc import worker_info
+    from rayfree.worker.proc import worker_info
     return worker_info(worker)
 
 
@@ -39,8 +39,8 @@ def check(ex) -> int:
     a remote rank's exception; the tiny round trip to remote and to local ranks."""
     import torch
 
-    from examples.toy_engine import make_batch, reference_forward
-    from executor import WorkerError
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+    from rayfree.executor import WorkerError
     steps = 20
     equal = sum(torch.equal(ex.execute_model(make_batch(s)), reference_forward(make_batch(s)["x"]))
                 for s in range(steps))
@@ -69,7 +69,7 @@ def check(ex) -> int:
 
 def hang(ex) -> int:
     """A call every rank is busy in; the test takes a node away; report how and when the call failed."""
-    from executor import ExecutorError
+    from rayfree.executor import ExecutorError
     fired = []
     ex.register_failure_callback(lambda: fired.append(time.monotonic()))
     fut = ex.collective_rpc(nap, args=(120.0,), non_block=True)
@@ -101,7 +101,7 @@ def serve(ex) -> int:
 
 def quick(ex) -> int:
     """A few steps (start-order tests)."""
-    from examples.toy_engine import make_batch
+    from rayfree.cli.toy_engine import make_batch
     for s in range(3):
         ex.execute_model(make_batch(s))
     say("RESULT", ok=True)
@@ -115,8 +115,8 @@ def outsiders(ex) -> int:
 
     import torch
 
-    from examples.toy_engine import make_batch, reference_forward
-    from transport.security import process_secret
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+    from rayfree.transport.security import process_secret
     remote = [r for r in range(ex.world_size) if ex.parallel_config.node_of(r) != 0]
     spec = {"pub": [ex.rpc_broadcast_mq.handle.remote_endpoint]
             + [ex.response_mqs[r].handle.remote_endpoint for r in remote],

@@ -19,7 +19,8 @@ from typing import Any
 
 import yaml
 
-from cluster.simulate import SimulatedCluster, SimulatedNode
+from rayfree.cluster.simulate import SimulatedCluster, SimulatedNode
+from rayfree.procs import group_members
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPOSE = os.path.join(ROOT, "docker-compose.yml")
@@ -43,12 +44,12 @@ def interpolate(text: str, values: dict[str, str]) -> str:
 
 
 def compose_invocation(service: str, values: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) of a compose service; `rayfree` becomes this interpreter's `-m executor.cli`."""
+    """(argv, environment) of a compose service; `rayfree` becomes this interpreter's `-m rayfree.cli`."""
     svc = compose()["services"][service]
     command = [interpolate(str(c), values) for c in svc["command"]]
     assert command[0] == "rayfree", f"{service}: command should start with rayfree, got {command}"
     env = {k: interpolate(str(v), values) for k, v in (svc.get("environment") or {}).items()}
-    return [sys.executable, "-m", "executor.cli", *command[1:]], env
+    return [sys.executable, "-m", "rayfree.cli", *command[1:]], env
 
 
 class NodeProc:
@@ -114,7 +115,7 @@ class Nodes:
         if sim.mode == "netns":
             port, hb = 29500, 29501
         else:
-            from transport import get_open_port
+            from rayfree.transport import get_open_port
             port, hb = get_open_port("127.0.0.1"), get_open_port("127.0.0.1")
         self.values = {"RAYFREE_MASTER_ADDR": master, "RAYFREE_MASTER_PORT": str(port)}
         self.env = {"PYTHONPATH": ROOT, "RAYFREE_HEARTBEAT_PORT": str(hb), "TORCH_CPP_LOG_LEVEL": "ERROR",
@@ -128,20 +129,6 @@ class Nodes:
         self.started.append(proc)
         proc.others = self.started
         return proc
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in a process group."""
-    out = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            out.append(int(pid))
-    return out
 
 
 def wait_group_empty(pgid: int, timeout: float) -> list[int]:

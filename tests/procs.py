@@ -80,7 +80,7 @@ def reader_digests(handle: bytes, rank: int, n: int, conn, timeout: float = 60.0
     import faulthandler
     import sys
 
-    from transport import MessageQueue
+    from rayfree.transport import MessageQueue
     got: list[str] = []
     try:
         mq = MessageQueue.create_from_handle(handle, rank, spin_us=spin_us)
@@ -99,7 +99,7 @@ def reader_digests(handle: bytes, rank: int, n: int, conn, timeout: float = 60.0
 
 def reader_echo(handle: bytes, rank: int, conn, timeout: float = 60.0) -> None:
     """Attach, report ready, then forward every message's digest until STOP (or until killed)."""
-    from transport import MessageQueue
+    from rayfree.transport import MessageQueue
     try:
         mq = MessageQueue.create_from_handle(handle, rank)
         conn.send(("attached", os.getpid()))
@@ -118,7 +118,7 @@ def reader_echo(handle: bytes, rank: int, conn, timeout: float = 60.0) -> None:
 
 def reader_hold(handle: bytes, rank: int, conn, timeout: float = 60.0) -> None:
     """Attach and handshake, then never read: a stuck reader."""
-    from transport import MessageQueue
+    from rayfree.transport import MessageQueue
     mq = MessageQueue.create_from_handle(handle, rank)
     mq.wait_until_ready(timeout=timeout)
     conn.send("ready")
@@ -128,7 +128,7 @@ def reader_hold(handle: bytes, rank: int, conn, timeout: float = 60.0) -> None:
 
 def writer_then_wait(n_reader: int, conn, chunk: int = 1 << 16) -> None:
     """A writer in its own process: make a queue, hand out the handle, handshake, send, wait to be killed."""
-    from transport import MessageQueue
+    from rayfree.transport import MessageQueue
     mq = MessageQueue(n_reader, n_reader, max_chunk_bytes=chunk, max_chunks=4)
     conn.send(mq.export_handle().to_bytes())
     mq.wait_until_ready(timeout=60)
@@ -139,7 +139,7 @@ def writer_then_wait(n_reader: int, conn, chunk: int = 1 << 16) -> None:
 
 def writer_burst_then_exit(n_msgs: int, size: int, conn) -> None:
     """A writer with one remote reader: enqueue a backlog, close, and let the process end at once."""
-    from transport import MessageQueue
+    from rayfree.transport import MessageQueue
     mq = MessageQueue(1, 0, connect_ip="127.0.0.1")
     conn.send(mq.export_handle().to_bytes())
     mq.wait_until_ready(timeout=60)
@@ -151,14 +151,14 @@ def writer_burst_then_exit(n_msgs: int, size: int, conn) -> None:
 
 def reader_collect(handle: bytes, rank: int, n: int, conn, timeout: float = 60.0) -> None:
     """Attach, read `n` messages, send back ("done", messages, how many bad frames were skipped)."""
-    from transport import MessageQueue
+    from rayfree.transport import MessageQueue
     try:
         mq = MessageQueue.create_from_handle(handle, rank)
         conn.send(("attached", os.getpid()))
         with mq:
             mq.wait_until_ready(timeout=timeout)
             got = [mq.dequeue(timeout=timeout) for _ in range(n)]
-            conn.send(("done", got, mq._recv.bad_frames))
+            conn.send(("done", got, mq._r.sock.bad_frames))
     except BaseException:
         conn.send(("error", traceback.format_exc(), None))
 

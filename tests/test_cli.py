@@ -9,7 +9,7 @@ import pytest
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "executor.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rayfree.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from cluster.simulate import SimulatedCluster, can_use_netns
-from transport import get_open_port
+from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
+from rayfree.transport import get_open_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NODES, PER_NODE = 2, 2

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from cluster.config import ClusterConfig, ParallelConfig
-from executor.cluster_demo import node_command, node_env
+from rayfree.cluster.config import ClusterConfig, ParallelConfig
+from rayfree.cli.cluster_demo import node_command, node_env
 
 from .nodes import ROOT, compose, compose_invocation
 
@@ -64,7 +64,7 @@ def test_cpu_profile_runs_the_same_nodes_on_one_machine() -> None:
 def test_the_demo_runs_the_compose_invocation() -> None:
     for k, service in ((0, "head"), (1, "follower")):
         argv, env = compose_invocation(service, {**VALUES, "RAYFREE_NODE_RANK": str(k)})
-        assert node_command()[1:] == argv[1:]  # both: <python> -m executor.cli node
+        assert node_command()[1:] == argv[1:]  # both: <python> -m rayfree.cli node
         demo = node_env(2, k, VALUES["RAYFREE_MASTER_ADDR"], 29500, 2, 2)
         assert {x: v for x, v in env.items() if x != "RAYFREE_HEARTBEAT_TIMEOUT_S"} == demo, service
 
@@ -72,6 +72,6 @@ def test_the_demo_runs_the_compose_invocation() -> None:
 def test_the_image_installs_every_package() -> None:
     with open(os.path.join(ROOT, "Dockerfile")) as f:
         dockerfile = f.read()
-    for pkg in ("transport", "cluster", "worker", "executor", "examples"):
+    for pkg in ("transport", "cluster", "worker", "executor", "rayfree"):
         assert f"COPY {pkg} {pkg}" in dockerfile, pkg
     assert "torch==2.13.0" in dockerfile and "pip install --no-cache-dir ." in dockerfile

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.config import ClusterConfig, ConfigError, ParallelConfig, load_config
+from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig, load_config
 
 
 def test_derived_values() -> None:

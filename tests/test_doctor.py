@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "executor.cli", "doctor", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rayfree.cli", "doctor", *args], capture_output=True, text=True,
                           timeout=60, cwd=ROOT, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
 
 

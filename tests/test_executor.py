@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 
-from cluster.config import ClusterConfig, ParallelConfig
-from examples.toy_engine import make_batch, reference_forward
-from executor import (ExecutorFailed, MultiprocExecutor, RpcTimeout, UniProcExecutor, WorkerError)
-from worker.proc import WorkerStartupError
+from rayfree.cluster.config import ClusterConfig, ParallelConfig
+from rayfree.procs import is_alive
+from rayfree.cli.toy_engine import make_batch, reference_forward
+from rayfree.executor import (ExecutorFailed, MultiprocExecutor, RpcTimeout, StartupTimeout, UniProcExecutor, WorkerError,
+                              WorkerStartupError)
 
 ECHO = "tests.workers:EchoWorker"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,12 +38,7 @@ def echo2():
         ex.shutdown()
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+alive = is_alive
 
 
 def _until(cond, timeout: float = 10.0) -> None:
@@ -113,7 +109,7 @@ def test_rpc_timeout_names_the_ranks_that_did_not_reply_and_late_replies_are_not
 def test_the_step_path_gives_the_same_answers_as_the_general_one(echo2) -> None:
     # collective_rpc(name, unique_reply_rank=r) without a future is the engine's step and has its own
     # lean path; each group below crosses both paths and must agree.
-    from worker.messages import Boxed, RemoteError
+    from rayfree.worker.messages import Boxed, RemoteError
     for value in ("x", None, 7, b"raw", {"a": (1, 2)}, RemoteError(3, "E", "m", "tb"), Boxed(Boxed(1))):
         assert echo2.collective_rpc("echo", args=(value,), unique_reply_rank=1) == value  # a value, not a failure
         assert echo2.collective_rpc("echo", args=(value,), unique_reply_rank=1, non_block=True).result(30) == value
@@ -222,7 +218,7 @@ def test_sigkilled_worker_fails_pending_and_later_calls_fast_and_calls_back_once
 
 @pytest.mark.timeout(60)
 def test_a_worker_dying_in_the_engines_step_fails_it_with_the_death_as_cause() -> None:
-    from executor import WorkerDied
+    from rayfree.executor import WorkerDied
     ex = MultiprocExecutor(cfg(), ECHO)
     try:
         pids = [w["pid"] for w in ex.collective_rpc("whoami")]
@@ -255,26 +251,27 @@ def test_shutdown_reaches_sigkill_for_a_worker_that_ignores_sigterm() -> None:
 
 @pytest.mark.timeout(120)
 def test_startup_failure_in_load_model_names_the_rank_and_leaves_nothing() -> None:
-    with pytest.raises(WorkerStartupError, match="worker rank 1 failed to start: RuntimeError") as info:
+    with pytest.raises(WorkerStartupError, match=r"worker rank 1 \(pid \d+\) failed to start: RuntimeError") as info:
         MultiprocExecutor(cfg(), ECHO, {"fail_load_on": [1]})
     assert "cannot load the model on rank 1" in str(info.value)
     assert "load_model" in info.value.remote_traceback
-    with pytest.raises(WorkerStartupError, match=r"worker rank 0 died before becoming ready \(exit code 7\)"):
+    with pytest.raises(WorkerStartupError, match=r"worker rank 0 \(pid \d+, RayfreeWorker-0\) died before becoming ready \(exit code 7\)"):
         MultiprocExecutor(cfg(), ECHO, {"die_load_on": [0]})
 
 
 @pytest.mark.timeout(120)
 def test_workers_that_are_not_ready_in_time_are_named() -> None:
     t0 = time.monotonic()
-    with pytest.raises(WorkerStartupError, match=r"worker rank\(s\) \[0, 1\] did not become ready within 2s"):
+    with pytest.raises(StartupTimeout, match=r"worker rank\(s\) \[0, 1\] did not become ready within 2s") as info:
         MultiprocExecutor(cfg(ready_timeout_s=2), ECHO, {"load_delay": 30})
     assert time.monotonic() - t0 < 15
+    assert info.value.ranks == [0, 1] and isinstance(info.value, TimeoutError)
 
 
 def test_bad_worker_class_paths_are_clear() -> None:
     with pytest.raises(WorkerStartupError, match="has no 'Nope'"):
         MultiprocExecutor(cfg(tp=1), "tests.workers:Nope")
-    with pytest.raises(WorkerStartupError, match="package.module:ClassName"):
+    with pytest.raises(WorkerStartupError, match="package.module:Name"):
         MultiprocExecutor(cfg(tp=1), "tests.workers.EchoWorker")
 
 
@@ -285,8 +282,8 @@ def test_every_worker_exits_when_the_parent_is_sigkilled(method, monkeypatch) ->
     # death pipes, or none of them would see EOF when the parent dies.
     monkeypatch.setenv("RAYFREE_WORKER_MULTIPROC_METHOD", method)
     script = ("import sys, time\n"
-              "from cluster.config import ClusterConfig, ParallelConfig\n"
-              "from executor import MultiprocExecutor\n"
+              "from rayfree.cluster.config import ClusterConfig, ParallelConfig\n"
+              "from rayfree.executor import MultiprocExecutor\n"
               "if __name__ == '__main__':\n"
               "    ex = MultiprocExecutor(ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=2)),\n"
               "                           'tests.workers:EchoWorker')\n"
@@ -323,7 +320,7 @@ def test_spawn_and_fork_start_methods(method, monkeypatch) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)])
 def test_toy_engine_matches_the_single_process_model(tp, pp) -> None:
-    with MultiprocExecutor(cfg(tp, pp), "examples.toy_engine:ToyWorker") as ex:
+    with MultiprocExecutor(cfg(tp, pp), "rayfree.cli.toy_engine:ToyWorker") as ex:
         assert ex.output_rank == (pp - 1) * tp and ex.max_concurrent_batches == pp
         for step in range(5):
             batch = make_batch(step)
@@ -349,11 +346,11 @@ def test_async_scheduling_sends_outputs_from_a_thread_in_order() -> None:
 
 
 def test_uniproc_executor_runs_the_worker_in_process() -> None:
-    with UniProcExecutor(cfg(tp=1), "examples.toy_engine:ToyWorker") as ex:
+    with UniProcExecutor(cfg(tp=1), "rayfree.cli.toy_engine:ToyWorker") as ex:
         batch = make_batch(3)
         assert torch.equal(ex.execute_model(batch), reference_forward(batch["x"]))
         assert ex.collective_rpc(lambda w: w.rank) == [0]
         with pytest.raises(WorkerError, match="AttributeError"):
             ex.collective_rpc("nope")
     with pytest.raises(ValueError, match="MultiprocExecutor"):
-        UniProcExecutor(cfg(tp=2), "examples.toy_engine:ToyWorker")
+        UniProcExecutor(cfg(tp=2), "rayfree.cli.toy_engine:ToyWorker")

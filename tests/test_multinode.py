@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from cluster.simulate import SimulatedCluster, can_use_netns
+from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
 
 from .nodes import Nodes, shm_files, wait_group_empty
 

@@ -8,7 +8,7 @@ import stat
 
 import netifaces
 
-from transport.net import IpcDir, get_ip, get_open_port, tcp_endpoint
+from rayfree.transport.net import IpcDir, get_ip, get_open_port, tcp_endpoint
 
 
 def _local_addresses() -> set[str]:

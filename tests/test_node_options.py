@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from executor.node import NodeUsageError, add_node_arguments, plan
+from rayfree.cli.node import NodeUsageError, add_node_arguments, plan
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -18,10 +18,10 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_a_config_file_can_hold_the_whole_node(tmp_path) -> None:
     f = tmp_path / "node1.toml"
     f.write_text('nnodes = 2\nnode_rank = 1\nmaster_addr = "10.0.0.1"\n[parallel]\ntensor_parallel_size = 2\n'
-                 '[node]\nworker = "examples.toy_engine:ToyWorker"\nheadless = true\nworker_kwargs = {seed = 7}\n')
+                 '[node]\nworker = "rayfree.cli.toy_engine:ToyWorker"\nheadless = true\nworker_kwargs = {seed = 7}\n')
     config, worker, kwargs, entry = plan(parse("--config", str(f)), env={})
     assert (config.parallel.node_rank, config.parallel.tensor_parallel_size) == (1, 2)
-    assert worker == "examples.toy_engine:ToyWorker" and kwargs == {"seed": 7} and entry is None
+    assert worker == "rayfree.cli.toy_engine:ToyWorker" and kwargs == {"seed": 7} and entry is None
 
 
 def test_flags_win_over_the_environment_which_wins_over_the_file(tmp_path) -> None:

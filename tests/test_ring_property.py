@@ -3,6 +3,7 @@ released it, and every reader sees every message exactly once, in order."""
 
 from __future__ import annotations
 
+import pickle
 import secrets
 import struct
 
@@ -10,7 +11,9 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from transport.shm_ring import KIND_DATA, RingReader, RingWriter, ShmRingBuffer
+from rayfree.transport.framing import KIND_DATA, write_head
+from rayfree.transport.ring import RingReader, RingWriter
+from rayfree.transport.shm_ring import ShmRingBuffer
 
 _STAMP = struct.Struct("<Q")
 _STAMP_AT = 64  # past the slot header
@@ -22,7 +25,7 @@ class RingMachine(RuleBasedStateMachine):
         self.ring = ShmRingBuffer.create(n_reader, 4096, n_chunks, secrets.token_bytes(16))
         self.ring.unlink()
         self.w = RingWriter(self.ring)
-        self.readers = [RingReader(self.ring, r) for r in range(n_reader)]
+        self.readers = [RingReader(self.ring, r, pickle.loads) for r in range(n_reader)]
         self.seq = 0
         # per reader: messages published but not yet polled (FIFO), and polled but not released
         self.pending: list[list[tuple[int, int, int]]] = [[] for _ in range(n_reader)]
@@ -64,7 +67,7 @@ class RingMachine(RuleBasedStateMachine):
         self.seq += 1
         for c in range(start, start + span):
             _STAMP.pack_into(self.ring.buf, self.ring.chunk_offset(c) + _STAMP_AT, self.seq)
-        self.ring.write_slot(start, KIND_DATA, span)
+        write_head(self.ring.buf, self.ring.chunk_offset(start), KIND_DATA, span, [0])
         self.w.commit(start, span)
         for r in range(len(self.readers)):
             self.pending[r].append((self.seq, start, span))
@@ -104,7 +107,7 @@ class RingMachine(RuleBasedStateMachine):
             return
         for c in range(self.ring.n_chunks):
             if self._busy(c):
-                assert not self.ring.chunk_free(c), f"chunk {c} is held but the ring calls it free"
+                assert not self.w.chunk_free(c), f"chunk {c} is held but the ring calls it free"
 
 
 RingMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)

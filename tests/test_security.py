@@ -18,15 +18,15 @@ import msgspec
 import pytest
 import zmq
 
-from transport import HandleError, MessageQueue
-from transport import security
-from transport.framing import read_layout, write_head
-from transport.security import ClusterSecret, InsecureTransport
+from rayfree.transport import HandleError, MessageQueue
+from rayfree.transport import security
+from rayfree.transport.framing import read_layout, write_head
+from rayfree.transport.security import ClusterSecret, InsecureTransport
 
 from . import procs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("transport", "cluster", "worker", "executor", "examples")
+PACKAGES = ("transport", "cluster", "worker", "executor", "rayfree")
 
 
 def tcp_writer(n_reader: int = 1) -> MessageQueue:
@@ -151,12 +151,12 @@ def test_segments_ipc_directories_and_secrets_are_owner_only(tmp_path) -> None:
         assert stat.S_IMODE(os.stat(h.ipc_dir).st_mode) == 0o700
     finally:
         w.close()
-    r = subprocess.run([sys.executable, "-m", "executor.cli", "keygen", str(tmp_path / "s")], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "rayfree.cli", "keygen", str(tmp_path / "s")], capture_output=True,
                        text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert stat.S_IMODE(os.stat(tmp_path / "s").st_mode) == 0o600
     assert len(bytes.fromhex((tmp_path / "s").read_text().strip())) == 32
-    again = subprocess.run([sys.executable, "-m", "executor.cli", "keygen", str(tmp_path / "s")],
+    again = subprocess.run([sys.executable, "-m", "rayfree.cli", "keygen", str(tmp_path / "s")],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert again.returncode == 2 and "not overwriting" in again.stderr
 
@@ -193,7 +193,7 @@ def test_a_remote_reader_skips_10000_garbage_messages_and_loses_no_good_one() ->
         try:
             assert procs.recv(conn)[0] == "attached"
             w.wait_until_ready(timeout=60)
-            sock = w._remote_out.sock
+            sock = w._w.remote.sock
             bad_per_good = n_bad // n_good + 1
             sent_bad = 0
             for i in range(n_good):
@@ -220,7 +220,7 @@ def test_a_remote_reader_skips_10000_garbage_messages_and_loses_no_good_one() ->
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k not in ("RAYFREE_SECRET_FILE", "RAYFREE_INSECURE")}
-    return subprocess.run([sys.executable, "-m", "executor.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rayfree.cli", *args], capture_output=True, text=True,
                           timeout=60, cwd=ROOT, env={**full, **env}, stdin=subprocess.DEVNULL)
 
 
@@ -243,9 +243,9 @@ def test_zmq_has_curve() -> None:
 @pytest.mark.timeout(120)
 def test_the_heartbeat_endpoint_drops_10000_malformed_messages_and_keeps_answering() -> None:
     """An authenticated but broken peer: garbage, wrong frame counts, unknown nodes; beats still answered."""
-    from cluster.heartbeat import Beat, HeartbeatServer, _encode
-    from transport import get_open_port
-    from transport.sockets import make_dealer
+    from rayfree.cluster.heartbeat import Beat, HeartbeatServer, _encode
+    from rayfree.transport import get_open_port
+    from rayfree.transport.sockets import make_dealer
     lost: list[int] = []
     port = get_open_port("127.0.0.1")
     server = HeartbeatServer("127.0.0.1", port, {1: [2, 3]}, 0.1, 5.0, lambda n, r, ip, why: lost.append(n))

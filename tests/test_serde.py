@@ -7,7 +7,7 @@ import pickle
 import pytest
 import torch
 
-from transport.serde import OOB_MIN_BYTES, Serializer, loads
+from rayfree.transport.serde import OOB_MIN_BYTES, Serializer, loads
 
 
 def roundtrip(obj):

@@ -6,7 +6,7 @@ import os
 import signal
 import time
 
-from worker.base import WorkerBase
+from rayfree.worker.base import WorkerBase
 
 
 class EchoWorker(WorkerBase):

@@ -4,15 +4,21 @@ Same node: a shared-memory ring. Other nodes: ZeroMQ pub/sub over TCP. Knows
 nothing of ranks, groups or torch.distributed.
 """
 
+if __name__ != "rayfree.transport":  # the repository's folder imported as a top-level package: two copies of rayfree
+    raise ImportError(f"import rayfree.transport, not {__name__}: this folder installs as rayfree.transport "
+                      f"(pip install -e . puts it there)")
+
+
 from .errors import (BadFrame, HandleError, MessageTooLarge, QueueClosed, QueueShutdown, QueueTimeout,
                      SegmentNotFound, ShmSpaceError, TransportError)
 from .handle import Handle
 from .message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, MessageQueue
 from .net import get_ip, get_open_port
 from .shm_ring import ShmRingBuffer
+from .sockets import SocketError
 
 __all__ = [
-    "MessageQueue", "Handle", "ShmRingBuffer", "get_ip", "get_open_port",
+    "MessageQueue", "Handle", "ShmRingBuffer", "get_ip", "get_open_port", "SocketError",
     "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS",
     "TransportError", "QueueTimeout", "QueueShutdown", "QueueClosed", "MessageTooLarge",
     "HandleError", "ShmSpaceError", "SegmentNotFound", "BadFrame",

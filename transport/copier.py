@@ -3,7 +3,7 @@
 One core copies ~6 GB/s on a typical VM: 32 MiB then costs 5 ms, far more
 than everything else on the path. `ctypes.memmove` releases the GIL, so a
 few helper threads each copying a slice scale with memory bandwidth.
-Knob: RAYFREE_COPY_THREADS (default: min(4, cores); 1 disables).
+Knob: RAYFREE_COPY_THREADS (default: min(4, cores); 1 disables), read at the first big copy.
 """
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ import os
 import queue
 import threading
 
-__all__ = ["copy_into", "PARALLEL_MIN_BYTES", "COPY_THREADS"]
+from rayfree import settings
+
+__all__ = ["copy_into", "PARALLEL_MIN_BYTES"]
 
 #: Copies smaller than this run on the calling thread.
 PARALLEL_MIN_BYTES = 4 << 20
-COPY_THREADS = max(1, int(os.environ.get("RAYFREE_COPY_THREADS", str(min(4, os.cpu_count() or 1)))))
 
 _memmove = ctypes.memmove
 _jobs: queue.SimpleQueue | None = None
+_threads = 1
 _pool_lock = threading.Lock()
 _pool_pid = -1
 
@@ -64,16 +66,18 @@ class _Copy:
                     self.finished.set()
 
 
-def _pool() -> queue.SimpleQueue:
-    global _jobs, _pool_pid
+def _pool() -> tuple[queue.SimpleQueue, int]:
+    """The helper threads' job queue and how many threads copy (RAYFREE_COPY_THREADS, read at first use)."""
+    global _jobs, _pool_pid, _threads
     if _jobs is None or _pool_pid != os.getpid():
         with _pool_lock:
             if _jobs is None or _pool_pid != os.getpid():
+                _threads = max(1, settings.get("RAYFREE_COPY_THREADS"))
                 jobs: queue.SimpleQueue = queue.SimpleQueue()
-                for i in range(COPY_THREADS - 1):
+                for i in range(_threads - 1):
                     threading.Thread(target=_worker, args=(jobs,), name=f"rayfree-copy-{i}", daemon=True).start()
                 _jobs, _pool_pid = jobs, os.getpid()
-    return _jobs
+    return _jobs, _threads
 
 
 def _address(buf: memoryview) -> int | None:
@@ -93,16 +97,16 @@ def copy_into(dst: memoryview, dst_addr: int, off: int, src: memoryview) -> None
     `dst_addr` is the address of dst[0] (the caller owns that mapping).
     """
     n = src.nbytes
-    if n < PARALLEL_MIN_BYTES or COPY_THREADS < 2:
+    if n < PARALLEL_MIN_BYTES:
         dst[off: off + n] = src
         return
-    src_addr = _address(src)
+    jobs, threads = _pool()
+    src_addr = _address(src) if threads > 1 else None
     if src_addr is None:
         dst[off: off + n] = src
         return
-    job = _Copy(dst_addr + off, src_addr, n, 4 * COPY_THREADS)
-    jobs = _pool()
-    for _ in range(COPY_THREADS - 1):
+    job = _Copy(dst_addr + off, src_addr, n, 4 * threads)
+    for _ in range(threads - 1):
         jobs.put(job)
     job.run()
     job.finished.wait()

@@ -26,7 +26,7 @@ import zmq
 
 from .zmq_channel import CLOSE, SocketSender
 
-__all__ = ["hold", "flush", "held_count"]
+__all__ = ["hold", "flush"]
 
 logger = logging.getLogger("rayfree.transport")
 
@@ -69,7 +69,7 @@ class _Held:
             logger.warning("closed queue: remote reader rank(s) %s did not confirm its last messages within %.1fs "
                            "(%s); they may miss them", sorted(self.pending), self.limit,
                            "they have not read CLOSE" if self.close_sent else "they are too far behind for CLOSE")
-        self.sender.close(linger_ms=0)
+        self.sender.abort()
         return True
 
 
@@ -85,11 +85,6 @@ def hold(sender: SocketSender, ranks: list[int], hello_prefix: bytes, limit: flo
         h = _Held(sender, ranks, hello_prefix, limit)
         _held.append(h)
         _held[:] = [x for x in _held if not x.step(0)]  # finish whoever is done already
-
-
-def held_count() -> int:
-    with _lock:
-        return sum(1 for h in _held if h.pid == os.getpid())
 
 
 def flush() -> None:

@@ -14,7 +14,10 @@ import shutil
 import socket
 import tempfile
 
-__all__ = ["get_ip", "get_open_port", "tcp_endpoint", "is_ipv6", "IpcDir", "route_to", "default_route_ip"]
+from rayfree import settings
+
+__all__ = ["get_ip", "get_open_port", "tcp_endpoint", "is_ipv6", "IpcDir", "route_to", "default_route_ip",
+           "local_addresses", "is_local_address", "interface_of", "bind_address"]
 
 logger = logging.getLogger("rayfree.transport")
 
@@ -77,9 +80,9 @@ def get_ip(peer: str | None = None) -> str:
     Order: $RAYFREE_HOST_IP; the local address that routes toward `peer`;
     the address of the default route's interface; loopback.
     """
-    env = os.environ.get(HOST_IP_ENV)
+    env = settings.get(HOST_IP_ENV)
     if env:
-        return env.strip()
+        return env
     if peer:
         ip = route_to(peer)
         if ip:
@@ -122,3 +125,54 @@ class IpcDir:
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def local_addresses() -> set[str]:
+    """Every address of this machine's interfaces (loopback included)."""
+    out = {"127.0.0.1", "::1"}
+    try:
+        import netifaces
+        for iface in netifaces.interfaces():
+            for fam in (netifaces.AF_INET, netifaces.AF_INET6):
+                for a in netifaces.ifaddresses(iface).get(fam, []):
+                    out.add(a["addr"].split("%")[0])
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    return out
+
+
+def is_local_address(host: str) -> bool:
+    """Does `host` (an address or a name) resolve to an address of this machine?"""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+        if ip.is_loopback:
+            return True
+        candidates = {str(ip)}
+    except ValueError:
+        try:
+            candidates = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+        except OSError:
+            return False
+    mine = local_addresses()
+    return any(c.split("%")[0] in mine or ipaddress.ip_address(c.split("%")[0]).is_loopback for c in candidates)
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the interface that has address `ip` (None if none does)."""
+    try:
+        import netifaces
+        for iface in netifaces.interfaces():
+            for fam in (netifaces.AF_INET, netifaces.AF_INET6):
+                if any(a.get("addr", "").split("%")[0] == ip for a in netifaces.ifaddresses(iface).get(fam, [])):
+                    return iface
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    return None
+
+
+def bind_address(host: str) -> str:
+    """An address to bind for `host` (a name or an address of this machine); ValueError if it does not resolve."""
+    try:
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError as e:
+        raise ValueError(f"{host!r} does not resolve ({e}): give node 0's IP address") from None

@@ -27,15 +27,19 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import msgspec
 import zmq
 import zmq.utils.z85
 
+from rayfree import settings
+
 from .errors import HandleError, TransportError
 
-__all__ = ["ClusterSecret", "InsecureTransport", "load_secret", "write_secret", "process_secret", "insecure",
-           "seal", "unseal", "check_fresh", "require_secret", "SECRET_FILE_ENV", "INSECURE_ENV", "DOCKER_SECRET"]
+__all__ = ["ClusterSecret", "InsecureTransport", "Policy", "resolve", "use", "current", "load_secret", "write_secret",
+           "process_secret", "insecure", "seal", "unseal", "check_fresh", "require_secret", "SECRET_FILE_ENV",
+           "INSECURE_ENV", "DOCKER_SECRET"]
 
 logger = logging.getLogger("rayfree.security")
 
@@ -103,9 +107,9 @@ def _read(path: str) -> ClusterSecret:
     return ClusterSecret(raw, path)
 
 
-def load_secret(path: str | None = None) -> ClusterSecret | None:
-    """`path`, else $RAYFREE_SECRET_FILE, else the docker secret if mounted; None if there is none."""
-    path = path or os.environ.get(SECRET_FILE_ENV)
+def load_secret(path: str | None = None, env: Any = None) -> ClusterSecret | None:
+    """`path`, else RAYFREE_SECRET_FILE, else the docker secret if mounted; None if there is none."""
+    path = path or settings.get(SECRET_FILE_ENV, env)
     if path:
         return _read(path)
     if os.path.exists(DOCKER_SECRET):
@@ -113,25 +117,56 @@ def load_secret(path: str | None = None) -> ClusterSecret | None:
     return None
 
 
+class Policy(NamedTuple):
+    """Who may talk to whom over TCP: with `secret`, CURVE and signed handles; without, only if `insecure`."""
+
+    secret: ClusterSecret | None
+    insecure: bool
+
+
+def resolve(secret_file: str | None = None, insecure: bool | None = None, env: Any = None) -> Policy:
+    """The one policy for node, executor and doctor: --secret-file, else RAYFREE_SECRET_FILE, else the compose
+    secret; --insecure, else RAYFREE_INSECURE."""
+    on = settings.get(INSECURE_ENV, env) if insecure is None else insecure
+    return Policy(load_secret(secret_file, env), bool(on))
+
+
 _lock = threading.Lock()
-_cached: tuple[str | None, ClusterSecret | None] | None = None
+_explicit: Policy | None = None
+_cached: tuple[str | None, bool, Policy] | None = None
 _warned = False
 
 
-def process_secret() -> ClusterSecret | None:
-    """This process's secret (read once per secret file path)."""
-    global _cached
-    key = os.environ.get(SECRET_FILE_ENV) or (DOCKER_SECRET if os.path.exists(DOCKER_SECRET) else None)
+def use(policy: Policy | None) -> None:
+    """Make `policy` this process's (None: back to the environment's). The executor hands its own to every
+    worker it starts, so nothing is passed through os.environ."""
+    global _explicit
     with _lock:
-        if _cached is None or _cached[0] != key:
-            _cached = (key, load_secret())
-        return _cached[1]
+        _explicit = policy
+
+
+def current() -> Policy:
+    """This process's policy: the one given to `use`, else the environment's (read once per secret file)."""
+    global _cached
+    with _lock:
+        if _explicit is not None:
+            return _explicit
+        key = settings.get(SECRET_FILE_ENV) or (DOCKER_SECRET if os.path.exists(DOCKER_SECRET) else None)
+        flag = settings.get(INSECURE_ENV)
+        if _cached is None or _cached[0] != key or _cached[1] != flag:
+            _cached = (key, flag, resolve())
+        return _cached[2]
+
+
+def process_secret() -> ClusterSecret | None:
+    """This process's cluster secret, if it has one."""
+    return current().secret
 
 
 def insecure() -> bool:
     """--insecure / RAYFREE_INSECURE=1: plain TCP without a secret (logged as a warning, once per process)."""
     global _warned
-    on = os.environ.get(INSECURE_ENV, "").strip().lower() in ("1", "true", "yes")
+    on = current().insecure
     if on and not _warned:
         _warned = True
         logger.warning("INSECURE: TCP sockets are neither authenticated nor encrypted (--insecure / %s=1); anyone "
@@ -196,7 +231,7 @@ def unseal(data: bytes, what: str = "handle") -> tuple[bytes, bytes | None]:
     want = s.mac(_signed_bytes(sealed.payload, sealed.nonce, sealed.issued))
     if not hmac.compare_digest(want, sealed.mac):
         raise HandleError(f"refused a forged {what}: its signature does not match this cluster's secret")
-    max_age = float(os.environ.get(MAX_AGE_ENV, "3600"))
+    max_age = settings.get(MAX_AGE_ENV)
     age = time.time() - sealed.issued
     if abs(age) > max_age:
         raise HandleError(f"refused a replayed {what}: signed {age:.0f}s ago (limit {MAX_AGE_ENV}={max_age:.0f}s; "

@@ -12,7 +12,7 @@ import mmap
 import os
 import secrets
 
-from .shm_ring import SEGMENT_PREFIX, _posixshmem, _unlink
+from .shm_ring import SEGMENT_PREFIX, shm_open, unlink_segment
 
 __all__ = ["create_probe", "check_probe", "remove_probe"]
 
@@ -23,13 +23,13 @@ def create_probe() -> tuple[str, bytes]:
     """Make a probe segment; returns (name, token). Remove it with `remove_probe`."""
     name = f"{SEGMENT_PREFIX}{os.getpid()}-probe-{secrets.token_hex(6)}"
     token = secrets.token_bytes(_TOKEN_BYTES)
-    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+    fd = shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, _TOKEN_BYTES)
         with mmap.mmap(fd, _TOKEN_BYTES) as m:
             m[:] = token
     except BaseException:
-        _unlink(name)
+        unlink_segment(name)
         raise
     finally:
         os.close(fd)
@@ -41,7 +41,7 @@ def check_probe(name: str, token: bytes) -> bool:
     if not name.startswith(SEGMENT_PREFIX) or "/" in name:
         return False
     try:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0)
+        fd = shm_open(name, os.O_RDONLY)
     except OSError:
         return False
     try:
@@ -54,4 +54,4 @@ def check_probe(name: str, token: bytes) -> bool:
 
 
 def remove_probe(name: str) -> None:
-    _unlink(name)
+    unlink_segment(name)

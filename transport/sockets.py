@@ -1,4 +1,4 @@
-"""The one place where rayfree makes ZeroMQ sockets, and translates their errors.
+"""The one place where rayfree makes ZeroMQ sockets, and where their errors are translated (`translate`).
 
 Publishers are XPUB sockets that never drop (XPUB_NODROP: a slow subscriber
 makes the writer wait, bounded by its timeout, instead of losing a message)
@@ -22,8 +22,8 @@ from . import security, zap
 from .errors import QueueTimeout, TransportError
 from .net import is_ipv6
 
-__all__ = ["context", "make_publisher", "make_subscriber", "make_router", "make_dealer", "zmq_errors",
-           "HELLO_PREFIX"]
+__all__ = ["context", "make_publisher", "make_subscriber", "make_router", "make_dealer", "zmq_errors", "translate",
+           "SocketError", "HELLO_PREFIX"]
 
 #: Subscription topic prefix a reader adds so the writer can tell who arrived.
 HELLO_PREFIX = b"\x00rayfree-hello:"
@@ -44,15 +44,38 @@ def context() -> zmq.Context:
     return _ctx
 
 
+class SocketError(TransportError, zmq.ZMQError):
+    """A ZeroMQ operation failed. Also a `zmq.ZMQError` (same errno), so code written against vLLM's
+    queue, which catches that, keeps working."""
+
+    def __init__(self, message: str, errno: int | None) -> None:
+        TransportError.__init__(self, message)
+        self.errno = errno
+        self.strerror = message
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def translate(e: zmq.ZMQError, what: str) -> TransportError:
+    """The transport's error for ZeroMQ's `e`, saying what was being done (and what to do, where we know)."""
+    if isinstance(e, zmq.Again):
+        return QueueTimeout(f"{what}: timed out")
+    if e.errno == zmq.EADDRINUSE:
+        return SocketError(f"{what}: the address is already in use: another rayfree leader (or something else) "
+                           f"holds that port; stop it or choose another port", e.errno)
+    if e.errno == zmq.ETERM:
+        return SocketError(f"{what}: this process's ZeroMQ context was terminated (the process is exiting)", e.errno)
+    return SocketError(f"{what}: {e.strerror} (zmq errno {e.errno})", e.errno)
+
+
 @contextlib.contextmanager
 def zmq_errors(what: str) -> Iterator[None]:
-    """Turn ZeroMQ's errors into transport errors that say what was being done."""
+    """Run a block of ZeroMQ calls, translating their errors (`translate`)."""
     try:
         yield
-    except zmq.Again as e:
-        raise QueueTimeout(f"{what}: timed out") from e
     except zmq.ZMQError as e:
-        raise TransportError(f"{what}: {e.strerror} (zmq errno {e.errno})") from e
+        raise translate(e, what) from e
 
 
 def _secure_server(sock: zmq.Socket, endpoint: str, what: str) -> None:
@@ -137,13 +160,8 @@ def make_router(bind_to: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
         if _is_tcp_v6(bind_to):
             sock.setsockopt(zmq.IPV6, 1)
         _secure_server(sock, bind_to, "the leader's heartbeat endpoint")
-        try:
+        with zmq_errors(f"binding {bind_to}"):
             sock.bind(bind_to)
-        except zmq.ZMQError as e:
-            if e.errno == zmq.EADDRINUSE:
-                raise TransportError(f"{bind_to} is already in use: another rayfree leader (or something else) "
-                                     f"holds that port; stop it or choose another port") from e
-            raise TransportError(f"binding {bind_to}: {e.strerror}") from e
     except BaseException:
         sock.close(linger=0)
         raise

@@ -25,14 +25,12 @@ import threading
 import time
 from typing import Callable, TypeVar
 
-__all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "Waiters", "DEFAULT_SPIN_US", "sched_yield",
-           "yield_interval", "note_ring_processes"]
+from rayfree import settings
+
+__all__ = ["SpinPolicy", "spin", "spin_until", "fence", "WakePipe", "Waiters", "sched_yield", "yield_interval",
+           "note_ring_processes"]
 
 T = TypeVar("T")
-
-#: Upper bound of the adaptive spin, in microseconds (knob: RAYFREE_SPIN_US).
-#: 0 disables spinning: every wait parks at once.
-DEFAULT_SPIN_US: float = float(os.environ.get("RAYFREE_SPIN_US", "200"))
 
 # A spinner yields the core now and then so that, with more spinning processes
 # than cores, the one that must act next still runs. Measured on 2 cores
@@ -41,21 +39,23 @@ DEFAULT_SPIN_US: float = float(os.environ.get("RAYFREE_SPIN_US", "200"))
 # round, 42-60 us yielding at every clock check, 55-110 us every ~50 us. So:
 # every YIELD_US of spinning, or at every check once a ring has at least twice
 # as many processes as there are cores.
-_YIELD_ENV = os.environ.get("RAYFREE_YIELD_US")
-_YIELD_S = float(_YIELD_ENV or "50") / 1e6
 _CORES = os.cpu_count() or 1
+_crowded = False
 
 
 def yield_interval() -> float:
-    """Seconds of spinning between two yields of the core."""
-    return _YIELD_S
+    """Seconds of spinning between two yields of the core (RAYFREE_YIELD_US, read now)."""
+    us = settings.get("RAYFREE_YIELD_US")
+    if us is None:
+        us = 0.0 if _crowded else 50.0
+    return us / 1e6
 
 
 def note_ring_processes(n: int) -> None:
     """This process uses a ring shared by `n` processes: yield at every check if they crowd the cores."""
-    global _YIELD_S
-    if _YIELD_ENV is None and n >= 2 * _CORES:
-        _YIELD_S = 0.0
+    global _crowded
+    if n >= 2 * _CORES:
+        _crowded = True
 
 
 _fence_lock = threading.Lock()
@@ -83,16 +83,17 @@ class SpinPolicy:
     never spins.
     """
 
-    __slots__ = ("max_s", "avg", "limit", "_floor")
+    __slots__ = ("max_s", "avg", "limit", "_floor", "yield_s")
 
     def __init__(self, spin_us: float | None = None) -> None:
-        us = DEFAULT_SPIN_US if spin_us is None else float(spin_us)
+        us = settings.get("RAYFREE_SPIN_US") if spin_us is None else float(spin_us)
         if us < 0:
             raise ValueError(f"spin_us must be >= 0 microseconds, got {spin_us}")
         self.max_s = us / 1e6
         self._floor = min(self.max_s, 20e-6)
         self.avg = 0.0
         self.limit = self._floor
+        self.yield_s = yield_interval()
 
     def record(self, waited: float) -> None:
         """A wait of `waited` seconds just ended with a message."""
@@ -113,7 +114,8 @@ def spin(check: Callable[[], T | None], policy: SpinPolicy) -> T | None:
     """Call `check` until it returns non-None or the policy's spin limit passes."""
     t0 = _perf()
     end = t0 + policy.limit
-    next_yield = t0 + _YIELD_S
+    gap = policy.yield_s
+    next_yield = t0 + gap
     while True:
         got = check()
         if got is not None:
@@ -124,7 +126,34 @@ def spin(check: Callable[[], T | None], policy: SpinPolicy) -> T | None:
             return None
         if now >= next_yield:
             sched_yield()
-            next_yield = now + _YIELD_S
+            next_yield = now + gap
+
+
+def spin_until(ready: Callable[[], bool], policy: SpinPolicy) -> bool:
+    """The hot spin: call `ready` until it is true (True) or the policy's limit passes (False).
+
+    The clock is read every 16 checks and the core yielded every `yield_interval()`.
+    """
+    if policy.limit <= 0:
+        return False
+    t0 = _perf()
+    end = t0 + policy.limit
+    gap = policy.yield_s
+    next_yield = t0 + gap
+    i = 0
+    while True:
+        if ready():
+            policy.record(_perf() - t0)
+            return True
+        i += 1
+        if i >= 16:
+            i = 0
+            now = _perf()
+            if now >= end:
+                return False
+            if now >= next_yield:
+                sched_yield()
+                next_yield = now + gap
 
 
 class Waiters:

@@ -1,4 +1,4 @@
-"""The socket half of a MessageQueue: frames over ZeroMQ pub/sub (remote readers, overflow).
+"""The socket channel of a MessageQueue: frames over ZeroMQ pub/sub (remote readers over TCP; a ring's overflow over ipc).
 
 A message is one multipart ZeroMQ message: frame 0 the pickle stream, the
 rest out-of-band buffers (see serde.py). A single frame that starts with
@@ -18,9 +18,12 @@ from typing import Any
 
 import zmq
 
+from rayfree import settings
+
 from . import serde
-from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout, TransportError
-from .shm_channel import WAIT_LOG_INTERVAL_S
+from .channel import Receiver, Sender
+from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout
+from .sockets import translate
 from .waiting import Waiters
 
 logger = logging.getLogger("rayfree.transport")
@@ -38,7 +41,7 @@ _perf = time.perf_counter
 _loads = serde.loads
 
 
-class SocketSender:
+class SocketSender(Sender):
     """Sends frames on one publisher, waiting at most until a deadline when subscribers lag."""
 
     def __init__(self, sock: zmq.Socket, path: str, readers: list[int], hwm: int) -> None:
@@ -48,7 +51,7 @@ class SocketSender:
         self.hwm = hwm
         self._sndtimeo = -2  # unknown
 
-    def send(self, frames: list, deadline: float | None) -> None:
+    def send(self, frames: list, sizes: list[int] | None, deadline: float | None) -> None:
         ms = -1 if deadline is None else max(0, int((deadline - _perf()) * 1000))
         sock = self.sock
         if ms != self._sndtimeo:
@@ -63,7 +66,7 @@ class SocketSender:
             raise QueueTimeout(f"enqueue timed out sending to {self.path} reader rank(s) {self.readers}: they "
                                f"are {self.hwm} messages behind or unreachable") from None
         except zmq.ZMQError as e:
-            raise TransportError(f"enqueue to {self.path} readers failed: {e.strerror}") from e
+            raise translate(e, f"enqueue to {self.path} readers") from e
 
     def send_raw(self, data: bytes) -> None:
         """A small bytes message, without pickle (no deadline: callers use it when timeout is None)."""
@@ -73,15 +76,14 @@ class SocketSender:
         try:
             self.sock.send(RAW + data, copy=True)
         except zmq.ZMQError as e:
-            raise TransportError(f"enqueue to {self.path} readers failed: {e.strerror}") from e
+            raise translate(e, f"enqueue to {self.path} readers") from e
 
     def send_control(self, msg: bytes, block: bool) -> None:
         try:
             self.sock.send(msg, 0 if block else zmq.NOBLOCK)
         except zmq.ZMQError as e:
             if block:
-                raise TransportError(f"sending {msg[len(CTRL):].decode()} to {self.path} readers: "
-                                     f"{e.strerror}") from e
+                raise translate(e, f"sending {msg[len(CTRL):].decode()} to {self.path} readers") from e
 
     def read_close_acks(self, pending: set[int], hello_prefix: bytes, wait_ms: int) -> None:
         """Remove from `pending` the readers that confirmed CLOSE or went away (see lingering.py);
@@ -106,19 +108,28 @@ class SocketSender:
             elif msg[:1] == b"\x01" and rank in self.readers:  # it reconnected: not confirmed after all
                 pending.add(rank)
 
-    def close(self, linger_ms: int) -> None:
-        self.sock.close(linger=linger_ms)
+    def shutdown(self) -> None:
+        pass  # a blocked send is bounded by its deadline (SNDTIMEO)
+
+    def close(self) -> None:
+        """CLOSE to the readers, then the socket (with a short linger for it to go out)."""
+        self.send_control(CLOSE, block=False)
+        self.sock.close(linger=100)
+
+    def abort(self) -> None:
+        self.sock.close(linger=0)
 
 
-class SocketReceiver:
+class SocketReceiver(Receiver):
     """Receives from one subscriber; blocks inside ZeroMQ, in slices, so shutdown is seen.
 
     No EVENTS polling or spinning: each such check is a syscall that competes
     with ZeroMQ's I/O thread for the core, which costs more than it saves.
     """
 
-    def __init__(self, sock: zmq.Socket, hello_topic: bytes | None = None) -> None:
+    def __init__(self, sock: zmq.Socket, path: str, hello_topic: bytes | None = None) -> None:
         self.sock = sock
+        self.path = path
         #: dropped when CLOSE is read: the writer's sign that this reader has every message
         self.hello_topic = hello_topic
         self.shutdown_requested = False
@@ -127,8 +138,9 @@ class SocketReceiver:
         #: messages that could not be parsed, reported and skipped
         self.bad_frames = 0
         self._bad_logged_at = 0.0
+        self.log_interval = settings.get("RAYFREE_WAIT_LOG_INTERVAL_S")
 
-    def get(self, timeout: float | None, indefinite: bool, what: str = "dequeue") -> Any:
+    def recv(self, timeout: float | None, indefinite: bool, what: str = "dequeue") -> Any:
         """The next good message as an object; one that cannot be parsed is reported and skipped
         (raises QueueClosed when the writer said CLOSE)."""
         deadline = None if timeout is None else _perf() + timeout
@@ -154,7 +166,7 @@ class SocketReceiver:
                 with self.waiters:
                     frame = self.sock.recv(copy=False)
             except zmq.Again:
-                return self.decode(self.recv(None, indefinite, what))
+                return self.decode(self.recv_frames(None, indefinite, what))
             if not frame.more:
                 buf = frame.buffer
                 if buf[:1] == RAW:
@@ -166,9 +178,9 @@ class SocketReceiver:
                         raise BadFrame(f"could not decode a 1-frame message: {type(e).__name__}: {e}") from e
             return self.decode(self._rest(frame, what))
         deadline = None if timeout is None else _perf() + timeout
-        return self.decode(self.recv(deadline, indefinite, what))
+        return self.decode(self.recv_frames(deadline, indefinite, what))
 
-    def recv(self, deadline: float | None, indefinite: bool, what: str) -> list:
+    def recv_frames(self, deadline: float | None, indefinite: bool, what: str) -> list:
         """The next message's frames, as buffers."""
         with self.waiters:
             return self._recv(deadline, indefinite, what)
@@ -176,7 +188,7 @@ class SocketReceiver:
     def _recv(self, deadline: float | None, indefinite: bool, what: str) -> list:
         sock = self.sock
         t0 = _perf()
-        next_log = t0 + WAIT_LOG_INTERVAL_S
+        next_log = t0 + self.log_interval
         while True:
             if self.shutdown_requested:
                 raise QueueShutdown(f"{what} interrupted: shutdown() was called on this queue")
@@ -196,10 +208,10 @@ class SocketReceiver:
                 if now >= next_log:
                     if not indefinite:
                         logger.info("%s: still waiting after %.0fs", what, now - t0)
-                    next_log = now + WAIT_LOG_INTERVAL_S
+                    next_log = now + self.log_interval
                 continue
             except zmq.ZMQError as e:
-                raise TransportError(f"{what}: {e.strerror} (zmq errno {e.errno})") from e
+                raise translate(e, what) from e
             return self._rest(frame, what)
 
     def _rest(self, frame: zmq.Frame, what: str) -> list:
@@ -209,7 +221,7 @@ class SocketReceiver:
                 frame = self.sock.recv(copy=False)
                 parts.append(frame.buffer)
         except zmq.ZMQError as e:
-            raise TransportError(f"{what}: {e.strerror} (zmq errno {e.errno})") from e
+            raise translate(e, what) from e
         return parts
 
     @staticmethod
@@ -234,6 +246,9 @@ class SocketReceiver:
                 self.sock.setsockopt(zmq.UNSUBSCRIBE, topic)
             except zmq.ZMQError:
                 pass  # closing anyway; the writer sees the disconnect instead
+
+    def shutdown(self) -> None:
+        self.shutdown_requested = True  # a blocked receive sees it within SLICE_MS
 
     def close(self) -> None:
         self.sock.close(linger=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.config import ClusterConfig
+from rayfree.cluster.config import ClusterConfig
 
 __all__ = ["WorkerBase"]
 
@@ -35,7 +35,7 @@ class WorkerBase:
         GPU engines override this to select `cuda:{local_rank}` first and then
         call `super().init_device()`.
         """
-        from cluster.parallel_state import init_distributed_environment, initialize_model_parallel
+        from rayfree.cluster.parallel_state import init_distributed_environment, initialize_model_parallel
         init_distributed_environment(self.parallel_config.world_size, self.rank, self.distributed_init_method,
                                      self.local_rank, timeout_s=self.config.join_timeout_s,
                                      force_remote=self.config.force_remote or None)

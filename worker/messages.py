@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Ready", "StartupFailed", "PipeMsg", "encode", "decode", "RemoteError", "Boxed", "box", "is_special"]
+__all__ = ["Ready", "StartupFailed", "PipeMsg", "encode", "decode", "RemoteError", "Boxed", "is_special"]
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -58,13 +58,7 @@ class Boxed(msgspec.Struct, frozen=True):
     value: object
 
 
-def box(output: object) -> object:
-    """What the worker sends for `output` (only a RemoteError or Boxed result gets wrapped)."""
-    t = type(output)
-    return Boxed(output) if t is RemoteError or t is Boxed else output
-
-
 def is_special(value: object) -> bool:
-    """The reader's one check: is this reply a failure or a wrapped value (see `box`)?"""
+    """The reader's one check: is this reply a failure or a wrapped value (only a RemoteError or Boxed result is wrapped)?"""
     t = type(value)
     return t is RemoteError or t is Boxed

@@ -15,16 +15,19 @@ import subprocess
 import sys
 import time
 
-from cluster.simulate import SimulatedCluster
-from transport.net import get_open_port
+from rayfree.cluster.simulate import SimulatedCluster
+from rayfree.procs import cmdline, group_members
+from rayfree.transport.net import get_open_port
+from rayfree.transport.segments import creator_alive, entries
+from rayfree.transport.shm_ring import SHM_DIR
 
-WORKER = "examples.toy_engine:ToyWorker"
-ENTRY = "executor.demo:drive"
+WORKER = "rayfree.cli.toy_engine:ToyWorker"
+ENTRY = "rayfree.cli.demo:drive"
 
 
 def node_command() -> list[str]:
     """`rayfree node`, run by this interpreter (the console script may not be on PATH)."""
-    return [sys.executable, "-m", "executor.cli", "node"]
+    return [sys.executable, "-m", "rayfree.cli", "node"]
 
 
 def node_env(nnodes: int, node_rank: int, master_addr: str, master_port: int, tp: int, pp: int,
@@ -45,11 +48,9 @@ def _leftovers(sim: SimulatedCluster, since: float) -> list[str]:
     """Segments in the nodes' /dev/shm, and processes still running in the nodes' process groups."""
     found = []
     for n in sim.nodes:
-        d = n.shm_dir or "/dev/shm"
-        for f in os.listdir(d) if os.path.isdir(d) else []:
-            path = os.path.join(d, f)
-            if f.startswith("rayfree-") and (n.shm_dir or (os.stat(path).st_mtime >= since
-                                                            and not _alive(f.split("-")[1]))):
+        for path in sorted(entries((n.shm_dir or SHM_DIR,))):
+            # A private /dev/shm holds only this demo's; the shared one, only what a dead process made since.
+            if n.shm_dir or (os.stat(path).st_mtime >= since and not creator_alive(path)):
                 found.append(path)
         for p in n.procs:
             left = _group_members(p.pid)
@@ -63,29 +64,10 @@ def _group_members(pgid: int, wait_s: float = 5.0) -> list[str]:
     tracker exits when its parent has) `wait_s` to finish."""
     deadline = time.monotonic() + wait_s
     while True:
-        members = []
-        for pid in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                if int(fields[2]) == pgid and fields[0] != "Z":
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        members.append(f"{pid} {f.read().replace(bytes(1), b' ').decode(errors='replace')[:80]}")
-            except (OSError, ValueError, IndexError):
-                continue
+        members = [f"{pid} {cmdline(pid)}" for pid in group_members(pgid)]
         if not members or time.monotonic() >= deadline:
             return members
         time.sleep(0.1)
-
-
-def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-        return True
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
 
 
 def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, timeout_s: float = 300.0) -> int:

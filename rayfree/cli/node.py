@@ -13,7 +13,6 @@ usage; otherwise the entry point's own return value.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -21,8 +20,10 @@ import signal
 import sys
 from typing import Any, Callable
 
-from cluster.config import ClusterConfig, ConfigError, add_config_arguments, load_config
-from transport.errors import TransportError
+from rayfree import logs
+from rayfree.imports import load_object
+from rayfree.cluster.config import ClusterConfig, ConfigError, add_config_arguments, load_config
+from rayfree.transport.errors import TransportError
 
 __all__ = ["add_node_arguments", "run_node", "NodeUsageError"]
 
@@ -64,12 +65,11 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def apply_security_arguments(args: argparse.Namespace) -> None:
-    """Flags into the environment, which this process and every worker it starts read."""
-    from transport.security import INSECURE_ENV, SECRET_FILE_ENV
-    if getattr(args, "secret_file", None):
-        os.environ[SECRET_FILE_ENV] = os.path.abspath(args.secret_file)
-    if getattr(args, "insecure", False):
-        os.environ[INSECURE_ENV] = "1"
+    """This process's security policy from the flags (else the environment); the executor hands it to every
+    worker it starts."""
+    from rayfree.transport import security
+    security.use(security.resolve(getattr(args, "secret_file", None), True if getattr(args, "insecure", False)
+                                  else None))
 
 
 def _option(args: argparse.Namespace, name: str, env: dict[str, str] | Any, file: dict[str, Any]) -> str | None:
@@ -84,7 +84,7 @@ def _option(args: argparse.Namespace, name: str, env: dict[str, str] | Any, file
 
 
 def _file_options(args: argparse.Namespace, env: dict[str, str] | Any) -> dict[str, Any]:
-    from cluster.config import _read_file
+    from rayfree.cluster.config import _read_file
     path = getattr(args, "config", None) or env.get("RAYFREE_CONFIG")
     node = _read_file(path).get("node", {}) if path else {}
     if not isinstance(node, dict):
@@ -97,15 +97,10 @@ def _file_options(args: argparse.Namespace, env: dict[str, str] | Any) -> dict[s
 
 
 def _load_entry(spec: str) -> Callable[[Any], Any]:
-    mod, sep, name = spec.partition(":")
-    if not sep or not mod or not name:
-        raise NodeUsageError(f"--entry {spec!r}: write it as 'package.module:function'")
     try:
-        obj: Any = importlib.import_module(mod)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise NodeUsageError(f"--entry {spec!r}: {e}") from None
+        obj = load_object(spec, "--entry")
+    except ValueError as e:
+        raise NodeUsageError(str(e)) from None
     if not callable(obj):
         raise NodeUsageError(f"--entry {spec!r} is not a function")
     return obj
@@ -134,7 +129,7 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
         raise NodeUsageError("rayfree node runs one DP replica across nodes; data_parallel_size > 1 with several "
                              "nodes is not supported yet: run one replica per set of nodes")
     if par.nnodes > 1:
-        from transport.security import insecure, process_secret
+        from rayfree.transport.security import insecure, process_secret
         if process_secret() is None and not insecure():
             raise NodeUsageError("a multi-node cluster talks over TCP, and rayfree refuses unauthenticated TCP: "
                                  "run `rayfree keygen FILE` once, give every node --secret-file FILE (or "
@@ -153,7 +148,7 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
 
 
 def run_node(args: argparse.Namespace) -> int:
-    _configure_logging()
+    logs.configure()
     apply_security_arguments(args)
     try:
         config, worker, kwargs, entry_spec = plan(args)
@@ -170,8 +165,8 @@ def run_node(args: argparse.Namespace) -> int:
         raise _StopRequested(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    from .errors import ExecutorError
-    from .multiproc import MultiprocExecutor
+    from rayfree.executor.errors import ExecutorError
+    from rayfree.executor.multiproc import MultiprocExecutor
     ex: MultiprocExecutor | None = None
     try:
         ex = MultiprocExecutor(config, worker, kwargs)
@@ -203,9 +198,3 @@ def run_node(args: argparse.Namespace) -> int:
         for s, h in old.items():
             signal.signal(s, h)
 
-
-def _configure_logging() -> None:
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(level=os.environ.get("RAYFREE_LOG_LEVEL", "INFO"), stream=sys.stderr,
-                            format="(%(processName)s pid=%(process)d) %(levelname)s %(name)s: %(message)s")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from worker.base import WorkerBase
+from rayfree.worker.base import WorkerBase
 
 __all__ = ["ToyWorker", "make_weights", "reference_forward", "make_batch"]
 
@@ -48,7 +48,7 @@ class ToyWorker(WorkerBase):
     """Worker kwargs: n_layers, d_model, d_hidden, seed (defaults above)."""
 
     def load_model(self) -> None:
-        from cluster.parallel_state import get_pp_group, get_tp_group
+        from rayfree.cluster.parallel_state import get_pp_group, get_tp_group
         self.tp, self.pp = get_tp_group(), get_pp_group()
         n_layers = self.kwargs.get("n_layers", N_LAYERS)
         d, h = self.kwargs.get("d_model", D_MODEL), self.kwargs.get("d_hidden", D_HIDDEN)

@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"rayfree {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     d = sub.add_parser("demo", help="run the toy engine on two simulated nodes and print step latencies",
-                       description="Runs the toy TP x PP engine (examples/toy_engine.py) on two simulated nodes of "
+                       description="Runs the toy TP x PP engine (rayfree/cli/toy_engine.py) on two simulated nodes of "
                                    "this machine (own network namespace, IP and /dev/shm each when root; loopback "
                                    "otherwise), checks every output against the single-process model, and prints "
                                    "the topology and step latencies. --nodes 1 runs it in this process; "
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--quick", action="store_true", help="only the checks that take no network action "
                      "(for a container healthcheck)")
     doc.add_argument("--fix", action="store_true", help="remove stale segments without asking")
-    from cluster.config import add_config_arguments
+    from rayfree.cluster.config import add_config_arguments
     add_config_arguments(doc)
     add_security_arguments(doc)
     return p
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         apply_security_arguments(args)
         return run_doctor(args)
     if args.command == "keygen":
-        from transport.security import write_secret
+        from rayfree.transport.security import write_secret
         try:
             write_secret(args.file)
         except FileExistsError:

@@ -1,6 +1,6 @@
 """`rayfree demo`: the toy engine under a MultiprocExecutor (and, with --transport, the bare transport).
 
-Engine demo: 4 workers (TP=2 x PP=2) run examples/toy_engine.py — by default
+Engine demo: 4 workers (TP=2 x PP=2) run rayfree/cli/toy_engine.py — by default
 on two simulated nodes (cluster_demo.py), with --nodes 1 in this process;
 every step's output is checked against the single-process model; the table
 gives step latency and the executor's own overhead per step (latency minus
@@ -25,28 +25,29 @@ import time
 import zlib
 from typing import Iterator
 
-from transport import MessageQueue
+from rayfree import settings
+from rayfree.transport import MessageQueue
 
 STOP = "__stop__"
 
 
 @contextlib.contextmanager
 def demo_secret() -> Iterator[str]:
-    """The configured cluster secret's path or, if there is none, a throwaway one for this demo run
-    (put in the environment, so every process the demo starts uses it)."""
-    from transport.security import SECRET_FILE_ENV, process_secret, write_secret
-    existing = process_secret()
+    """The configured cluster secret's file or, if there is none, a throwaway one for this demo run: this
+    process's policy while it lasts; give the path to the node processes the demo starts."""
+    from rayfree.transport import security
+    existing = security.process_secret()
     if existing is not None:
         yield existing.source
         return
     d = tempfile.mkdtemp(prefix="rf-demo-")
     path = os.path.join(d, "secret")
-    write_secret(path)
-    os.environ[SECRET_FILE_ENV] = path
+    security.write_secret(path)
+    security.use(security.resolve(path, False))
     try:
         yield path
     finally:
-        os.environ.pop(SECRET_FILE_ENV, None)
+        security.use(None)
         shutil.rmtree(d, ignore_errors=True)
 
 
@@ -93,23 +94,21 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _topology(ex) -> list[dict]:
-    from worker.proc import worker_info
+    from rayfree.worker.proc import worker_info
     return sorted(ex.collective_rpc(worker_info, timeout=60), key=lambda r: r["rank"])
 
 
 def drive(ex, steps: int | None = None) -> int:
-    """The demo engine's driver (`rayfree node --entry executor.demo:drive`): topology, steps, latency table.
+    """The demo engine's driver (`rayfree node --entry rayfree.cli.demo:drive`): topology, steps, latency table.
 
     Steps come from RAYFREE_DEMO_STEPS (default 200); RAYFREE_DEMO_T0 (a time.time()) makes it say how long
     the cluster took to become ready.
     """
-    import os
-
     import torch
 
-    from examples.toy_engine import make_batch, reference_forward
-    steps = steps if steps is not None else int(os.environ.get("RAYFREE_DEMO_STEPS", "200"))
-    t0 = os.environ.get("RAYFREE_DEMO_T0")
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+    steps = steps if steps is not None else settings.get("RAYFREE_DEMO_STEPS")
+    t0 = settings.get("RAYFREE_DEMO_T0")
     par = ex.parallel_config
     print(f"  {par.world_size} workers on {par.nnodes_within_dp} node(s) ready"
           + (f" after {time.time() - float(t0):.1f} s" if t0 else "") + f"; output rank {ex.output_rank}")
@@ -154,9 +153,9 @@ def drive(ex, steps: int | None = None) -> int:
 
 def run_engine_demo(tp: int, pp: int, steps: int) -> int:
     """One node: the executor in this process."""
-    from cluster.config import ClusterConfig, ParallelConfig
+    from rayfree.cluster.config import ClusterConfig, ParallelConfig
 
-    from .multiproc import MultiprocExecutor
+    from rayfree.executor.multiproc import MultiprocExecutor
     if steps < 1:
         print("rayfree demo: --steps must be >= 1", file=sys.stderr)
         return 2
@@ -165,7 +164,7 @@ def run_engine_demo(tp: int, pp: int, steps: int) -> int:
     print(f"rayfree demo: toy engine, TP={tp} x PP={pp} = {n} workers on this node, {steps} steps")
     print(f"  starting {n} workers (spawn, torch, gloo world and groups, model, queues) ...", flush=True)
     t0 = time.perf_counter()
-    ex = MultiprocExecutor(config, "examples.toy_engine:ToyWorker")
+    ex = MultiprocExecutor(config, "rayfree.cli.toy_engine:ToyWorker")
     try:
         print(f"  ready in {time.perf_counter() - t0:.1f} s")
         rc = drive(ex, steps)

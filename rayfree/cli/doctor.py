@@ -14,7 +14,8 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from cluster.config import ClusterConfig, ConfigError, load_config
+from rayfree import settings
+from rayfree.cluster.config import ClusterConfig, ConfigError, load_config
 
 __all__ = ["run_doctor", "Check", "diagnose"]
 
@@ -34,9 +35,9 @@ def _fmt(n: float) -> str:
 
 
 def check_shm(config: ClusterConfig) -> Check:
-    from transport import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
-    from transport.shm_ring import shm_free_bytes
-    from worker.proc import REPLY_CHUNK_BYTES, REPLY_CHUNKS
+    from rayfree.transport import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
+    from rayfree.transport.shm_ring import shm_free_bytes
+    from rayfree.worker.proc import REPLY_CHUNK_BYTES, REPLY_CHUNKS
     par = config.parallel
     need = (DEFAULT_MAX_CHUNK_BYTES * DEFAULT_MAX_CHUNKS if par.node_rank_within_dp == 0 else 0) \
         + par.local_ranks * REPLY_CHUNK_BYTES * REPLY_CHUNKS
@@ -53,24 +54,12 @@ def check_shm(config: ClusterConfig) -> Check:
     return Check("/dev/shm", "ok", detail)
 
 
-def _iface_of(ip: str) -> str | None:
-    try:
-        import netifaces
-        for iface in netifaces.interfaces():
-            for fam in (netifaces.AF_INET, netifaces.AF_INET6):
-                if any(a.get("addr", "").split("%")[0] == ip for a in netifaces.ifaddresses(iface).get(fam, [])):
-                    return iface
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-    return None
-
-
 def check_ip(config: ClusterConfig) -> tuple[Check, str]:
-    from transport.net import HOST_IP_ENV, default_route_ip, route_to, get_ip
+    from rayfree.transport.net import HOST_IP_ENV, default_route_ip, get_ip, interface_of, route_to
     par = config.parallel
     multi = par.nnodes > 1
     ip = get_ip(peer=par.master_addr if multi else None)
-    if os.environ.get(HOST_IP_ENV):
+    if settings.is_set(HOST_IP_ENV):
         why = f"{HOST_IP_ENV} is set"
     elif multi and route_to(par.master_addr) == ip:
         why = f"it is the source address of the route toward master_addr {par.master_addr}"
@@ -78,7 +67,7 @@ def check_ip(config: ClusterConfig) -> tuple[Check, str]:
         why = "it is the address of the default route's interface"
     else:
         why = "nothing better was found"
-    iface = _iface_of(ip) or "?"
+    iface = interface_of(ip) or "?"
     detail = f"{ip} on {iface} ({why})"
     if multi and (ip.startswith("127.") or ip == "::1"):
         return Check("address", "FAIL", detail,
@@ -87,8 +76,8 @@ def check_ip(config: ClusterConfig) -> tuple[Check, str]:
 
 
 def check_master(config: ClusterConfig, quick: bool) -> Check:
-    from cluster.config import is_local_address
-    from transport.net import route_to
+    from rayfree.transport.net import is_local_address
+    from rayfree.transport.net import route_to
     par = config.parallel
     where = f"{par.master_addr}:{par.master_port}"
     try:
@@ -119,7 +108,7 @@ def check_ports(config: ClusterConfig) -> Check:
     par = config.parallel
     if par.node_rank != 0:
         return Check("ports", "ok", "only node 0 listens on fixed ports")
-    from cluster.config import is_local_address
+    from rayfree.transport.net import is_local_address
     if not is_local_address(par.master_addr):
         return Check("ports", "warn", f"not checked: {par.master_addr} is not an address of this machine")
     busy = []
@@ -137,6 +126,7 @@ def check_ports(config: ClusterConfig) -> Check:
 
 
 def check_ifnames(ip: str) -> Check:
+    from rayfree.transport.net import interface_of
     gloo, nccl = os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")
     if not gloo and not nccl:
         return Check("socket ifname", "ok", "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset: gloo uses the "
@@ -153,7 +143,7 @@ def check_ifnames(ip: str) -> Check:
     if gloo and nccl and gloo != nccl:
         return Check("socket ifname", "warn", f"GLOO_SOCKET_IFNAME={gloo} but NCCL_SOCKET_IFNAME={nccl}",
                      "use the same interface for both, unless you mean to split the traffic")
-    mine = _iface_of(ip)
+    mine = interface_of(ip)
     if gloo and mine and gloo != mine:
         return Check("socket ifname", "warn", f"GLOO_SOCKET_IFNAME={gloo} but rayfree's address {ip} is on {mine}",
                      f"set GLOO_SOCKET_IFNAME={mine}, or RAYFREE_HOST_IP to an address on {gloo}")
@@ -161,31 +151,9 @@ def check_ifnames(ip: str) -> Check:
                                                                              ("NCCL_SOCKET_IFNAME", nccl)) if v))
 
 
-def stale_segments() -> list[str]:
-    """rayfree segments and ipc directories whose creating process is gone."""
-    from transport.net import runtime_dir
-    from transport.shm_ring import SEGMENT_PREFIX, SHM_DIR
-    out = []
-    for d in (SHM_DIR, runtime_dir()):
-        try:
-            names = os.listdir(d)
-        except OSError:
-            continue
-        for n in names:
-            if not n.startswith(SEGMENT_PREFIX):
-                continue
-            try:
-                pid = int(n[len(SEGMENT_PREFIX):].split("-", 1)[0])
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                out.append(os.path.join(d, n))
-            except (ValueError, PermissionError):
-                continue
-    return sorted(out)
-
-
 def check_stale(fix: bool, ask: bool) -> Check:
-    stale = stale_segments()
+    from rayfree.transport.segments import stale_entries
+    stale = stale_entries()
     if not stale:
         return Check("stale segments", "ok", "no rayfree segment or ipc directory of a dead process")
     size = sum(os.path.getsize(p) for p in stale if os.path.isfile(p))
@@ -202,8 +170,8 @@ def check_stale(fix: bool, ask: bool) -> Check:
 
 
 def check_security(config: ClusterConfig) -> Check:
-    from transport.errors import TransportError
-    from transport.security import INSECURE_ENV, insecure, process_secret
+    from rayfree.transport.errors import TransportError
+    from rayfree.transport.security import INSECURE_ENV, insecure, process_secret
     try:
         secret = process_secret()
     except (TransportError, ValueError) as e:

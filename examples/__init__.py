@@ -1,1 +1,0 @@
-"""Example engine workers for rayfree (used by the tests and `rayfree demo`)."""

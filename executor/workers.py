@@ -1,0 +1,290 @@
+"""`WorkerGroup`: one node's worker processes, owned by one object from spawn to the last SIGKILL.
+
+It starts a process per local rank with two one-way pipes each — *ready*
+(child -> parent: a msgspec `Ready` or `StartupFailed`) and *death* (parent ->
+child: never written; EOF tells the child its parent is gone) — waits for
+every READY on the pipes and the process sentinels at once (a worker that
+dies first is named at once, with its exit code), watches the processes once
+they run, dumps the stacks of workers stuck at start-up, and closes them in
+stages: death pipes, wait, SIGTERM, wait, SIGKILL. Policy (what a death
+means for calls in flight) is the executor's; this module only reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable, Iterator
+
+from rayfree import settings
+from rayfree.cluster.config import ClusterConfig
+from rayfree.transport import MessageQueue, security
+from rayfree.worker.messages import Ready, StartupFailed, decode
+from rayfree.worker.proc import WorkerProc
+
+from .errors import StartupTimeout, WorkerStartupError
+
+__all__ = ["WorkerGroup", "WorkerHandle", "exit_description", "start_context"]
+
+logger = logging.getLogger("rayfree.executor")
+
+
+def exit_description(code: int | None) -> str:
+    """'exit code 3' / 'signal SIGKILL' / 'still running'."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def start_context() -> Any:
+    """The multiprocessing context workers start with (RAYFREE_WORKER_MULTIPROC_METHOD, default spawn)."""
+    method = settings.get("RAYFREE_WORKER_MULTIPROC_METHOD")
+    if method not in ("spawn", "fork", "forkserver"):
+        raise ValueError(f"RAYFREE_WORKER_MULTIPROC_METHOD={method!r}: use spawn, fork or forkserver")
+    return multiprocessing.get_context(method)
+
+
+@contextlib.contextmanager
+def _worker_env() -> Iterator[None]:
+    """While workers start: one OpenMP thread each unless OMP_NUM_THREADS is set (N workers x all cores
+    of threads only fight each other). The parent's own environment is restored afterwards."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    if saved is None:
+        os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+
+
+@dataclass
+class WorkerHandle:
+    """One worker process as its parent sees it."""
+
+    rank: int
+    proc: BaseProcess
+    ready_pipe: Connection | None
+    death_writer: Connection | None
+    #: set at READY on the leader: this worker's reply queue, and (worker 0, multi-node) every rank's
+    response_mq: MessageQueue | None = None
+    peer_response_mqs: list[MessageQueue | None] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"worker rank {self.rank} (pid {self.proc.pid}, {self.proc.name})"
+
+
+class WorkerGroup:
+    """The worker processes of ranks `ranks` on this node (see the module docstring).
+
+    `attach_replies=False` (a follower node): do not attach to the workers'
+    reply queues. Their one reader is the leader; a second subscriber could
+    take the queue's READY in its place.
+    """
+
+    def __init__(self, config: ClusterConfig, worker_cls: type | str | bytes, worker_kwargs: dict[str, Any],
+                 ranks: list[int], distributed_init_method: str, broadcast_handle: bytes | None,
+                 attach_replies: bool = True) -> None:
+        self.config = config
+        self.ranks = list(ranks)
+        self.attach_replies = attach_replies
+        self.workers: list[WorkerHandle] = []
+        self._monitor_wake: tuple[Connection, Connection] | None = None
+        self._closed = False
+        self._spawn(worker_cls, worker_kwargs, distributed_init_method, broadcast_handle)
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def _spawn(self, worker_cls: Any, worker_kwargs: dict[str, Any], init_method: str, handle: bytes | None) -> None:
+        """Start every local worker before waiting for any: they join the world together."""
+        context = start_context()
+        par = self.config.parallel
+        inherited: list[int] | None = [] if context.get_start_method() == "fork" else None
+        policy = security.current()  # handed to each worker explicitly (never through os.environ)
+        with _worker_env():
+            for local_rank, rank in enumerate(self.ranks):
+                ready_r, ready_w = context.Pipe(duplex=False)
+                death_r, death_w = context.Pipe(duplex=False)
+                if inherited is not None:  # fork: the child closes the parent ends of earlier workers' pipes
+                    inherited += [ready_r.fileno(), death_w.fileno()]
+                kwargs = dict(config=self.config, worker_cls=worker_cls, worker_kwargs=worker_kwargs,
+                              local_rank=local_rank, rank=rank, distributed_init_method=init_method,
+                              input_shm_handle=handle, is_driver_worker=par.is_driver_rank(rank),
+                              ready_pipe=ready_w, death_pipe=death_r, inherited_fds=list(inherited or []),
+                              security_policy=policy)
+                proc = context.Process(target=WorkerProc.worker_main, kwargs=kwargs, name=f"RayfreeWorker-{rank}",
+                                       daemon=True)
+                try:
+                    proc.start()
+                except (pickle.PicklingError, TypeError, AttributeError) as e:
+                    for c in (ready_r, death_w):
+                        c.close()
+                    raise WorkerStartupError(f"cannot start worker rank {rank}: its arguments must be picklable "
+                                             f"(worker_kwargs, worker class): {e}", rank) from e
+                finally:
+                    ready_w.close()
+                    death_r.close()
+                self.workers.append(WorkerHandle(rank, proc, ready_r, death_w))
+
+    def wait_ready(self, timeout: float | None) -> None:
+        """Every worker's READY; WorkerStartupError naming whoever failed, StartupTimeout naming who was late
+        (after dumping their stacks to their stderr)."""
+        pending = {w.ready_pipe: w for w in self.workers if w.ready_pipe is not None}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                sentinels = {w.proc.sentinel: w for w in pending.values()}
+                ready = multiprocessing.connection.wait([*pending, *sentinels], timeout=left)
+                if not ready:
+                    late = sorted(w.rank for w in pending.values())
+                    self.dump_stacks([w for w in pending.values()])
+                    raise StartupTimeout(f"worker rank(s) {late} did not become ready within {timeout:.0f}s "
+                                         f"(ready_timeout_s); they may be stuck loading the model or joining the "
+                                         f"world (their stacks are on their stderr)", late)
+                for obj in ready:
+                    if isinstance(obj, int):  # a sentinel: that process exited
+                        w = sentinels[obj]
+                        if w.ready_pipe not in pending or w.ready_pipe.poll(0):
+                            continue  # its message (if any) is read through the pipe
+                        self._died_before_ready(pending.pop(w.ready_pipe))
+                    self._on_ready_message(pending.pop(obj))
+        except BaseException:
+            for pipe in pending:
+                pipe.close()
+            raise
+
+    def _died_before_ready(self, w: WorkerHandle) -> None:
+        w.proc.join(1)
+        if w.ready_pipe is not None:
+            w.ready_pipe.close()
+            w.ready_pipe = None
+        raise WorkerStartupError(f"{w.describe()} died before becoming ready ({exit_description(w.proc.exitcode)})",
+                                 w.rank)
+
+    def _on_ready_message(self, w: WorkerHandle) -> None:
+        pipe = w.ready_pipe
+        assert pipe is not None
+        try:
+            msg = decode(pipe.recv_bytes())
+        except EOFError:
+            self._died_before_ready(w)
+            return
+        finally:
+            pipe.close()
+            w.ready_pipe = None
+        if isinstance(msg, StartupFailed):
+            raise WorkerStartupError(f"worker rank {msg.rank} (pid {w.proc.pid}) failed to start: {msg.error_type}: "
+                                     f"{msg.message}", msg.rank, msg.traceback)
+        if self.attach_replies:
+            self._attach(msg, w)
+
+    def _attach(self, msg: Ready, w: WorkerHandle) -> None:
+        w.response_mq = MessageQueue.create_from_handle(msg.response_handle, 0)
+        mine = set(self.ranks)
+        w.peer_response_mqs = [None if rank in mine else MessageQueue.create_from_handle(raw, 0)
+                               for rank, raw in enumerate(msg.peer_response_handles)]
+
+    def response_queues(self, world_size: int) -> list[MessageQueue]:
+        """Every rank's reply queue, by rank: local workers' own, the others' through worker 0's READY."""
+        by_rank = {w.rank: w for w in self.workers}
+        out = []
+        for r in range(world_size):
+            mq = by_rank[r].response_mq if r in by_rank else self.workers[0].peer_response_mqs[r]
+            assert mq is not None, f"no reply queue for rank {r}"
+            out.append(mq)
+        return out
+
+    # -- running ---------------------------------------------------------------------------
+
+    def start_monitor(self, on_death: Callable[[WorkerHandle], None]) -> None:
+        """A thread that wakes when any worker process exits (or when `close()` stops it) and reports the first."""
+        workers = list(self.workers)
+        wake_r, wake_w = multiprocessing.Pipe(duplex=False)
+        self._monitor_wake = (wake_r, wake_w)
+
+        def monitor() -> None:
+            sentinels = {w.proc.sentinel: w for w in workers}
+            ready = multiprocessing.connection.wait([*sentinels, wake_r])
+            if self._closed:
+                return
+            dead = [sentinels[s] for s in ready if s in sentinels]
+            if dead:
+                dead[0].proc.join(0.5)
+                on_death(dead[0])
+
+        threading.Thread(target=monitor, daemon=True, name="RayfreeWorkerMonitor").start()
+
+    def dump_stacks(self, workers: list[WorkerHandle] | None = None) -> None:
+        """Have each live worker print every thread's stack to its stderr (faulthandler on SIGUSR1)."""
+        procs = [w.proc for w in (self.workers if workers is None else workers)]
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                logger.error("worker %s (pid %d) is stuck; its stack follows on its stderr", p.name, p.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGUSR1)
+        if procs:
+            multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)  # let them write it
+
+    # -- the staged close --------------------------------------------------------------------
+
+    def close(self, grace_s: float, term_s: float) -> None:
+        """Idempotent: stop the monitor (our own stop is no failure), close the death pipes (the workers see EOF
+        and leave), wait `grace_s`, SIGTERM, wait `term_s`, SIGKILL; then release the reply queues."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._monitor_wake is not None:
+            self._monitor_wake[1].close()
+        for w in self.workers:
+            for pipe in (w.death_writer, w.ready_pipe):
+                if pipe is not None:
+                    pipe.close()
+            w.death_writer = w.ready_pipe = None
+        _terminate([w.proc for w in self.workers], grace_s, term_s)
+        for w in self.workers:
+            for mq in (w.response_mq, *w.peer_response_mqs):
+                if mq is not None:
+                    mq.close(flush_timeout=0)
+            w.response_mq, w.peer_response_mqs = None, []
+        if self._monitor_wake is not None:
+            self._monitor_wake[0].close()
+
+
+def _terminate(procs: list[BaseProcess], grace_s: float, term_s: float) -> None:
+    """Stage 1: wait for a clean exit; 2: SIGTERM and wait; 3: SIGKILL."""
+    def wait_all(limit: float) -> bool:
+        end = time.monotonic() + limit
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        return not any(p.is_alive() for p in procs)
+
+    if wait_all(grace_s):
+        return
+    alive = [p for p in procs if p.is_alive()]
+    logger.warning("workers %s still running %.0fs after shutdown; sending SIGTERM", [p.name for p in alive], grace_s)
+    for p in alive:
+        p.terminate()
+    if wait_all(term_s):
+        return
+    alive = [p for p in procs if p.is_alive()]
+    logger.warning("workers %s ignored SIGTERM for %.0fs; sending SIGKILL", [p.name for p in alive], term_s)
+    for p in alive:
+        p.kill()
+    for p in alive:
+        p.join(5)

@@ -1,0 +1,105 @@
+"""rayfree: run an LLM engine's workers across processes and nodes without Ray.
+
+    from rayfree import MultiprocExecutor, ClusterConfig, ParallelConfig, WorkerBase
+
+The four layers live below this root, each importing only the ones beneath it:
+`rayfree.transport` <- `rayfree.cluster` <- `rayfree.worker` <- `rayfree.executor`;
+`rayfree.cli` (the `rayfree` command, node runner, doctor, demo) sits above them.
+
+Names are loaded on first use (PEP 562), so `import rayfree.transport` does not
+pull in torch through the executor.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+#: public name -> module that defines it
+_EXPORTS = {
+    "MultiprocExecutor": "rayfree.executor.multiproc",
+    "UniProcExecutor": "rayfree.executor.abstract",
+    "Executor": "rayfree.executor.abstract",
+    "FailureCallback": "rayfree.executor.abstract",
+    "FutureWrapper": "rayfree.executor.future",
+    "ExecutorError": "rayfree.executor.errors",
+    "ExecutorFailed": "rayfree.executor.errors",
+    "WorkerError": "rayfree.executor.errors",
+    "WorkerDied": "rayfree.executor.errors",
+    "RpcTimeout": "rayfree.executor.errors",
+    "NodeLost": "rayfree.executor.errors",
+    "LeaderLost": "rayfree.executor.errors",
+    "NotLeaderError": "rayfree.executor.errors",
+    "WorkerStartupError": "rayfree.executor.errors",
+    "StartupTimeout": "rayfree.executor.errors",
+    "ClusterConfig": "rayfree.cluster.config",
+    "ParallelConfig": "rayfree.cluster.config",
+    "ConfigError": "rayfree.cluster.config",
+    "WorkerBase": "rayfree.worker.base",
+    "MessageQueue": "rayfree.transport.message_queue",
+    "Handle": "rayfree.transport.handle",
+    "TransportError": "rayfree.transport.errors",
+    "QueueTimeout": "rayfree.transport.errors",
+    "QueueShutdown": "rayfree.transport.errors",
+    "QueueClosed": "rayfree.transport.errors",
+    "MessageTooLarge": "rayfree.transport.errors",
+    "HandleError": "rayfree.transport.errors",
+}
+
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "Executor",
+    "ExecutorError",
+    "ExecutorFailed",
+    "FailureCallback",
+    "FutureWrapper",
+    "Handle",
+    "HandleError",
+    "LeaderLost",
+    "MessageQueue",
+    "MessageTooLarge",
+    "MultiprocExecutor",
+    "NodeLost",
+    "NotLeaderError",
+    "ParallelConfig",
+    "QueueClosed",
+    "QueueShutdown",
+    "QueueTimeout",
+    "RpcTimeout",
+    "StartupTimeout",
+    "TransportError",
+    "UniProcExecutor",
+    "WorkerBase",
+    "WorkerDied",
+    "WorkerError",
+    "WorkerStartupError",
+]
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
+    from rayfree.executor.abstract import Executor, FailureCallback, UniProcExecutor
+    from rayfree.executor.errors import (ExecutorError, ExecutorFailed, LeaderLost, NodeLost, NotLeaderError,
+                                         RpcTimeout, StartupTimeout, WorkerDied, WorkerError, WorkerStartupError)
+    from rayfree.executor.future import FutureWrapper
+    from rayfree.executor.multiproc import MultiprocExecutor
+    from rayfree.transport.errors import (HandleError, MessageTooLarge, QueueClosed, QueueShutdown, QueueTimeout,
+                                          TransportError)
+    from rayfree.transport.handle import Handle
+    from rayfree.transport.message_queue import MessageQueue
+    from rayfree.worker.base import WorkerBase
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'rayfree' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,54 @@
+"""What /proc says about a process: alive (not a zombie), its CPU time, its process group, its command line.
+
+Linux only; every function answers "gone" rather than raising when the process is.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["stat_fields", "is_alive", "cpu_seconds", "group_members", "cmdline"]
+
+_CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (state is [0], ppid [1], pgrp [2]); None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def is_alive(pid: int) -> bool:
+    """Running or sleeping, not gone and not a zombie."""
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time the process has used so far."""
+    fields = stat_fields(pid)
+    return 0.0 if fields is None else (int(fields[11]) + int(fields[12])) / _CLK
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = stat_fields(int(name))
+        if fields is not None and len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            out.append(int(name))
+    return out
+
+
+def cmdline(pid: int, limit: int = 80) -> str:
+    """The command line, spaces for NULs, cut to `limit` characters ('' if gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
+    except OSError:
+        return ""

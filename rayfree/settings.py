@@ -1,0 +1,96 @@
+"""Every RAYFREE_* knob in one table: its default, its type and what it is for.
+
+Values are read from the environment when a component is built (`get`), not at
+import, so a test or an engine that sets one before building a queue or an
+executor is heard. The README's settings table is checked against `TABLE`.
+The cluster's shape and timeouts (RAYFREE_<ClusterConfig field>) are read by
+`rayfree.cluster.config.load_config`, not here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, NamedTuple
+
+__all__ = ["Setting", "TABLE", "get", "is_set"]
+
+
+class Setting(NamedTuple):
+    name: str
+    default: Any  # a value, or a function giving it
+    parse: Callable[[str], Any]
+    doc: str
+
+
+def _flag(text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a yes/no value (use 1 or 0)")
+
+
+def _str(text: str) -> str:
+    return text.strip()
+
+
+def _cores() -> int:
+    return os.cpu_count() or 1
+
+
+TABLE: dict[str, Setting] = {s.name: s for s in (
+    # transport
+    Setting("RAYFREE_SPIN_US", 200.0, float,
+            "how long a waiting queue call may spin before it parks, in microseconds (0: always park)"),
+    Setting("RAYFREE_YIELD_US", None, float,
+            "a spinner yields its core every this many microseconds (unset: 50, or at every check on a "
+            "ring with at least twice as many processes as cores)"),
+    Setting("RAYFREE_COPY_THREADS", lambda: min(4, _cores()), int,
+            "threads that copy a big payload into shared memory (unset: min(4, cores); 1: the caller alone)"),
+    Setting("RAYFREE_INPLACE_MIN_BYTES", 1 << 20, int,
+            "out-of-band buffers at least this big are read in place from the ring instead of copied"),
+    Setting("RAYFREE_WAIT_LOG_INTERVAL_S", 60.0, float, "a blocked queue call says so in the log this often"),
+    Setting("RAYFREE_CLOSE_FLUSH_S", 5.0, float,
+            "a closed writer keeps its remote publisher up to this long for readers to confirm CLOSE"),
+    Setting("RAYFREE_HOST_IP", None, _str,
+            "this node's address for cluster traffic (unset: the interface that routes to master_addr)"),
+    Setting("RAYFREE_SECRET_FILE", None, _str,
+            "the cluster secret file (`rayfree keygen`); compose mounts it at /run/secrets/rayfree_secret"),
+    Setting("RAYFREE_INSECURE", False, _flag, "1: plain TCP without a cluster secret (trusted networks only)"),
+    Setting("RAYFREE_HANDLE_MAX_AGE_S", 3600.0, float, "a signed queue handle older than this is refused"),
+    # cluster
+    Setting("RAYFREE_FORCE_REMOTE", False, _flag,
+            "1: treat every other rank as on another node (no shared memory between ranks)"),
+    Setting("RAYFREE_CONFIG", None, _str, "a TOML or JSON file with the cluster configuration"),
+    # worker and executor
+    Setting("RAYFREE_WORKER_MULTIPROC_METHOD", "spawn", _str, "how worker processes start: spawn, fork or forkserver"),
+    Setting("RAYFREE_LOG_LEVEL", "INFO", _str, "log level of rayfree's processes (node, workers)"),
+    # `rayfree node`
+    Setting("RAYFREE_WORKER", None, _str, "`rayfree node --worker`: the engine's worker class, pkg.mod:Class"),
+    Setting("RAYFREE_WORKER_KWARGS", None, _str, "`rayfree node --worker-kwargs`: a JSON object"),
+    Setting("RAYFREE_ENTRY", None, _str, "`rayfree node --entry`: node 0's driver, pkg.mod:func"),
+    Setting("RAYFREE_HEADLESS", False, _flag, "`rayfree node --headless`: a follower node"),
+    # the demo's nodes
+    Setting("RAYFREE_DEMO_STEPS", 200, int, "steps the demo's driver runs on a node"),
+    Setting("RAYFREE_DEMO_T0", None, float, "when the demo started (time.time()), for its wall-time line"),
+)}
+
+
+def get(name: str, env: Any = None) -> Any:
+    """The setting's value now: the environment's (parsed), else its default.
+
+    A value that does not parse is an error naming the variable, never a silent default.
+    """
+    s = TABLE[name]
+    text = (os.environ if env is None else env).get(name)
+    if text is None or (text.strip() == "" and s.parse is not _flag):
+        return s.default() if callable(s.default) else s.default
+    try:
+        return s.parse(text)
+    except ValueError as e:
+        raise ValueError(f"{name}={text!r}: {e}; unset it for the default ({s.default!r})") from None
+
+
+def is_set(name: str, env: Any = None) -> bool:
+    return bool(((os.environ if env is None else env).get(name) or "").strip())
