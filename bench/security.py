@@ -21,8 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _reader(handle: bytes, conn) -> None:
-    from rayfree.transport import MessageQueue
+def _reader(handle: bytes, conn, policy) -> None:
+    from rayfree.transport import MessageQueue, security
+    security.use(policy)
     rq = MessageQueue(1, 0, connect_ip="127.0.0.1", max_chunk_bytes=1 << 16, max_chunks=8)
     conn.send_bytes(rq.export_handle().to_bytes())
     bq = MessageQueue.create_from_handle(handle, 0)
@@ -39,15 +40,14 @@ def _reader(handle: bytes, conn) -> None:
 def run(mode: str, n_tiny: int, n_big: int) -> dict[str, float]:
     import torch
 
-    from rayfree.transport import MessageQueue
-    os.environ.pop("RAYFREE_INSECURE", None)
+    from rayfree.transport import MessageQueue, security
+    saved = security.current()
     if mode == "insecure":
-        saved = os.environ.pop("RAYFREE_SECRET_FILE")
-        os.environ["RAYFREE_INSECURE"] = "1"
+        security.use(security.Policy(None, True))
     ctx = mp.get_context("spawn")
     bq = MessageQueue(1, 0, connect_ip="127.0.0.1")
     a, b = ctx.Pipe()
-    p = ctx.Process(target=_reader, args=(bq.export_handle().to_bytes(), b), daemon=True)
+    p = ctx.Process(target=_reader, args=(bq.export_handle().to_bytes(), b, security.current()), daemon=True)
     p.start()
     try:
         if not a.poll(120):
@@ -80,9 +80,7 @@ def run(mode: str, n_tiny: int, n_big: int) -> dict[str, float]:
         bq.close()
         if p.is_alive():
             p.kill()
-        if mode == "insecure":
-            os.environ.pop("RAYFREE_INSECURE", None)
-            os.environ["RAYFREE_SECRET_FILE"] = saved
+        security.use(saved)
     return {"tiny_p50_us": statistics.median(rtts) * 1e6, "big_GBps": n_big * (4 << 20) / span / 1e9}
 
 

@@ -24,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rayfree.procs import cpu_seconds  # noqa: E402
-from rayfree.transport import MessageQueue  # noqa: E402
+from rayfree.transport import MessageQueue, security  # noqa: E402
 
 STOP = ("__stop__",)
 
@@ -49,8 +49,17 @@ def nbytes(obj) -> int:
 
 # -- MessageQueue readers -------------------------------------------------------
 
-def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool) -> None:
+def _no_fences() -> None:
+    """For the fence A/B only: the ring protocol without its memory fences (correct on x86 alone)."""
+    from rayfree.transport import ring
+    ring.fence = lambda: None
+
+
+def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool, fences: bool = True, policy=None) -> None:
     __import__("torch")  # import it before timing starts: readers rebuild tensors
+    security.use(policy)  # the bench's cluster secret, handed over explicitly
+    if not fences:
+        _no_fences()
     bq = MessageQueue.create_from_handle(handle, rank)
     rq = None
     if rank == 0:
@@ -74,7 +83,7 @@ def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool) -> None:
 
 
 class MQRig:
-    def __init__(self, n_local: int, n_remote: int) -> None:
+    def __init__(self, n_local: int, n_remote: int, fences: bool = True) -> None:
         ctx = mp.get_context("spawn")
         n = n_local + n_remote
         self.bq = MessageQueue(n, n_local, connect_ip="127.0.0.1")
@@ -82,7 +91,8 @@ class MQRig:
         self.procs, conns = [], []
         for r in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=mq_reader, args=(h, r, b, n_remote == 0), daemon=True)
+            p = ctx.Process(target=mq_reader, args=(h, r, b, n_remote == 0, fences, security.current()),
+                            daemon=True)
             p.start()
             self.procs.append(p)
             conns.append(a)
@@ -254,6 +264,38 @@ def zmq_pingpong(count: int) -> float:
     return statistics.median(ts[count // 10:])
 
 
+def fence_cost_ns(n: int = 200_000) -> float:
+    from rayfree.transport.waiting import fence
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fence()
+        best = min(best, (time.perf_counter() - t0) / n)
+    return best * 1e9
+
+
+def fence_ab(iters: int, rounds: int = 3) -> tuple[float, float]:
+    """Local N=1 tiny round trip p50 with the ring's fences and without (same run, interleaved)."""
+    import rayfree.transport.ring as ring
+    tiny = payloads(True)[0][1]
+    got: dict[bool, list[float]] = {True: [], False: []}
+    keep = ring.fence
+    for _ in range(rounds):
+        for fences in (True, False):
+            if not fences:
+                _no_fences()
+            try:
+                rig = MQRig(1, 0, fences=fences)
+                try:
+                    got[fences] += measure(rig, tiny, iters)
+                finally:
+                    rig.close()
+            finally:
+                ring.fence = keep
+    return pct(got[True], 0.5), pct(got[False], 0.5)
+
+
 def pct(ts: list[float], q: float) -> float:
     s = sorted(ts)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -272,6 +314,7 @@ def main() -> None:
     ap.add_argument("--payloads", default="tiny,64KiB,4MiB,32MiB", help="comma-separated subset")
     ap.add_argument("--configs", default="local1,local2,local4,remote1", help="comma-separated subset")
     ap.add_argument("--no-paced", action="store_true", help="skip the paced case")
+    ap.add_argument("--no-fence-ab", action="store_true", help="skip the fence cost measurement")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
@@ -322,6 +365,11 @@ def main() -> None:
         print(f"remote floor: raw pyzmq XPUB/SUB ping-pong (100 B, no pickle) p50 {zmq_pingpong(2000) * 1e6:.1f} us")
     for (label, n), cpu in parked.items():
         print(f"readers parked 3 s ({label}, N={n}): max CPU {cpu:.2f}%")
+    if not args.no_fence_ab:
+        with_f, without = fence_ab(max(200, 3000 // (4 if args.quick else 1)))
+        print(f"fence: {fence_cost_ns():.0f} ns per fence(); local N=1 tiny round trip p50 {with_f * 1e6:.1f} us with the "
+              f"ring's fences, {without * 1e6:.1f} us without ({(with_f / without - 1) * 100:+.0f}%; 6 fences on the "
+              f"round trip's critical path)")
     if args.no_paced:
         return
     # Paced: an engine's decode loop, one message every 5 ms.

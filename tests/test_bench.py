@@ -28,3 +28,17 @@ def test_rpc_bench_runs_and_prints_every_row() -> None:
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows), out.stdout
     if hasattr(os, "sched_setaffinity"):
         assert "2 worker(s): caller on core" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_transport_bench_runs_and_measures_the_fences() -> None:
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "transport.py"), "--quick", "--payloads", "tiny,64KiB",
+           "--configs", "local1,remote1", "--no-paced"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, f"bench/transport.py failed:\n{out.stdout}\n{out.stderr}"
+    rows = re.findall(r"^(local|remote)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)", out.stdout, re.M)
+    assert [(r[0], r[2]) for r in rows] == [("local", "tiny"), ("local", "64KiB"), ("remote", "tiny"),
+                                           ("remote", "64KiB")], out.stdout
+    fence = re.search(r"fence: (\d+) ns per fence\(\); local N=1 tiny round trip p50 ([\d.]+) us with the ring's "
+                      r"fences, ([\d.]+) us without", out.stdout)
+    assert fence and float(fence.group(2)) > 0 and float(fence.group(3)) > 0, out.stdout

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 
-def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def run(*args: str, timeout: float = 120, cwd: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rayfree.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=cwd)
 
 
 def test_version_and_help() -> None:
@@ -29,8 +29,11 @@ def test_transport_demo_runs_and_verifies_every_payload() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_engine_demo_on_one_node_checks_every_step_and_prints_the_table() -> None:
-    r = run("demo", "--nodes", "1", "--steps", "40", timeout=170)
+def test_engine_demo_on_one_node_checks_every_step_and_prints_the_table(tmp_path) -> None:
+    # Run from a directory whose own modules carry the names of rayfree's layers: none may be imported.
+    for name in ("worker", "executor", "cluster", "transport", "examples"):
+        (tmp_path / f"{name}.py").write_text(f"raise SystemExit('the user\\'s {name}.py was imported')\n")
+    r = run("demo", "--nodes", "1", "--steps", "40", timeout=170, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "TP=2 x PP=2 = 4 workers on this node" in r.stdout
     assert "all outputs match the single-process model; workers exited cleanly" in r.stdout

@@ -26,7 +26,7 @@ import zlib
 from typing import Iterator
 
 from rayfree import settings
-from rayfree.transport import MessageQueue
+from rayfree.transport import MessageQueue, security
 
 STOP = "__stop__"
 
@@ -61,7 +61,8 @@ def _checksum(obj) -> int:
     return zlib.crc32(repr(obj).encode())
 
 
-def _reader(handle: bytes, rank: int, local: bool, conn) -> None:
+def _reader(handle: bytes, rank: int, local: bool, conn, policy) -> None:
+    security.use(policy)  # the demo's security policy, handed over explicitly
     bq = MessageQueue.create_from_handle(handle, rank)
     rq = MessageQueue(1, 1 if local else 0, max_chunk_bytes=1 << 16, max_chunks=8, connect_ip="127.0.0.1")
     conn.send_bytes(rq.export_handle().to_bytes())
@@ -200,7 +201,8 @@ def _run_transport_demo(n_local: int, n_remote: int, n_messages: int) -> int:
         conns = []
         for r in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_reader, args=(h, r, r < n_local, b), name=f"reader-{r}", daemon=True)
+            p = ctx.Process(target=_reader, args=(h, r, r < n_local, b, security.current()), name=f"reader-{r}",
+                            daemon=True)
             p.start()
             procs.append(p)
             conns.append(a)
