@@ -48,6 +48,8 @@ TABLE: dict[str, Setting] = {s.name: s for s in (
             "ring with at least twice as many processes as cores)"),
     Setting("RAYFREE_COPY_THREADS", lambda: min(4, _cores()), int,
             "threads that copy a big payload into shared memory (unset: min(4, cores); 1: the caller alone)"),
+    Setting("RAYFREE_RING_FENCES", "auto", _str,
+            "the ring's payload<->flag fences: auto (only on CPUs that reorder them, not x86) or always"),
     Setting("RAYFREE_INPLACE_MIN_BYTES", 1 << 20, int,
             "out-of-band buffers at least this big are read in place from the ring instead of copied"),
     Setting("RAYFREE_WAIT_LOG_INTERVAL_S", 60.0, float, "a blocked queue call says so in the log this often"),

@@ -16,6 +16,7 @@ from typing import Iterator
 
 import pytest
 
+from rayfree.transport import ring
 from tests import procs
 from rayfree.transport import (HandleError, MessageQueue, MessageTooLarge, QueueClosed, QueueShutdown, QueueTimeout,
                        SegmentNotFound, ShmSpaceError)
@@ -71,14 +72,17 @@ def join_all(ps, timeout: float = 60) -> None:
 # -- delivery -------------------------------------------------------------------
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("n_local", [1, 2, 3, 4])
-def test_every_reader_gets_every_message_once_in_order_bit_exact(n_local: int) -> None:
+@pytest.mark.parametrize("n_local,fences", [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"), (2, "always")])
+def test_every_reader_gets_every_message_once_in_order_bit_exact(n_local: int, fences: str, monkeypatch) -> None:
     """N local readers and one remote reader, 1,000 mixed messages (tiny, chunk-sized,
-    4x chunk, tensors of several dtypes, views): each reader's digests equal the writer's."""
+    4x chunk, tensors of several dtypes, views): each reader's digests equal the writer's.
+    fences=always runs the ring with the ordering fences weakly ordered CPUs (aarch64) use."""
+    monkeypatch.setenv("RAYFREE_RING_FENCES", fences)
     msgs = procs.mixed_messages(1000, CHUNK, seed=n_local)
     expected = [procs.digest(m) for m in msgs]
     n = n_local + 1
     mq = MessageQueue(n, n_local, max_chunk_bytes=CHUNK, max_chunks=4, connect_ip="127.0.0.1")
+    assert mq._w.shm.rw._order == (fences == "always" or not ring._TSO)
     try:
         h = mq.export_handle().to_bytes()
         children = [procs.spawn(procs.reader_digests, h, r, len(msgs)) for r in range(n)]

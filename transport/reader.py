@@ -47,6 +47,8 @@ class QueueReader:
         self.receiver = self.shm if self.shm is not None else self.sock
         #: reads the ring (else a TCP subscription)
         self.is_local = self.shm is not None
+        if self.shm is not None:
+            self._get_one = self.shm.rr.get_one
 
     def handshake(self, deadline: float | None, timeout: float | None) -> None:
         """Wait for the writer's READY (it comes once every reader is attached)."""
@@ -65,7 +67,7 @@ class QueueReader:
         return self._dequeue_shm if self.shm is not None else self.dequeue
 
     def _dequeue_shm(self, timeout: float | None = None, indefinite: bool = False) -> Any:
-        obj = self.shm.get_one()
+        obj = self._get_one()
         if obj is not EMPTY:
             return obj
         return self.shm.recv(None if timeout is None else max(0.0, timeout), indefinite)

@@ -10,22 +10,50 @@ span by setting its byte to 1 in every chunk of it. A message that would run
 past the last chunk is preceded by a one-chunk WRAP marker, so a span is
 always contiguous memory.
 
-Ordering. Python stores to a shared mapping are plain machine stores; x86
-keeps stores in order and loads in order, but aarch64 (Grace, Graviton)
-reorders both. So, as vLLM's queue does, a full fence (`fence()`) sits
-between the payload and the flags on the writer, between the flags and the
-payload on the reader, and between a flag store and the load of the other
-side's `parked` byte (the wake-up protocol, see waiting.py), on every CPU.
+Ordering. Python stores to a shared mapping are plain machine stores, in
+program order as far as the compiler goes (each is its own call into the
+interpreter). Two kinds of fence (a lock's acquire + release, as vLLM's
+queue uses) keep the hardware in line:
+- the *ordering* fences: between the payload and the flags on the writer,
+  between the flags and the payload on the reader. aarch64 (Grace, Graviton)
+  reorders stores with stores and loads with loads, so they are needed
+  there; x86 (TSO) never does, so there they are skipped unless
+  RAYFREE_RING_FENCES=always (bench/transport.py measures what they would cost);
+- the *store->load* fences, between a flag store and the load of the other
+  side's `parked` byte (the wake-up protocol, see waiting.py): x86 reorders
+  a store with a later load too, so these run on every CPU.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import platform
+
+from rayfree import settings
+
 from .errors import BadFrame
 from .framing import KIND_BYTES, KIND_DATA, KIND_WRAP, KINDS, ONE, ONE_FRAME_OFFSET, SLOT
 from .shm_ring import CLOSED, READER_PARKED, WRITER_PARKED, ShmRingBuffer
-from .waiting import fence
+from .waiting import _fence_acquire, _fence_release
+
+# fence() inlined as its two calls on the hot paths (a Python frame costs as much as the fence itself).
+_acquire, _release = _fence_acquire, _fence_release
+#: CPUs that keep stores in order and loads in order (TSO)
+_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i486", "i586", "i686", "x86")
+
+
+def fence() -> None:
+    _acquire()
+    _release()
+
+
+def ordering_fences() -> bool:
+    """Does this CPU need the payload<->flags fences (RAYFREE_RING_FENCES: auto, or always)?"""
+    mode = settings.get("RAYFREE_RING_FENCES")
+    if mode not in ("auto", "always"):
+        raise ValueError(f"RAYFREE_RING_FENCES={mode!r}: use auto (fences where the CPU reorders) or always")
+    return mode == "always" or not _TSO
 
 __all__ = ["RingWriter", "RingReader", "HELD", "EMPTY"]
 
@@ -43,6 +71,7 @@ class RingWriter:
         self.ring = ring
         self.idx = 0
         self.wrapped = False  # a WRAP marker was published since the owner last looked
+        self._order = ordering_fences()
         #: the longest one-frame message `put_one` takes
         self.one_max = ring.stride - ONE_FRAME_OFFSET
         self._b = ring.buf
@@ -67,33 +96,46 @@ class RingWriter:
         b = self._b
         return [] if b[fo] == 0 else [r for r in range(self.ring.n_reader) if b[fo + 1 + r] != 1]
 
-    def put_one(self, data: bytes, kind: int) -> bool:
-        """Publish `data` as a one-frame, one-chunk message if the next chunk is free (False: it is not, or
-        `data` is too long; use try_reserve/commit). The hot path of every small message."""
+    def put_one(self, data: bytes, kind: int) -> int:
+        """Publish `data` as a one-frame, one-chunk message if the next chunk is free. The hot path of every
+        small message. 0: not written (the chunk is held, or `data` is too long: use try_reserve/commit);
+        1: published; 2: published, and some reader is parked (wake it)."""
         c = self.idx
         b = self._b
         fo = self._flag_offs[c]
         n = len(data)
         if n > self.one_max:
-            return False
+            return 0
         if self._single:  # one reader (every reply queue): byte compares, not slices
             if b[fo] and b[fo + 1] != 1:
-                return False
-        elif b[fo] and b[fo + 1: fo + self._row] != self._all_read:
-            return False
+                return 0
+            base = self._chunk_offs[c]
+            ONE.pack_into(b, base, kind, 1, 1, n)
+            b[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n] = data
+            if self._order:  # fence: the payload before the flags
+                _acquire()
+                _release()
+            b[fo + 1] = 0
+            b[fo] = 1
+            c += 1
+            self.idx = 0 if c == self._n_chunks else c
+            _acquire()  # fence: the flags before the look at the parked byte
+            _release()
+            return 2 if b[READER_PARKED] else 1
+        if b[fo] and b[fo + 1: fo + self._row] != self._all_read:
+            return 0
         base = self._chunk_offs[c]
         ONE.pack_into(b, base, kind, 1, 1, n)
         b[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n] = data
-        fence()  # the payload before the flags
-        if self._single:
-            b[fo + 1] = 0
-            b[fo] = 1
-        else:
-            b[fo: fo + self._row] = self._fresh
+        if self._order:  # fence: the payload before the flags
+            _acquire()
+            _release()
+        b[fo: fo + self._row] = self._fresh
         c += 1
         self.idx = 0 if c == self._n_chunks else c
-        fence()  # the flags before the caller's look at the parked bytes
-        return True
+        _acquire()  # fence: the flags before the look at the parked bytes
+        _release()
+        return 2 if b[self._parked] != self._no_parked else 1
 
     def span_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.ring.stride))
@@ -128,7 +170,8 @@ class RingWriter:
 
     def _publish(self, start: int, span: int) -> None:
         b, fo0, row, fresh = self._b, self._flag_offs, self._row, self._fresh
-        fence()  # the payload before the flags
+        if self._order:
+            fence()  # the payload before the flags
         for c in range(start + span - 1, start - 1, -1):  # the head last
             fo = fo0[c]
             b[fo: fo + row] = fresh
@@ -170,6 +213,7 @@ class RingReader:
         self.idx = 0
         self.loads = loads
         self.on_writer_parked = on_writer_parked or (lambda: None)
+        self._order = ordering_fences()
         self.one_max = ring.stride - ONE_FRAME_OFFSET
         self._b = ring.buf
         self._row = ring.row
@@ -192,7 +236,9 @@ class RingReader:
         me = fo + self._me
         if b[fo] != 1 or b[me]:
             return EMPTY
-        fence()  # the flags before the payload
+        if self._order:  # fence: the flags before the payload
+            _acquire()
+            _release()
         base = self._chunk_offs[c]
         kind, span, nframes, n = ONE.unpack_from(b, base)
         if span != 1 or nframes != 1 or n > self.one_max or (kind != KIND_DATA and kind != KIND_BYTES):
@@ -205,14 +251,16 @@ class RingReader:
             return self.loads(b[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n])
         finally:
             b[me] = 1
-            fence()  # the release before the look at the writer's parked byte
+            _acquire()  # fence: the release before the look at the writer's parked byte
+            _release()
             if b[WRITER_PARKED]:
                 self.on_writer_parked()
 
     def poll(self) -> tuple[int, int, int] | None:
         """Take the next message: (start, kind, span), or None; skips WRAP markers. Release it when done."""
         while self.ready():
-            fence()  # the flags before the payload
+            if self._order:
+                fence()  # the flags before the payload
             c = self.idx
             kind, span = SLOT.unpack_from(self._b, self._chunk_offs[c])
             if kind == KIND_WRAP:

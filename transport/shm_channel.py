@@ -70,12 +70,10 @@ class ShmSender(Sender):
 
     def put_one(self, data: bytes, kind: int = KIND_DATA) -> bool:
         """A one-frame message into the next chunk if it is free (the hot path); False: use `send`."""
-        rw = self.rw
-        if not rw.put_one(data, kind):
-            return False
-        if rw.readers_parked():
-            self._wake_parked()
-        return True
+        done = self.rw.put_one(data, kind)
+        if done == 2:
+            self.wake_parked()
+        return done != 0
 
     def send(self, frames: list, sizes: list[int], deadline: float | None) -> None:
         nbytes = framing.layout(sizes)[1]
@@ -108,7 +106,7 @@ class ShmSender(Sender):
         self.rw.commit(start, 1)
         self._notify()
 
-    def _wake_parked(self) -> None:
+    def wake_parked(self) -> None:
         if self._wake_one is not None:
             self._wake_one()
             return
@@ -117,7 +115,7 @@ class ShmSender(Sender):
 
     def _notify(self) -> None:
         if self.rw.readers_parked():
-            self._wake_parked()
+            self.wake_parked()
 
     def _try_reserve(self, span: int) -> int | None:
         rw = self.rw

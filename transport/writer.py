@@ -21,7 +21,7 @@ from rayfree import settings
 
 from . import lingering, serde
 from .errors import MessageTooLarge, QueueShutdown, QueueTimeout
-from .framing import KIND_BYTES
+from .framing import KIND_BYTES, KIND_DATA
 from .handle import HANDLE_VERSION, Handle
 from .net import IpcDir, get_ip, tcp_endpoint
 from .shm_channel import ShmSender
@@ -81,6 +81,7 @@ class QueueWriter:
                 sock, local_ep = make_publisher(self.ipc.endpoint("overflow"), sndhwm=0)
                 self.overflow = SocketSender(sock, "ipc", local_reader_ranks, 0)
                 self.shm = ShmSender(self.ring, local_reader_ranks, spin_us, self.ipc.path, self.overflow)
+                self._put_one, self._wake = self.shm.rw.put_one, self.shm.wake_parked
             if self.remote_reader_ranks:
                 sock, remote_ep = make_publisher(tcp_endpoint(connect_ip or get_ip(), "*"), sndhwm=REMOTE_SNDHWM)
                 self.remote = SocketSender(sock, "tcp", self.remote_reader_ranks, REMOTE_SNDHWM)
@@ -151,12 +152,20 @@ class QueueWriter:
         return self.enqueue
 
     def _enqueue_shm_only(self, obj: Any, timeout: float | None = None) -> None:
-        shm = self.shm
-        if type(obj) is bytes and shm.put_one(obj, KIND_BYTES):
-            return
+        put = self._put_one
+        if type(obj) is bytes:
+            done = put(obj, KIND_BYTES)
+            if done:
+                if done == 2:
+                    self._wake()
+                return
         frames = self._ser.dumps(obj)
-        if len(frames) == 1 and shm.put_one(frames[0]):
-            return
+        if len(frames) == 1:
+            done = put(frames[0], KIND_DATA)
+            if done:
+                if done == 2:
+                    self._wake()
+                return
         self.send_frames(frames, deadline_of(timeout))
 
     def _enqueue_remote_only(self, obj: Any, timeout: float | None = None) -> None:
