@@ -29,16 +29,18 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import platform
+import time
 
 from rayfree import settings
 
 from .errors import BadFrame
 from .framing import KIND_BYTES, KIND_DATA, KIND_WRAP, KINDS, ONE, ONE_FRAME_OFFSET, SLOT
 from .shm_ring import CLOSED, READER_PARKED, WRITER_PARKED, ShmRingBuffer
-from .waiting import _fence_acquire, _fence_release
+from .waiting import SpinPolicy, _fence_acquire, _fence_release, sched_yield
 
 # fence() inlined as its two calls on the hot paths (a Python frame costs as much as the fence itself).
 _acquire, _release = _fence_acquire, _fence_release
+_perf = time.perf_counter
 #: CPUs that keep stores in order and loads in order (TSO)
 _TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i486", "i586", "i686", "x86")
 
@@ -227,6 +229,33 @@ class RingReader:
         fo = self._flag_offs[self.idx]
         b = self._b
         return b[fo] == 1 and not b[fo + self._me]
+
+    def spin_ready(self, policy: SpinPolicy) -> bool:
+        """The hot spin of a waiting reader: until the head is published for it (True) or the policy's limit
+        passes (False). Two byte loads per check, the clock every 16 checks, the core yielded now and then."""
+        if policy.limit <= 0:
+            return False
+        b = self._b
+        fo = self._flag_offs[self.idx]
+        me = fo + self._me
+        t0 = _perf()
+        end = t0 + policy.limit
+        gap = policy.yield_s
+        next_yield = t0 + gap
+        i = 0
+        while True:
+            if b[fo] == 1 and not b[me]:
+                policy.record(_perf() - t0)
+                return True
+            i += 1
+            if i >= 16:
+                i = 0
+                now = _perf()
+                if now >= end:
+                    return False
+                if now >= next_yield:
+                    sched_yield()
+                    next_yield = now + gap
 
     def get_one(self) -> Any:
         """The next message, decoded and released, if it is a ready one-frame, one-chunk one; else EMPTY."""

@@ -32,7 +32,7 @@ from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout
 from .framing import KIND_BYTES, KIND_DATA, KIND_OVERFLOW, ONE_FRAME_OFFSET
 from .ring import EMPTY, RingReader, RingWriter
 from .shm_ring import ShmRingBuffer
-from .waiting import SpinPolicy, Waiters, WakePipe, note_ring_processes, spin, spin_until
+from .waiting import SpinPolicy, Waiters, WakePipe, note_ring_processes, spin
 from .zmq_channel import SocketReceiver, SocketSender
 
 __all__ = ["ShmSender", "ShmReceiver"]
@@ -210,7 +210,7 @@ class ShmReceiver(Receiver):
         rr = self.rr
         if not rr.ready():
             with self.waiters:
-                if not spin_until(rr.ready, self.policy):
+                if not rr.spin_ready(self.policy):
                     self._park(_perf(), timeout, indefinite)
         obj = rr.get_one()
         if obj is not EMPTY:

@@ -27,7 +27,7 @@ from typing import Callable, TypeVar
 
 from rayfree import settings
 
-__all__ = ["SpinPolicy", "spin", "spin_until", "fence", "WakePipe", "Waiters", "sched_yield", "yield_interval",
+__all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "Waiters", "sched_yield", "yield_interval",
            "note_ring_processes"]
 
 T = TypeVar("T")
@@ -127,33 +127,6 @@ def spin(check: Callable[[], T | None], policy: SpinPolicy) -> T | None:
         if now >= next_yield:
             sched_yield()
             next_yield = now + gap
-
-
-def spin_until(ready: Callable[[], bool], policy: SpinPolicy) -> bool:
-    """The hot spin: call `ready` until it is true (True) or the policy's limit passes (False).
-
-    The clock is read every 16 checks and the core yielded every `yield_interval()`.
-    """
-    if policy.limit <= 0:
-        return False
-    t0 = _perf()
-    end = t0 + policy.limit
-    gap = policy.yield_s
-    next_yield = t0 + gap
-    i = 0
-    while True:
-        if ready():
-            policy.record(_perf() - t0)
-            return True
-        i += 1
-        if i >= 16:
-            i = 0
-            now = _perf()
-            if now >= end:
-                return False
-            if now >= next_yield:
-                sched_yield()
-                next_yield = now + gap
 
 
 class Waiters:
