@@ -50,8 +50,11 @@ TABLE: dict[str, Setting] = {s.name: s for s in (
             "threads that copy a big payload into shared memory (unset: min(4, cores); 1: the caller alone)"),
     Setting("RAYFREE_RING_FENCES", "auto", _str,
             "the ring's payload<->flag fences: auto (only on CPUs that reorder them, not x86) or always"),
-    Setting("RAYFREE_INPLACE_MIN_BYTES", 1 << 20, int,
-            "out-of-band buffers at least this big are read in place from the ring instead of copied"),
+    Setting("RAYFREE_POOL_MIN_BYTES", 1 << 20, int,
+            "a reader copies buffers at least this big into warm memory from its pool (zero_copy readers: views them "
+            "in place)"),
+    Setting("RAYFREE_READER_POOL_BYTES", 128 << 20, int,
+            "most idle memory a reader's pool keeps for the next big payloads"),
     Setting("RAYFREE_WAIT_LOG_INTERVAL_S", 60.0, float, "a blocked queue call says so in the log this often"),
     Setting("RAYFREE_CLOSE_FLUSH_S", 5.0, float,
             "a closed writer keeps its remote publisher up to this long for readers to confirm CLOSE"),

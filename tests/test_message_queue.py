@@ -45,10 +45,10 @@ def handshake(w: MessageQueue, r: MessageQueue) -> None:
     assert not t.is_alive()
 
 
-def ready_pair(path: str, **kw) -> tuple[MessageQueue, MessageQueue]:
+def ready_pair(path: str, zero_copy: bool = False, **kw) -> tuple[MessageQueue, MessageQueue]:
     """Writer and reader 0 in this process, handshake done."""
     w = writer_for(path, **kw)
-    r = MessageQueue.create_from_handle(w.export_handle(), 0)
+    r = MessageQueue.create_from_handle(w.export_handle(), 0, zero_copy=zero_copy)
     handshake(w, r)
     return w, r
 
@@ -156,13 +156,88 @@ def test_message_larger_than_ring_takes_the_overflow_socket_and_arrives(path: st
         r.close()
 
 
-def test_large_tensor_is_read_in_place_and_its_chunks_wait_for_the_view() -> None:
-    """A 32 MiB tensor stays in shared memory: the reader's tensor is a view of the ring,
-    and the writer cannot reuse those chunks until the view is gone."""
+def test_every_reader_gets_a_private_writable_tensor(path: str) -> None:
+    """vLLM's semantics: two readers of one broadcast each own their tensor; an in-place change by one
+    is not seen by the other (TP ranks receive the same inputs)."""
+    import torch
+    w = writer_for(path, n=2, max_chunk_bytes=1 << 20, max_chunks=8)
+    r0 = MessageQueue.create_from_handle(w.export_handle(), 0)
+    r1 = MessageQueue.create_from_handle(w.export_handle(), 1)
+    try:
+        ts = [threading.Thread(target=r.wait_until_ready, kwargs={"timeout": 10}) for r in (r0, r1)]
+        for t in ts:
+            t.start()
+        w.wait_until_ready(timeout=10)
+        for t in ts:
+            t.join(10)
+        src = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB
+        w.enqueue({"x": src}, timeout=10)
+        a, b = r0.dequeue(timeout=10)["x"], r1.dequeue(timeout=10)["x"]
+        a += 1
+        assert torch.equal(b, src), "reader 1 saw reader 0's in-place change"
+        assert torch.equal(a, src + 1)
+        assert a.data_ptr() != b.data_ptr()
+    finally:
+        w.close()
+        r0.close()
+        r1.close()
+
+
+@pytest.mark.parametrize("size", [1 << 20, 4 << 20])
+def test_a_reader_that_keeps_a_tensor_never_stalls_the_writer(path: str, size: int) -> None:
+    """vLLM's test: keep the first message, read 16 more through a ring that comes round several times."""
+    import torch
+    w, r = ready_pair(path, max_chunk_bytes=size + (1 << 16), max_chunks=4)
+    try:
+        kept = None
+        for i in range(17):
+            w.enqueue(torch.full((size,), i % 256, dtype=torch.uint8), timeout=10)
+            got = r.dequeue(timeout=10)
+            assert int(got[0]) == i % 256 and int(got[-1]) == i % 256
+            if i == 0:
+                kept = got
+        assert kept is not None and bool((kept == 0).all()), "the kept tensor was overwritten"
+    finally:
+        w.close()
+        r.close()
+
+
+def test_a_big_tensor_is_copied_out_of_the_ring_into_warm_pooled_memory() -> None:
+    """The private copy lands in the reader's pool: a buffer the caller has dropped is used again."""
     import gc
 
     import torch
     w, r = ready_pair("shm", max_chunk_bytes=8 << 20, max_chunks=6)  # 48 MiB ring
+    try:
+        src = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)
+        ring, pool = r._r.ring, r._r.shm.pool
+        for i in range(3):
+            w.enqueue(src + i, timeout=10)
+            got = r.dequeue(timeout=10)
+            assert not ring.address <= got.data_ptr() < ring.address + ring.size, "a view of the ring"
+            assert torch.equal(got, src + i)
+            del got
+            gc.collect()
+        assert pool.misses == 1 and pool.hits == 2, (pool.misses, pool.hits)
+        w.enqueue(src, timeout=10)
+        held = r.dequeue(timeout=10)
+        w.enqueue(src + 1, timeout=10)  # the pooled buffer is held: the next copy gets another one
+        second = r.dequeue(timeout=10)
+        assert torch.equal(held, src) and torch.equal(second, src + 1) and pool.misses == 2
+    finally:
+        w.close()
+        r.close()
+
+
+def test_zero_copy_readers_get_views_of_the_ring_whose_chunks_wait_for_the_view() -> None:
+    """The opt-in: a zero_copy reader's big tensor is a view of the ring, and the writer cannot reuse
+    those chunks until the view is gone (it times out naming the reader that holds them)."""
+    import gc
+
+    import torch
+    w = writer_for("shm", max_chunk_bytes=8 << 20, max_chunks=6)  # 48 MiB ring
+    r = MessageQueue.create_from_handle(w.export_handle(), 0, zero_copy=True)
+    handshake(w, r)
     try:
         src = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)
         w.enqueue(src, timeout=10)
@@ -188,8 +263,6 @@ def test_large_tensor_is_read_in_place_and_its_chunks_wait_for_the_view() -> Non
         w.close()
         r.close()
 
-
-# -- timeouts and shutdown ------------------------------------------------------------
 
 def test_dequeue_timeout_raises_within_twice_the_timeout(path: str) -> None:
     with pair(path) as (w, r):
@@ -441,13 +514,13 @@ def _until(cond, timeout: float = 10.0) -> None:
 
 
 def test_reader_waits_past_a_wrap_marker_until_the_message_behind_it_is_written() -> None:
-    """The writer wraps while the reader still holds chunk 0: the parked reader is woken by
+    """The writer wraps while a zero-copy reader still holds chunk 0: the parked reader is woken by
     the WRAP marker, goes past it, waits again, and gets the message once it lets go of
     the old view."""
     import gc
 
     import torch
-    with pair("shm", max_chunk_bytes=1 << 20, max_chunks=4) as (w, r):
+    with pair("shm", zero_copy=True, max_chunk_bytes=1 << 20, max_chunks=4) as (w, r):
         a = torch.full((2 << 20,), 7, dtype=torch.uint8)  # 3 chunks: 0..2
         w.enqueue(a, timeout=5)
         held = r.dequeue(timeout=5)

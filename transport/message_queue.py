@@ -94,11 +94,14 @@ class MessageQueue:
 
     @classmethod
     def create_from_handle(cls, handle: Handle | bytes, rank: int, *, spin_us: float | None = None,
-                           _nonce: bytes | None = None) -> MessageQueue:
+                           zero_copy: bool = False, _nonce: bytes | None = None) -> MessageQueue:
         """Attach reader `rank`: through shared memory if it is a local reader, else over TCP.
 
-        Signed handle bytes are verified first; the same signed handle cannot attach the same
-        reader twice in one process (a replay).
+        Every tensor or array a reader receives is its own writable copy. `zero_copy=True` (local
+        readers) hands big payloads over as read-only-by-contract views of the shared ring instead:
+        faster, but every local reader sees the same bytes, and a view kept alive keeps its chunks
+        from the writer (it waits, then times out naming this reader). Signed handle bytes are
+        verified first; the same signed handle cannot attach the same reader twice in one process.
         """
         if not isinstance(handle, Handle):
             handle, _nonce = Handle.from_signed(handle)
@@ -112,7 +115,7 @@ class MessageQueue:
         self._init_common(handle.n_reader, list(handle.local_reader_ranks), handle.max_message_bytes)
         self._handle = handle
         self.rank = rank
-        self._r = QueueReader(handle, rank, spin_us)
+        self._r = QueueReader(handle, rank, spin_us, zero_copy)
         return self
 
     # -- what the queue is ---------------------------------------------------------------------

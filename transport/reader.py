@@ -23,7 +23,7 @@ __all__ = ["QueueReader"]
 class QueueReader:
     """Reader `rank` of the queue `handle` names; built by `MessageQueue.create_from_handle`."""
 
-    def __init__(self, handle: Handle, rank: int, spin_us: float | None) -> None:
+    def __init__(self, handle: Handle, rank: int, spin_us: float | None, zero_copy: bool = False) -> None:
         self.rank = rank
         self.ring: ShmRingBuffer | None = None
         self.shm: ShmReceiver | None = None
@@ -34,7 +34,8 @@ class QueueReader:
             if rank in handle.local_reader_ranks:
                 self.ring = ShmRingBuffer.attach(handle.shm_name, handle.shm_size, handle.queue_id)
                 # The wake pipes first: the writer removes their directory once every hello has arrived.
-                self.shm = ShmReceiver(self.ring, handle.local_reader_ranks.index(rank), spin_us, handle.ipc_dir)
+                self.shm = ShmReceiver(self.ring, handle.local_reader_ranks.index(rank), spin_us, handle.ipc_dir,
+                                       zero_copy)
                 sub = make_subscriber(handle.local_endpoint, hello, maxmsgsize=limit)
                 self.sock = self.shm.overflow = SocketReceiver(sub, "ipc")
             else:

@@ -5,12 +5,15 @@ module decides how to wait for that (spin, then park on a wake pipe, see
 waiting.py), lays frames into slots (framing.py), and sends messages too big
 for the whole ring over its overflow socket (a private ipc publisher).
 
-Small messages are unpickled straight from the ring and their chunks freed at
-once. A message with an out-of-band buffer of at least RAYFREE_INPLACE_MIN_BYTES
-is handed to the reader *in place*: tensors are views of the ring, and its
-chunks are freed when the last such view dies. Readers must treat those
-payloads as read-only (other readers see the same bytes) and `.clone()`
-what they keep for long, since a held view keeps its chunks from the writer.
+Every message is unpickled from the ring and its chunks freed at once: each
+reader gets its own writable copy of every out-of-band buffer (tensors,
+arrays), so one reader's in-place change is never seen by another and a
+tensor kept for any time never holds the writer back. Buffers of at least
+RAYFREE_POOL_MIN_BYTES are copied (on several cores when big) into warm
+memory from the reader's pool (pool.py). A reader made with `zero_copy=True`
+instead gets its big payloads *in place*, as views of the ring: it promises
+to treat them as read-only (every local reader sees the same bytes) and not
+to keep them (a held view keeps its chunks from the writer).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .channel import Receiver, Sender
 from .copier import copy_into
 from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout
 from .framing import KIND_BYTES, KIND_DATA, KIND_OVERFLOW, ONE_FRAME_OFFSET
+from .pool import BufferPool
 from .ring import EMPTY, RingReader, RingWriter
 from .shm_ring import ShmRingBuffer
 from .waiting import SpinPolicy, Waiters, WakePipe, note_ring_processes, spin
@@ -183,8 +187,10 @@ class ShmReceiver(Receiver):
 
     path = "shm"
 
-    def __init__(self, ring: ShmRingBuffer, r: int, spin_us: float | None, wake_dir: str) -> None:
+    def __init__(self, ring: ShmRingBuffer, r: int, spin_us: float | None, wake_dir: str,
+                 zero_copy: bool = False) -> None:
         self.ring = ring
+        self.zero_copy = zero_copy
         #: where messages too big for the ring arrive (set by the owner once subscribed)
         self.overflow: SocketReceiver | None = None
         path = os.path.join(wake_dir, f"wake-r{r}")
@@ -197,7 +203,9 @@ class ShmReceiver(Receiver):
         self.shutdown_requested = False
         self.waiters = Waiters()
         self.log_interval = settings.get("RAYFREE_WAIT_LOG_INTERVAL_S")
-        self.inplace_min = settings.get("RAYFREE_INPLACE_MIN_BYTES")
+        self.pool_min = settings.get("RAYFREE_POOL_MIN_BYTES")
+        self.pool = BufferPool(settings.get("RAYFREE_READER_POOL_BYTES"))
+        self._base_addr = ring.address
         self._holders: dict[int, type] = {}
         self._leases: dict[int, weakref.ref] = {}
         #: the hot path: the next one-chunk message, or EMPTY
@@ -286,13 +294,21 @@ class ShmReceiver(Receiver):
         except BadFrame:
             rr.release(start, span)
             raise
-        if max(lengths[1:]) < self.inplace_min:
-            try:
-                bufs = [bytearray(buf[base + o: base + o + n]) for o, n in zip(offsets[1:], lengths[1:])]
-                return _loads(buf[base + offsets[0]: base + offsets[0] + lengths[0]], buffers=bufs)
-            finally:
-                rr.release(start, span)
-        return self._read_in_place(start, span, base, offsets, lengths)
+        if self.zero_copy and max(lengths[1:]) >= self.pool_min:
+            return self._read_in_place(start, span, base, offsets, lengths)
+        try:
+            bufs = [self._private(buf, base + o, n) for o, n in zip(offsets[1:], lengths[1:])]
+            return _loads(buf[base + offsets[0]: base + offsets[0] + lengths[0]], buffers=bufs)
+        finally:
+            rr.release(start, span)
+
+    def _private(self, buf: memoryview, off: int, n: int) -> Any:
+        """This reader's own writable copy of buf[off:off+n]."""
+        if n < self.pool_min:
+            return bytearray(buf[off: off + n])  # small: the allocator hands back warm memory by itself
+        view, addr = self.pool.take(n)
+        copy_into(view, addr, 0, buf[off: off + n])
+        return view
 
     def _read_in_place(self, start: int, span: int, base: int, offsets: list[int], lengths: list[int]) -> Any:
         # The payload views hang off one ctypes object per message; when the
