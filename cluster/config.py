@@ -150,6 +150,9 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     force_remote: bool = False
     #: workers hand their outputs to a sender thread, so the next step can start at once
     async_scheduling: bool = False
+    #: methods whose exception on any rank is fatal (peers may be blocked in a collective with that rank)
+    collective_methods: list[str] = msgspec.field(
+        default_factory=lambda: ["execute_model", "sample_tokens", "compile_or_warm_up_model"])
 
     def validate(self, check_local_master: bool = False) -> ClusterConfig:
         self.parallel.validate(check_local_master)

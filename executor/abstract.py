@@ -35,6 +35,8 @@ class Executor(ABC):
         self.worker_kwargs = dict(worker_kwargs or {})
         self.is_failed = False
         self.failure_callback: FailureCallback | None = None
+        #: set by an engine with a KV connector: execute_model's replies are then aggregated over every rank
+        self.kv_output_aggregator: Any = None
         self._callback_lock = threading.Lock()
         self._init_executor()
 
@@ -45,14 +47,20 @@ class Executor(ABC):
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None,
-                       aggregator: Callable[[list[Any]], Any] | None = None) -> Any:
+                       aggregator: Callable[[list[Any]], Any] | None = None,
+                       kv_output_aggregator: Any = None, ec_output_aggregator: Any = None) -> Any:
         """Call `method` on every worker.
 
         `method` is a worker method's name, or a callable taking the worker as
         its first argument (sent with cloudpickle). Returns one result when
         `unique_reply_rank` is given (only that rank replies), the aggregator's
         result when `aggregator` is given (every rank replies), else the list of
-        every rank's result. `non_block=True` returns a Future instead.
+        every rank's result. `kv_output_aggregator` / `ec_output_aggregator` (vLLM's
+        connectors' aggregators): every rank replies and the result is
+        `agg.aggregate(outputs, output_rank=unique_reply_rank or 0)`. `non_block=True`
+        returns a Future instead. `timeout` bounds the whole call (RpcTimeout).
+        An exception in one of `config.collective_methods` (a collective step) is
+        fatal: the executor fails and stops every worker.
         """
 
     @abstractmethod
@@ -71,6 +79,10 @@ class Executor(ABC):
         return pp if pp > 1 else (2 if self.config.async_scheduling else 1)
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        if self.kv_output_aggregator is not None:
+            return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank,
+                                       non_block=non_block, timeout=self.config.rpc_timeout_s,
+                                       kv_output_aggregator=self.kv_output_aggregator)
         return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank,
                                    non_block=non_block, timeout=self.config.rpc_timeout_s)
 
@@ -79,13 +91,16 @@ class Executor(ABC):
                                    non_block=non_block, timeout=self.config.rpc_timeout_s)
 
     def execute_dummy_batch(self) -> None:
-        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank)
+        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank,
+                            timeout=self.config.rpc_timeout_s)
 
     def take_draft_token_ids(self) -> Any:
-        return self.collective_rpc("take_draft_token_ids", unique_reply_rank=self.output_rank)
+        return self.collective_rpc("take_draft_token_ids", unique_reply_rank=self.output_rank,
+                                   timeout=self.config.rpc_timeout_s)
 
     def check_health(self) -> None:
-        self.collective_rpc("check_health", timeout=10)
+        timeout = self.config.rpc_timeout_s
+        self.collective_rpc("check_health", timeout=10.0 if timeout is None else min(10.0, timeout))
 
     def register_failure_callback(self, callback: FailureCallback) -> None:
         """Call `callback` once when the executor fails; at once if it already has."""
@@ -128,9 +143,13 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None,
-                       aggregator: Callable[[list[Any]], Any] | None = None) -> Any:
+                       aggregator: Callable[[list[Any]], Any] | None = None,
+                       kv_output_aggregator: Any = None, ec_output_aggregator: Any = None) -> Any:
         if self._closed:
             raise ExecutorFailed("the executor was shut down")
+        connector = kv_output_aggregator if kv_output_aggregator is not None else ec_output_aggregator
+        if connector is not None:
+            aggregator = lambda outputs: connector.aggregate(outputs, output_rank=0)  # noqa: E731
         try:
             if isinstance(method, str):
                 value: Any = getattr(self.worker, method)(*args, **(kwargs or {}))
@@ -138,8 +157,7 @@ class UniProcExecutor(Executor):
                 value = method(self.worker, *args, **(kwargs or {}))
             error = None
         except Exception as e:  # noqa: BLE001 - delivered like a worker's failure
-            import traceback
-            error = RemoteError(0, type(e).__name__, str(e), traceback.format_exc())
+            error = RemoteError.of(0, e)
 
         def collect(deadline: float | None) -> Any:
             if error is not None:

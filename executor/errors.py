@@ -13,10 +13,11 @@ class ExecutorError(RuntimeError):
 class WorkerError(ExecutorError):
     """A worker's method raised: its rank, exception type, message and the worker's traceback."""
 
-    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str, method: str = "") -> None:
+    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str, method: str = "",
+                 note: str = "") -> None:
         where = f" in {method}" if method else ""
-        super().__init__(f"worker rank {rank} raised {error_type}{where}: {message}\n\n"
-                         f"Worker traceback (rank {rank}):\n{remote_traceback}")
+        super().__init__(f"worker rank {rank} raised {error_type}{where}: {message}"
+                         + (f" ({note})" if note else "") + f"\n\nWorker traceback (rank {rank}):\n{remote_traceback}")
         self.rank = rank
         self.error_type = error_type
         self.message = message
@@ -26,8 +27,9 @@ class WorkerError(ExecutorError):
 class WorkerDied(ExecutorError):
     """A worker process exited while the executor was running."""
 
-    def __init__(self, rank: int, how: str, pid: int | None = None) -> None:
-        super().__init__(f"worker rank {rank} (pid {pid}) died ({how}); the executor has shut down. "
+    def __init__(self, rank: int, how: str, pid: int | None = None, title: str = "") -> None:
+        name = f"pid {pid}, rayfree::{title}" if title else f"pid {pid}"
+        super().__init__(f"worker rank {rank} ({name}) died ({how}); the executor has shut down. "
                          f"Look at that worker's log for the cause.")
         self.rank = rank
         self.how = how

@@ -62,6 +62,10 @@ class FutureWrapper(Future):
             pass
         return super().exception(timeout=0)
 
+    def _drive_now(self, deadline: float | None) -> None:
+        """`_drive`, for the executor's own thread while it holds the lock (reading replies while a send waits)."""
+        self._drive(deadline)
+
     def _drive(self, deadline: float | None) -> None:
         """Read this call's replies; WaitExpired leaves it pending, anything else completes it."""
         try:

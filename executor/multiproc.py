@@ -29,12 +29,12 @@ import cloudpickle
 from rayfree.cluster.heartbeat import Bye, HeartbeatClient, HeartbeatServer
 from rayfree.transport import MessageQueue, QueueClosed, QueueShutdown, get_ip, get_open_port
 from rayfree.transport.security import require_secret
-from rayfree.worker.messages import Boxed, RemoteError
+from rayfree.worker.messages import Boxed, Fatal, RemoteError
 
 from .abstract import Executor
 from .collect import Collector, map_failure, unwrap
-from .errors import ExecutorFailed, NotLeaderError, WorkerDied
-from .future import FutureWrapper
+from .errors import ExecutorFailed, NotLeaderError, WorkerDied, WorkerError
+from .future import FutureWrapper, WaitExpired
 from .liveness import start_heartbeat
 from .workers import WorkerGroup, WorkerHandle, exit_description
 
@@ -44,12 +44,23 @@ logger = logging.getLogger("rayfree.executor")
 
 
 class MultiprocExecutor(Executor):
-    """See the module docstring. `monitor_workers=False` leaves watching the workers to the caller."""
+    """See the module docstring. `monitor_workers=False` leaves watching the workers to the caller.
+
+    Calls from several threads are serialized (send and receive together), so no thread is ever handed
+    another's reply; a future's `result()` may be read from any thread.
+    """
+
+    supports_pp: bool = True
 
     def __init__(self, config, worker_cls, worker_kwargs=None, monitor_workers: bool = True) -> None:
         self.monitor_workers = monitor_workers
         self.shutting_down = False
         self._shutdown_done = threading.Event()
+        #: set once the executor has shut down (vLLM's name)
+        self.shutdown_event = self._shutdown_done
+        self._failure_known = threading.Event()
+        self._started = False
+        self._rpc_lock = threading.RLock()
         self.group: WorkerGroup | None = None
         self.response_mqs: list[MessageQueue] = []
         self.rpc_broadcast_mq: MessageQueue | None = None
@@ -81,8 +92,9 @@ class MultiprocExecutor(Executor):
             handle = None
             if self.is_leader:
                 connect_ip = get_ip(peer=par.master_addr) if multi_node else "127.0.0.1"
-                self.rpc_broadcast_mq = MessageQueue(self.world_size, self.local_world_size,
-                                                     list(range(self.local_world_size)), connect_ip=connect_ip)
+                n_local = 0 if self.config.force_remote and not multi_node else self.local_world_size
+                self.rpc_broadcast_mq = MessageQueue(self.world_size, n_local, list(range(n_local)),
+                                                     connect_ip=connect_ip)
                 handle = self.rpc_broadcast_mq.export_handle().to_bytes()
             start = par.global_start_rank
             self.group = WorkerGroup(self.config, worker_cls, self.worker_kwargs,
@@ -91,7 +103,9 @@ class MultiprocExecutor(Executor):
             self.group.wait_ready(self.config.ready_timeout_s)
             if self.monitor_workers:
                 on_death = weakref.WeakMethod(self._on_worker_death)  # the monitor must not keep us alive
-                self.group.start_monitor(lambda w: on_death() and on_death()(w))
+                on_fatal = weakref.WeakMethod(self._on_worker_fatal)
+                self.group.start_monitor(lambda w: on_death() and on_death()(w),
+                                         lambda w, msg: on_fatal() and on_fatal()(w, msg))
             if self._heartbeat is not None:
                 self._heartbeat.arm()
             if self.is_leader:
@@ -101,11 +115,11 @@ class MultiprocExecutor(Executor):
                 for mq in self.response_mqs:
                     mq.wait_until_ready(timeout=self.config.ready_timeout_s)
             self.futures_queue: deque[FutureWrapper] = deque()
-            self._drive_lock = threading.RLock()
             # Replies still owed by calls that timed out: read and dropped before newer ones.
             self._owed = [0] * self.world_size
             if self.is_leader:
                 self._refresh_fast()
+            self._started = True
             success = True
         except BaseException as e:
             self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -120,6 +134,14 @@ class MultiprocExecutor(Executor):
     def workers(self) -> list[WorkerHandle]:
         """This node's worker processes (`.rank`, `.proc`)."""
         return self.group.workers if self.group is not None else []
+
+    def get_response_mqs(self) -> list[MessageQueue]:
+        """Every rank's reply queue, by rank (vLLM's accessor)."""
+        return list(self.response_mqs)
+
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True
 
     @property
     def failure(self) -> Exception | None:
@@ -136,9 +158,18 @@ class MultiprocExecutor(Executor):
         if self.shutting_down:
             return
         how = exit_description(w.proc.exitcode)
-        logger.error("worker rank %d (pid %s) died unexpectedly (%s); shutting down the executor", w.rank,
-                     w.proc.pid, how)
-        self._fail(WorkerDied(w.rank, how, w.proc.pid))
+        logger.error("%s died unexpectedly (%s); shutting down the executor", w.describe(), how)
+        self._fail(WorkerDied(w.rank, how, w.proc.pid, w.title))
+
+    def _on_worker_fatal(self, w: WorkerHandle, msg: Fatal) -> None:
+        """A collective step raised on rank `w.rank`: its peers may be stuck in a collective, so stop them all."""
+        if self.shutting_down:
+            return
+        logger.error("%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type,
+                     msg.method)
+        self._fast_stop = True
+        self._fail(WorkerError(msg.rank, msg.error_type, msg.message, msg.traceback, msg.method,
+                               note="a collective step: the executor has stopped every worker"))
 
     def _fail(self, error: Exception) -> None:
         """Mark failed, wake every pending call with `error`, shut down, fire the callback once."""
@@ -148,9 +179,14 @@ class MultiprocExecutor(Executor):
             self._failure = error
             self.is_failed = True
             self._fast = False
-        for mq in self.response_mqs:  # pending dequeues raise now, and collect() reports `error`
-            mq.shutdown()
-        self.shutdown()
+        self._failure_known.set()
+        for mq in (self.rpc_broadcast_mq, *self.response_mqs):  # blocked sends and receives return now
+            if mq is not None:
+                mq.shutdown()
+        if self._started:
+            self.shutdown()
+        elif self.group is not None:
+            self.group.terminate()  # start-up: the starting thread sees them go, raises, and shuts down
         self._fire_failure_callback()
 
     # -- RPC -----------------------------------------------------------------------------
@@ -158,25 +194,34 @@ class MultiprocExecutor(Executor):
     def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
                        kwargs: dict[str, Any] | None = None, non_block: bool = False,
                        unique_reply_rank: int | None = None,
-                       aggregator: Callable[[list[Any]], Any] | None = None) -> Any:
-        """See `Executor.collective_rpc`. One thread calls it at a time (futures' results may be read from
-        any thread)."""
+                       aggregator: Callable[[list[Any]], Any] | None = None,
+                       kv_output_aggregator: Any = None, ec_output_aggregator: Any = None) -> Any:
+        """See `Executor.collective_rpc`. Calls from several threads take turns (send and receive together)."""
         recv = self._fast_recv.get(unique_reply_rank) if self._fast else None
         if (recv is not None and type(method) is str and type(unique_reply_rank) is int and not non_block
-                and aggregator is None and not self.futures_queue):
+                and aggregator is None and kv_output_aggregator is None and ec_output_aggregator is None):
             # The engine's step: a method name, one reply, nothing older pending.
-            end = None if timeout is None else time.monotonic() + timeout
-            try:
-                self._fast_send((method, args, kwargs, unique_reply_rank), timeout)
-            except BaseException as e:
-                raise map_failure(self, e, method, "sending it", timeout)
-            try:
-                value = recv() if end is None else recv(max(0.0, end - time.monotonic()))
-            except BaseException as e:
-                raise map_failure(self, e, method, "waiting for its replies", timeout, [unique_reply_rank])
-            t = type(value)
-            return unwrap(value, method) if t is RemoteError or t is Boxed else value
-        return self._collective_rpc(method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator)
+            with self._rpc_lock:
+                if not self.futures_queue and self._fast:
+                    end = None if timeout is None else time.monotonic() + timeout
+                    try:
+                        self._fast_send((method, args, kwargs, unique_reply_rank), timeout)
+                    except BaseException as e:
+                        raise map_failure(self, e, method, "sending it", timeout)
+                    try:
+                        value = recv() if end is None else recv(max(0.0, end - time.monotonic()))
+                    except BaseException as e:
+                        raise map_failure(self, e, method, "waiting for its replies", timeout, [unique_reply_rank])
+                    t = type(value)
+                    return unwrap(value, method) if t is RemoteError or t is Boxed else value
+        connector = kv_output_aggregator if kv_output_aggregator is not None else ec_output_aggregator
+        if connector is not None:
+            if kv_output_aggregator is not None and ec_output_aggregator is not None:
+                raise ValueError("give kv_output_aggregator or ec_output_aggregator, not both")
+            reply_rank = unique_reply_rank or 0
+            aggregator = lambda outputs: connector.aggregate(outputs, output_rank=reply_rank)  # noqa: E731
+        with self._rpc_lock:
+            return self._collective_rpc(method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator)
 
     def _collective_rpc(self, method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator) -> Any:
         mq = self.rpc_broadcast_mq
@@ -194,9 +239,13 @@ class MultiprocExecutor(Executor):
         send = method if isinstance(method, str) else cloudpickle.dumps(method)
         name = method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
         try:
+            # While the ring is full, read the replies of older calls: the workers may wait for that room.
             mq.enqueue((send, args, kwargs, output_rank),
-                       timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                       timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
+                       on_wait=self._drain if self.futures_queue else None)
         except (QueueShutdown, QueueClosed):
+            if self._failure is None and not self.shutting_down:
+                self._failure_known.wait(1.0)  # a worker just left: the monitor names it within a second
             self._raise_failed()
         except BaseException as e:
             raise map_failure(self, e, name, "sending it", timeout)
@@ -204,12 +253,20 @@ class MultiprocExecutor(Executor):
         collect = Collector(self, name, ranks, deadline, timeout, single=output_rank is not None)
         if not non_block and not self.futures_queue:
             # Nothing older is pending: read the replies here, without a Future.
-            with self._drive_lock:
-                value = collect(None)
+            value = collect(None)
             return value if aggregator is None else aggregator(value)
-        fut = FutureWrapper(self.futures_queue, self._drive_lock, collect,
+        fut = FutureWrapper(self.futures_queue, self._rpc_lock, collect,
                             aggregator if aggregator is not None else (lambda x: x))
         return fut if non_block else fut.result()
+
+    def _drain(self) -> None:
+        """Read the replies of pending calls that have them now (a send is waiting for room in the ring)."""
+        while self.futures_queue:
+            try:
+                self.futures_queue[-1]._drive_now(time.monotonic() + 0.002)
+            except WaitExpired:
+                return
+            self.futures_queue.pop()
 
     # The fast path's state: on only while the leader is healthy and owes no late replies.
     _fast = False
@@ -251,6 +308,8 @@ class MultiprocExecutor(Executor):
             self._owed[r] += 1
 
     def _cut_short(self, name: str) -> ExecutorFailed:
+        if self._failure is None and not self.shutting_down:
+            self._failure_known.wait(1.0)  # a worker that just left closed its queue first: wait for its name
         if self._failure is not None:
             e = ExecutorFailed(f"RPC {name} failed: {self._failure}")
             e.__cause__ = self._failure
@@ -280,6 +339,9 @@ class MultiprocExecutor(Executor):
         if not first:
             self._shutdown_done.wait()
             return
+        for mq in (self.rpc_broadcast_mq, *self.response_mqs):  # a thread blocked in a call returns now
+            if mq is not None:
+                mq.shutdown()
         try:
             self._shutdown()
         finally:

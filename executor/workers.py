@@ -1,13 +1,15 @@
 """`WorkerGroup`: one node's worker processes, owned by one object from spawn to the last SIGKILL.
 
-It starts a process per local rank with two one-way pipes each — *ready*
-(child -> parent: a msgspec `Ready` or `StartupFailed`) and *death* (parent ->
-child: never written; EOF tells the child its parent is gone) — waits for
-every READY on the pipes and the process sentinels at once (a worker that
-dies first is named at once, with its exit code), watches the processes once
-they run, dumps the stacks of workers stuck at start-up, and closes them in
-stages: death pipes, wait, SIGTERM, wait, SIGKILL. Policy (what a death
-means for calls in flight) is the executor's; this module only reports.
+It starts a process per local rank with two one-way pipes each — *status*
+(child -> parent: a msgspec `Ready` or `StartupFailed`, later `Fatal`) and
+*death* (parent -> child: never written; EOF tells the child its parent is
+gone, see worker/main.py) — waits for every READY on the pipes and the
+process sentinels at once (a worker that dies first is named at once, with
+its pid, title and exit code), watches the processes and their status pipes
+once they run, dumps the stacks of workers stuck at start-up, removes what a
+dead worker left in /dev/shm, and closes them in stages: death pipes, wait,
+SIGTERM, wait, SIGKILL. Policy (what a death means for calls in flight) is
+the executor's; this module only reports.
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ from typing import Any, Callable, Iterator
 from rayfree import settings
 from rayfree.cluster.config import ClusterConfig
 from rayfree.transport import MessageQueue, security
-from rayfree.worker.messages import Ready, StartupFailed, decode
-from rayfree.worker.proc import WorkerProc
+from rayfree.transport.segments import remove_entries_of
+from rayfree.worker.main import worker_main
+from rayfree.worker.messages import Fatal, Ready, StartupFailed, decode
+from rayfree.worker.titles import title_for
 
 from .errors import StartupTimeout, WorkerStartupError
 
@@ -79,14 +83,16 @@ class WorkerHandle:
 
     rank: int
     proc: BaseProcess
+    #: the status pipe (READY, then Fatal); None once closed
     ready_pipe: Connection | None
     death_writer: Connection | None
+    title: str = "Worker"
     #: set at READY on the leader: this worker's reply queue, and (worker 0, multi-node) every rank's
     response_mq: MessageQueue | None = None
     peer_response_mqs: list[MessageQueue | None] = field(default_factory=list)
 
     def describe(self) -> str:
-        return f"worker rank {self.rank} (pid {self.proc.pid}, {self.proc.name})"
+        return f"worker rank {self.rank} (pid {self.proc.pid}, rayfree::{self.title})"
 
 
 class WorkerGroup:
@@ -127,7 +133,7 @@ class WorkerGroup:
                               input_shm_handle=handle, is_driver_worker=par.is_driver_rank(rank),
                               ready_pipe=ready_w, death_pipe=death_r, inherited_fds=list(inherited or []),
                               security_policy=policy)
-                proc = context.Process(target=WorkerProc.worker_main, kwargs=kwargs, name=f"RayfreeWorker-{rank}",
+                proc = context.Process(target=worker_main, kwargs=kwargs, name=f"RayfreeWorker-{rank}",
                                        daemon=True)
                 try:
                     proc.start()
@@ -139,41 +145,36 @@ class WorkerGroup:
                 finally:
                     ready_w.close()
                     death_r.close()
-                self.workers.append(WorkerHandle(rank, proc, ready_r, death_w))
+                self.workers.append(WorkerHandle(rank, proc, ready_r, death_w, title_for(par, rank)))
 
     def wait_ready(self, timeout: float | None) -> None:
         """Every worker's READY; WorkerStartupError naming whoever failed, StartupTimeout naming who was late
-        (after dumping their stacks to their stderr)."""
+        (after dumping their stacks to their stderr). The status pipes stay open for later reports."""
         pending = {w.ready_pipe: w for w in self.workers if w.ready_pipe is not None}
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while pending:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                sentinels = {w.proc.sentinel: w for w in pending.values()}
-                ready = multiprocessing.connection.wait([*pending, *sentinels], timeout=left)
-                if not ready:
-                    late = sorted(w.rank for w in pending.values())
-                    self.dump_stacks([w for w in pending.values()])
-                    raise StartupTimeout(f"worker rank(s) {late} did not become ready within {timeout:.0f}s "
-                                         f"(ready_timeout_s); they may be stuck loading the model or joining the "
-                                         f"world (their stacks are on their stderr)", late)
-                for obj in ready:
-                    if isinstance(obj, int):  # a sentinel: that process exited
-                        w = sentinels[obj]
-                        if w.ready_pipe not in pending or w.ready_pipe.poll(0):
-                            continue  # its message (if any) is read through the pipe
-                        self._died_before_ready(pending.pop(w.ready_pipe))
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            sentinels = {w.proc.sentinel: w for w in pending.values()}
+            ready = multiprocessing.connection.wait([*pending, *sentinels], timeout=left)
+            if not ready:
+                late = sorted(w.rank for w in pending.values())
+                self.dump_stacks([w for w in pending.values()])
+                raise StartupTimeout(f"worker rank(s) {late} did not become ready within {timeout:.0f}s "
+                                     f"(ready_timeout_s); they may be stuck loading the model or joining the world "
+                                     f"(their stacks are on their stderr)", late)
+            for obj in ready:
+                if isinstance(obj, int):  # a sentinel: that process exited
+                    w = sentinels[obj]
+                    if w.ready_pipe in pending and not w.ready_pipe.poll(0):
+                        self._died_before_ready(w)
+                    continue  # its message (if any) is read through the pipe
+                if obj in pending:
                     self._on_ready_message(pending.pop(obj))
-        except BaseException:
-            for pipe in pending:
-                pipe.close()
-            raise
 
     def _died_before_ready(self, w: WorkerHandle) -> None:
         w.proc.join(1)
-        if w.ready_pipe is not None:
-            w.ready_pipe.close()
-            w.ready_pipe = None
+        self._close_status(w)
+        self._remove_leftovers(w)
         raise WorkerStartupError(f"{w.describe()} died before becoming ready ({exit_description(w.proc.exitcode)})",
                                  w.rank)
 
@@ -185,14 +186,29 @@ class WorkerGroup:
         except EOFError:
             self._died_before_ready(w)
             return
-        finally:
-            pipe.close()
-            w.ready_pipe = None
         if isinstance(msg, StartupFailed):
-            raise WorkerStartupError(f"worker rank {msg.rank} (pid {w.proc.pid}) failed to start: {msg.error_type}: "
-                                     f"{msg.message}", msg.rank, msg.traceback)
+            self._close_status(w)
+            raise WorkerStartupError(f"{w.describe()} failed to start: {msg.error_type}: {msg.message}", msg.rank,
+                                     msg.traceback)
+        if not isinstance(msg, Ready):
+            self._close_status(w)
+            raise WorkerStartupError(f"{w.describe()} sent {type(msg).__name__} before READY", w.rank)
         if self.attach_replies:
             self._attach(msg, w)
+
+    @staticmethod
+    def _close_status(w: WorkerHandle) -> None:
+        if w.ready_pipe is not None:
+            w.ready_pipe.close()
+            w.ready_pipe = None
+
+    @staticmethod
+    def _remove_leftovers(w: WorkerHandle) -> None:
+        """A dead worker's segments and ipc directories (named with its pid): nothing may outlive it."""
+        if w.proc.pid is not None and not w.proc.is_alive():
+            removed = remove_entries_of({w.proc.pid})
+            if removed:
+                logger.info("removed what %s left behind: %s", w.describe(), ", ".join(removed))
 
     def _attach(self, msg: Ready, w: WorkerHandle) -> None:
         w.response_mq = MessageQueue.create_from_handle(msg.response_handle, 0)
@@ -212,21 +228,50 @@ class WorkerGroup:
 
     # -- running ---------------------------------------------------------------------------
 
-    def start_monitor(self, on_death: Callable[[WorkerHandle], None]) -> None:
-        """A thread that wakes when any worker process exits (or when `close()` stops it) and reports the first."""
+    def start_monitor(self, on_death: Callable[[WorkerHandle], None],
+                      on_fatal: Callable[[WorkerHandle, Fatal], None]) -> None:
+        """A thread that wakes when a worker reports a fatal failure on its status pipe or exits (or when
+        `close()` stops it); it reports the first of each and removes what a dead worker left behind."""
         workers = list(self.workers)
         wake_r, wake_w = multiprocessing.Pipe(duplex=False)
         self._monitor_wake = (wake_r, wake_w)
 
         def monitor() -> None:
             sentinels = {w.proc.sentinel: w for w in workers}
-            ready = multiprocessing.connection.wait([*sentinels, wake_r])
-            if self._closed:
-                return
-            dead = [sentinels[s] for s in ready if s in sentinels]
-            if dead:
-                dead[0].proc.join(0.5)
-                on_death(dead[0])
+            status = {w.ready_pipe: w for w in workers if w.ready_pipe is not None}
+            while not self._closed:
+                ready = multiprocessing.connection.wait([*sentinels, *status, wake_r])
+                if self._closed or wake_r in ready:
+                    return
+                for pipe in [p for p in ready if p in status]:
+                    w = status.pop(pipe)
+                    try:
+                        msg = decode(pipe.recv_bytes())
+                    except (EOFError, OSError):
+                        continue  # it is leaving: its sentinel tells how
+                    except Exception as e:  # noqa: BLE001 - a garbled report is still a report
+                        logger.error("%s sent an unreadable status message: %s", w.describe(), e)
+                        continue
+                    status[pipe] = w
+                    if isinstance(msg, Fatal):
+                        on_fatal(w, msg)
+                if self._closed:
+                    return
+                dead = [sentinels.pop(s) for s in ready if s in sentinels]
+                for w in dead:
+                    w.proc.join(0.5)
+                    for pipe in [p for p, x in status.items() if x is w]:
+                        try:
+                            if pipe.poll(0):  # a Fatal sent just before it left
+                                msg = decode(pipe.recv_bytes())
+                                if isinstance(msg, Fatal):
+                                    on_fatal(w, msg)
+                        except (EOFError, OSError):
+                            pass
+                        del status[pipe]
+                    self._remove_leftovers(w)
+                    if not self._closed:
+                        on_death(w)
 
         threading.Thread(target=monitor, daemon=True, name="RayfreeWorkerMonitor").start()
 
@@ -241,6 +286,13 @@ class WorkerGroup:
         if procs:
             multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)  # let them write it
 
+    def terminate(self) -> None:
+        """SIGTERM every live worker now (the caller's thread then sees them exit and closes the group)."""
+        for w in self.workers:
+            if w.proc.is_alive():
+                with contextlib.suppress(Exception):
+                    w.proc.terminate()
+
     # -- the staged close --------------------------------------------------------------------
 
     def close(self, grace_s: float, term_s: float) -> None:
@@ -252,11 +304,13 @@ class WorkerGroup:
         if self._monitor_wake is not None:
             self._monitor_wake[1].close()
         for w in self.workers:
-            for pipe in (w.death_writer, w.ready_pipe):
-                if pipe is not None:
-                    pipe.close()
-            w.death_writer = w.ready_pipe = None
+            if w.death_writer is not None:
+                w.death_writer.close()
+            w.death_writer = None
         _terminate([w.proc for w in self.workers], grace_s, term_s)
+        for w in self.workers:
+            self._close_status(w)
+            self._remove_leftovers(w)
         for w in self.workers:
             for mq in (w.response_mq, *w.peer_response_mqs):
                 if mq is not None:

@@ -251,11 +251,11 @@ def test_shutdown_reaches_sigkill_for_a_worker_that_ignores_sigterm() -> None:
 
 @pytest.mark.timeout(120)
 def test_startup_failure_in_load_model_names_the_rank_and_leaves_nothing() -> None:
-    with pytest.raises(WorkerStartupError, match=r"worker rank 1 \(pid \d+\) failed to start: RuntimeError") as info:
+    with pytest.raises(WorkerStartupError, match=r"worker rank 1 \(pid \d+, rayfree::Worker_TP1\) failed to start: RuntimeError") as info:
         MultiprocExecutor(cfg(), ECHO, {"fail_load_on": [1]})
     assert "cannot load the model on rank 1" in str(info.value)
     assert "load_model" in info.value.remote_traceback
-    with pytest.raises(WorkerStartupError, match=r"worker rank 0 \(pid \d+, RayfreeWorker-0\) died before becoming ready \(exit code 7\)"):
+    with pytest.raises(WorkerStartupError, match=r"worker rank 0 \(pid \d+, rayfree::Worker_TP0\) died before becoming ready \(exit code 7\)"):
         MultiprocExecutor(cfg(), ECHO, {"die_load_on": [0]})
 
 

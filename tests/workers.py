@@ -71,4 +71,49 @@ class EchoWorker(WorkerBase):
             time.sleep(0.05)
 
     def execute_model(self, scheduler_output):
+        if isinstance(scheduler_output, dict) and scheduler_output.get("fail_rank") == self.rank:
+            raise RuntimeError(f"execute_model broke on rank {self.rank}")
+        if isinstance(scheduler_output, dict) and "sleep" in scheduler_output:
+            time.sleep(scheduler_output["sleep"])
         return ("executed", self.rank, scheduler_output)
+
+    def take_draft_token_ids(self):
+        time.sleep(self.kwargs.get("draft_delay", 0.0))
+        return [1, 2, 3]
+
+    # -- for the fault tests (tests/test_faults.py) --------------------------------------------
+
+    def step_fail_then_allreduce(self, fail_rank: int, seconds: float = 60.0):
+        """A collective step: rank `fail_rank` raises before the all-reduce its peers block in."""
+        import torch
+        import torch.distributed as dist
+        if self.rank == fail_rank:
+            raise RuntimeError(f"rank {self.rank} broke before the all-reduce")
+        t = torch.ones(1)
+        if dist.is_initialized():
+            dist.all_reduce(t)  # the peers wait here for the rank that raised
+        else:
+            time.sleep(seconds)
+        return float(t.item())
+
+    def exit_now(self, code: int, only_rank: int = 0):
+        if self.rank == only_rank:
+            import sys
+            sys.exit(code)
+        return self.rank
+
+    def bad_str_error(self):
+        class BadStr(Exception):
+            def __str__(self):
+                raise RuntimeError("str() of this exception raises")
+        raise BadStr()
+
+    def big(self, n: int):
+        return bytes(n)
+
+    def busy(self, seconds: float):
+        """Busy in Python (not in a sleep): a signal or an interrupt lands at once."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+        return self.rank

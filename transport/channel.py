@@ -11,7 +11,7 @@ at once (the process is failing).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["Sender", "Receiver"]
 
@@ -25,10 +25,12 @@ class Sender(ABC):
     readers: list[int]
 
     @abstractmethod
-    def send(self, frames: list, sizes: list[int], deadline: float | None) -> None:
+    def send(self, frames: list, sizes: list[int], deadline: float | None,
+             on_wait: Callable[[], None] | None = None) -> None:
         """One message (frame 0 the pickle stream, then its out-of-band buffers) to every reader of this path.
 
-        Waits while readers lag, until `deadline` (QueueTimeout naming them); QueueShutdown after `shutdown()`.
+        Waits while readers lag, until `deadline` (QueueTimeout naming them), calling `on_wait` every few
+        milliseconds meanwhile; QueueShutdown after `shutdown()`. Nothing is sent when it raises.
         """
 
     @abstractmethod

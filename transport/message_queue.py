@@ -19,7 +19,7 @@ Every reader gets every message, once, in order.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from . import security
 from .errors import QueueShutdown, TransportError
@@ -167,12 +167,13 @@ class MessageQueue:
 
     # -- the checking versions (before the handshake, after shutdown) ------------------------------
 
-    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        """Send `obj` to every reader. Blocks while readers lag, up to `timeout` seconds."""
+    def enqueue(self, obj: Any, timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> None:
+        """Send `obj` to every reader. Blocks while readers lag, up to `timeout` seconds (a negative one counts as
+        0), calling `on_wait()` every few milliseconds meanwhile (the executor reads replies there)."""
         if self._w is None:
             raise RuntimeError(f"reader rank {self.rank} cannot enqueue: only the queue's writer sends")
         self._check_usable()
-        self._w.enqueue(obj, timeout)
+        self._w.enqueue(obj, timeout, on_wait)
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message. Waits up to `timeout` seconds (None: forever, logging
@@ -212,7 +213,7 @@ class MessageQueue:
         self.shutdown()
         self._closed = True
         if self._w is not None:
-            waiters = [self._w.shm.waiters] if self._w.shm is not None else []
+            waiters = self._w.waiters
         else:
             waiters = self._r.waiters if self._r is not None else []
         for w in waiters:

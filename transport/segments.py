@@ -11,7 +11,7 @@ import os
 from .net import runtime_dir
 from .shm_ring import SEGMENT_PREFIX, SHM_DIR
 
-__all__ = ["creator_pid", "creator_alive", "entries", "stale_entries"]
+__all__ = ["creator_pid", "creator_alive", "entries", "stale_entries", "remove_entries_of"]
 
 
 def creator_pid(name: str) -> int | None:
@@ -53,3 +53,20 @@ def entries(dirs: tuple[str, ...] | None = None) -> set[str]:
 def stale_entries(dirs: tuple[str, ...] | None = None) -> list[str]:
     """The entries whose creating process is gone."""
     return sorted(p for p in entries(dirs) if creator_pid(p) is not None and not creator_alive(p))
+
+
+def remove_entries_of(pids: set[int], dirs: tuple[str, ...] | None = None) -> list[str]:
+    """Remove every rayfree segment and ipc directory made by one of `pids` (a process that is gone, or is
+    about to go); returns what it removed."""
+    import shutil
+    removed = []
+    for path in sorted(entries(dirs)):
+        if creator_pid(path) in pids:
+            try:
+                shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+    return removed

@@ -24,7 +24,7 @@ import os
 import pickle
 import time
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 from rayfree import settings
 
@@ -63,6 +63,7 @@ class ShmSender(Sender):
         for path in paths:
             WakePipe.create(path)
         self.own = WakePipe(paths[0], waiter=True)
+        self._self_waker = WakePipe(paths[0], waiter=False)
         self.reader_pipes = [WakePipe(path, waiter=False) for path in paths[1:]]
         note_ring_processes(1 + ring.n_reader)
         self.policy = SpinPolicy(spin_us)
@@ -79,16 +80,17 @@ class ShmSender(Sender):
             self.wake_parked()
         return done != 0
 
-    def send(self, frames: list, sizes: list[int], deadline: float | None) -> None:
+    def send(self, frames: list, sizes: list[int], deadline: float | None,
+             on_wait: Callable[[], None] | None = None) -> None:
         nbytes = framing.layout(sizes)[1]
         if nbytes > self.ring.capacity:
-            self._send_overflow(frames, sizes, deadline)
+            self._send_overflow(frames, sizes, deadline, on_wait)
             return
         if len(frames) == 1 and self.put_one(frames[0], KIND_DATA):
             return
         rw = self.rw
         span = rw.span_for(nbytes)
-        start = self._reserve(span, deadline)
+        start = self._reserve(span, deadline, on_wait)
         base = self.ring.chunk_offset(start)
         buf = self.ring.buf
         if len(frames) == 1:
@@ -102,11 +104,12 @@ class ShmSender(Sender):
         rw.commit(start, span)
         self._notify()
 
-    def _send_overflow(self, frames: list, sizes: list[int], deadline: float | None) -> None:
+    def _send_overflow(self, frames: list, sizes: list[int], deadline: float | None,
+                       on_wait: Callable[[], None] | None) -> None:
         """Mark the next slot 'on the overflow socket', send there, then publish the mark."""
-        start = self._reserve(1, deadline)
+        start = self._reserve(1, deadline, on_wait)
         framing.write_head(self.ring.buf, self.ring.chunk_offset(start), KIND_OVERFLOW, 1, [0])
-        self.overflow.send(frames, sizes, deadline)
+        self.overflow.send(frames, sizes, deadline, on_wait)
         self.rw.commit(start, 1)
         self._notify()
 
@@ -129,16 +132,16 @@ class ShmSender(Sender):
             self._notify()
         return start
 
-    def _reserve(self, span: int, deadline: float | None) -> int:
+    def _reserve(self, span: int, deadline: float | None, on_wait: Callable[[], None] | None = None) -> int:
         start = self._try_reserve(span)
         if start is not None:
             return start
         with self.waiters:
             t0 = _perf()
             start = spin(lambda: self._try_reserve(span), self.policy)
-            return start if start is not None else self._park(span, deadline, t0)
+            return start if start is not None else self._park(span, deadline, t0, on_wait)
 
-    def _park(self, span: int, deadline: float | None, t0: float) -> int:
+    def _park(self, span: int, deadline: float | None, t0: float, on_wait: Callable[[], None] | None) -> int:
         rw, pol = self.rw, self.policy
         next_log = t0 + self.log_interval
         while True:
@@ -160,8 +163,10 @@ class ShmSender(Sender):
                 logger.warning("writer has waited %.0fs for a free slot: %s", now - t0, self.laggards(span))
                 next_log = now + self.log_interval
             left = next_log - now if deadline is None else min(deadline, next_log) - now
-            self.own.wait(left)
+            self.own.wait(left if on_wait is None else min(left, 0.005))
             rw.set_parked(0)
+            if on_wait is not None:
+                on_wait()
 
     def laggards(self, span: int) -> str:
         late = sorted({self.readers[r] for c in self.rw.blocking_chunks(span) for r in self.rw.holders(c)})
@@ -170,13 +175,14 @@ class ShmSender(Sender):
 
     def shutdown(self) -> None:
         self.shutdown_requested = True
+        self._self_waker.wake()  # a send parked for a free chunk sees it now
 
     def close(self) -> None:
         """Tell readers no more messages come, wake them, release the pipes."""
         self.rw.mark_closed()
         for p in self.reader_pipes:
             p.wake()
-        for p in (self.own, *self.reader_pipes):
+        for p in (self.own, self._self_waker, *self.reader_pipes):
             p.close()
 
     abort = close
@@ -216,21 +222,23 @@ class ShmReceiver(Receiver):
         if obj is not EMPTY:
             return obj
         rr = self.rr
+        t0 = _perf()
+        deadline = None if timeout is None else t0 + timeout  # one deadline for every stage below
         if not rr.ready():
             with self.waiters:
                 if not rr.spin_ready(self.policy):
-                    self._park(_perf(), timeout, indefinite)
+                    self._park(t0, deadline, indefinite)
         obj = rr.get_one()
         if obj is not EMPTY:
             return obj
-        start, kind, span = self._next_slot(timeout, indefinite)
+        start, kind, span = self._next_slot(deadline, indefinite)
         if kind != KIND_OVERFLOW:
             return self._read(start, span)
         rr.release(start, span)
         assert self.overflow is not None
-        return self.overflow.recv(timeout, indefinite)
+        return self.overflow.recv(None if deadline is None else max(0.0, deadline - _perf()), indefinite)
 
-    def _next_slot(self, timeout: float | None, indefinite: bool) -> tuple[int, int, int]:
+    def _next_slot(self, deadline: float | None, indefinite: bool) -> tuple[int, int, int]:
         got = self.rr.poll()
         if got is not None:
             return got
@@ -238,13 +246,12 @@ class ShmReceiver(Receiver):
             rr = self.rr
             got = spin(rr.poll, self.policy)
             while got is None:  # readable can be a WRAP marker whose next message is not out yet: park again
-                self._park(_perf(), timeout, indefinite)
+                self._park(_perf(), deadline, indefinite)
                 got = rr.poll()
             return got
 
-    def _park(self, t0: float, timeout: float | None, indefinite: bool) -> None:
+    def _park(self, t0: float, deadline: float | None, indefinite: bool) -> None:
         rr, pol = self.rr, self.policy
-        deadline = None if timeout is None else t0 + timeout
         next_log = t0 + self.log_interval
         while True:
             rr.set_parked(1)

@@ -151,7 +151,7 @@ class QueueWriter:
             return self._enqueue_remote_only
         return self.enqueue
 
-    def _enqueue_shm_only(self, obj: Any, timeout: float | None = None) -> None:
+    def _enqueue_shm_only(self, obj: Any, timeout: float | None = None, on_wait: Any = None) -> None:
         put = self._put_one
         if type(obj) is bytes:
             done = put(obj, KIND_BYTES)
@@ -166,36 +166,42 @@ class QueueWriter:
                 if done == 2:
                     self._wake()
                 return
-        self.send_frames(frames, deadline_of(timeout))
+        self.send_frames(frames, deadline_of(timeout), on_wait)
 
-    def _enqueue_remote_only(self, obj: Any, timeout: float | None = None) -> None:
-        if timeout is None:
+    def _enqueue_remote_only(self, obj: Any, timeout: float | None = None, on_wait: Any = None) -> None:
+        if timeout is None and on_wait is None:
             if type(obj) is bytes and len(obj) <= RAW_MAX_BYTES:
                 self.remote.send_raw(obj)
                 return
             self.remote.send(self._ser.dumps(obj), None, None)
             return
-        self.send_frames(self._ser.dumps(obj), deadline_of(timeout))
+        self.send_frames(self._ser.dumps(obj), deadline_of(timeout), on_wait)
 
-    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
-        self.send_frames(self._ser.dumps(obj), deadline_of(timeout))
+    def enqueue(self, obj: Any, timeout: float | None = None, on_wait: Any = None) -> None:
+        self.send_frames(self._ser.dumps(obj), deadline_of(timeout), on_wait)
 
-    def send_frames(self, frames: list, deadline: float | None) -> None:
+    def send_frames(self, frames: list, deadline: float | None, on_wait: Any = None) -> None:
+        """To every path; `on_wait` is called every few milliseconds while a full path makes it wait."""
         sizes = [len(f) if type(f) is bytes else f.nbytes for f in frames]
         if self.max_message_bytes is not None and sum(sizes) > self.max_message_bytes:
             raise MessageTooLarge(f"message is {sum(sizes)} bytes, over this queue's max_message_bytes="
                                   f"{self.max_message_bytes}; nothing was sent")
         if self.shm is not None:
-            self.shm.send(frames, sizes, deadline)
+            self.shm.send(frames, sizes, deadline, on_wait)
         if self.remote is not None:
-            self.remote.send(frames, sizes, deadline)
+            self.remote.send(frames, sizes, deadline, on_wait)
 
     # -- the end -------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         self.shut = True
-        if self.shm is not None:
-            self.shm.shutdown()
+        for s in (self.shm, self.overflow, self.remote):
+            if s is not None:
+                s.shutdown()
+
+    @property
+    def waiters(self) -> list:
+        return [s.waiters for s in (self.shm, self.overflow, self.remote) if s is not None]
 
     def close(self, flush: bool, flush_timeout: float | None) -> None:
         """CLOSE to every reader; a remote publisher is held until its readers confirm (lingering.py)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -49,34 +49,63 @@ class SocketSender(Sender):
         self.path = path
         self.readers = readers
         self.hwm = hwm
+        self.shutdown_requested = False
+        self.waiters = Waiters()
+        self.log_interval = settings.get("RAYFREE_WAIT_LOG_INTERVAL_S")
         self._sndtimeo = -2  # unknown
 
-    def send(self, frames: list, sizes: list[int] | None, deadline: float | None) -> None:
-        ms = -1 if deadline is None else max(0, int((deadline - _perf()) * 1000))
-        sock = self.sock
-        if ms != self._sndtimeo:
-            sock.setsockopt(zmq.SNDTIMEO, ms)
-            self._sndtimeo = ms
+    def send(self, frames: list, sizes: list[int] | None, deadline: float | None,
+             on_wait: Callable[[], None] | None = None) -> None:
+        """Without waiting if the readers keep up; else in slices, so a shutdown or the deadline ends it."""
         try:
             if len(frames) == 1:
-                sock.send(frames[0], copy=True)
+                self.sock.send(frames[0], zmq.NOBLOCK, copy=True)
             else:
-                sock.send_multipart(frames, copy=True)
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=True)
+            return
         except zmq.Again:
-            raise QueueTimeout(f"enqueue timed out sending to {self.path} reader rank(s) {self.readers}: they "
-                               f"are {self.hwm} messages behind or unreachable") from None
+            pass  # a reader is a full HWM behind: nothing was sent (ZeroMQ takes a message whole or not at all)
         except zmq.ZMQError as e:
             raise translate(e, f"enqueue to {self.path} readers") from e
+        self._send_waiting(frames, deadline, on_wait)
 
     def send_raw(self, data: bytes) -> None:
-        """A small bytes message, without pickle (no deadline: callers use it when timeout is None)."""
-        if self._sndtimeo != -1:
-            self.sock.setsockopt(zmq.SNDTIMEO, -1)
-            self._sndtimeo = -1
-        try:
-            self.sock.send(RAW + data, copy=True)
-        except zmq.ZMQError as e:
-            raise translate(e, f"enqueue to {self.path} readers") from e
+        """A small bytes message, without pickle."""
+        self.send([RAW + data], None, None)
+
+    def _send_waiting(self, frames: list, deadline: float | None, on_wait: Callable[[], None] | None) -> None:
+        sock = self.sock
+        t0 = _perf()
+        next_log = t0 + self.log_interval
+        with self.waiters:
+            while True:
+                if self.shutdown_requested:
+                    raise QueueShutdown("enqueue interrupted: shutdown() was called on this queue")
+                now = _perf()
+                if deadline is not None and now >= deadline:
+                    raise QueueTimeout(f"enqueue timed out after {now - t0:.3f}s sending to {self.path} reader "
+                                       f"rank(s) {self.readers}: they are {self.hwm} messages behind or unreachable")
+                if now >= next_log:
+                    logger.warning("writer has waited %.0fs to send to %s reader rank(s) %s (%d messages behind, or "
+                                   "unreachable)", now - t0, self.path, self.readers, self.hwm)
+                    next_log = now + self.log_interval
+                ms = SLICE_MS if on_wait is None else 5
+                if deadline is not None:
+                    ms = max(1, min(ms, int((deadline - now) * 1000) + 1))
+                if ms != self._sndtimeo:
+                    sock.setsockopt(zmq.SNDTIMEO, ms)
+                    self._sndtimeo = ms
+                try:
+                    if len(frames) == 1:
+                        sock.send(frames[0], copy=True)
+                    else:
+                        sock.send_multipart(frames, copy=True)
+                    return
+                except zmq.Again:
+                    if on_wait is not None:
+                        on_wait()
+                except zmq.ZMQError as e:
+                    raise translate(e, f"enqueue to {self.path} readers") from e
 
     def send_control(self, msg: bytes, block: bool) -> None:
         try:
@@ -109,7 +138,7 @@ class SocketSender(Sender):
                 pending.add(rank)
 
     def shutdown(self) -> None:
-        pass  # a blocked send is bounded by its deadline (SNDTIMEO)
+        self.shutdown_requested = True  # a blocked send sees it within SLICE_MS
 
     def close(self) -> None:
         """CLOSE to the readers, then the socket (with a short linger for it to go out)."""

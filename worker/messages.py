@@ -1,10 +1,13 @@
-"""What crosses the ready pipe (msgspec, never pickle) and the shape of replies."""
+"""What crosses a worker's status pipe (msgspec, never pickle) and the shape of replies."""
 
 from __future__ import annotations
 
+import traceback
+
 import msgspec
 
-__all__ = ["Ready", "StartupFailed", "PipeMsg", "encode", "decode", "RemoteError", "Boxed", "is_special"]
+__all__ = ["Ready", "StartupFailed", "Fatal", "PipeMsg", "encode", "decode", "RemoteError", "Boxed", "is_special",
+           "describe"]
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -25,7 +28,18 @@ class StartupFailed(msgspec.Struct, tag="failed", frozen=True):
     traceback: str
 
 
-PipeMsg = Ready | StartupFailed
+class Fatal(msgspec.Struct, tag="fatal", frozen=True):
+    """A collective step raised: the worker leaves (its peers may be stuck in a collective with it), and says why
+    first, so the executor fails at once naming the rank, even when that rank does not reply."""
+
+    rank: int
+    method: str
+    error_type: str
+    message: str
+    traceback: str
+
+
+PipeMsg = Ready | StartupFailed | Fatal
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(PipeMsg)
 
@@ -50,6 +64,25 @@ class RemoteError(msgspec.Struct, frozen=True):
     error_type: str
     message: str
     traceback: str
+
+    @classmethod
+    def of(cls, rank: int, e: BaseException) -> RemoteError:
+        """What can be told of `e`, even when its own __str__ (or the traceback's) raises."""
+        error_type, message = describe(e)
+        try:
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        except Exception as te:  # noqa: BLE001 - a broken exception must not break the report
+            tb = f"(its traceback could not be formatted: {type(te).__name__})"
+        return cls(rank, error_type, message, tb)
+
+
+def describe(e: BaseException) -> tuple[str, str]:
+    """(type name, message) of `e`; a message that cannot be made says so instead of raising."""
+    try:
+        message = str(e)
+    except Exception as se:  # noqa: BLE001
+        message = f"<str() of this {type(e).__name__} raised {type(se).__name__}>"
+    return type(e).__name__, message
 
 
 class Boxed(msgspec.Struct, frozen=True):

@@ -1,11 +1,11 @@
-"""`WorkerProc`: what runs in one rank's process — start-up, the READY handshake, the busy loop, the exits.
+"""`WorkerProc`: what runs in one rank's process once it is started — the worker, its queues, the busy loop.
 
-The parent side (spawning, the ready wait, the staged close) is
-`rayfree.executor.workers.WorkerGroup`. Here, `worker_main` builds the worker (device, model, queues), reports
-READY, completes the queue handshake, then serves RPCs from the broadcast
-queue until told to stop. Start-up failures are reported to the parent with
-their traceback; run-time failures become RemoteError replies; a parent that dies
-makes the child shut its queues and exit.
+The process's entry point, its signals and its watch on the parent are
+worker/main.py; the parent side (spawning, the ready wait, the staged close)
+is `rayfree.executor.workers.WorkerGroup`. A run-time failure becomes a
+RemoteError reply; one in a collective step (`collective_methods`) is fatal:
+the worker says so on its status pipe and leaves, since its peers may be
+blocked in a collective with it.
 """
 
 from __future__ import annotations
@@ -14,29 +14,35 @@ import logging
 import multiprocessing
 import os
 import queue
-import signal
 import threading
-import traceback
 from functools import partial
-from multiprocessing.connection import Connection
 from typing import Any
 
 import cloudpickle
 
-from rayfree import logs
 from rayfree.cluster.config import ClusterConfig
 from rayfree.imports import load_object
-from rayfree.transport import Handle, MessageQueue, TransportError, security
+from rayfree.transport import Handle, MessageQueue, TransportError
 
-from .messages import Boxed, Ready, RemoteError, StartupFailed, encode
+from .messages import Boxed, RemoteError
+from .titles import set_title
 
-__all__ = ["WorkerProc", "resolve_worker_cls", "worker_info"]
+__all__ = ["WorkerProc", "FatalRpc", "resolve_worker_cls", "worker_info", "destroy_distributed"]
 
 logger = logging.getLogger("rayfree.worker")
 
 #: Reply queues: 8 chunks of 4 MiB each (bigger replies still fit: they span chunks or overflow).
 REPLY_CHUNK_BYTES = 4 << 20
 REPLY_CHUNKS = 8
+
+
+class FatalRpc(Exception):
+    """A collective step raised: the busy loop ends and the process leaves (worker/main.py)."""
+
+    def __init__(self, method: str, error: RemoteError) -> None:
+        super().__init__(f"{method} raised {error.error_type}: {error.message}")
+        self.method = method
+        self.error = error
 
 
 def resolve_worker_cls(worker_cls: type | str | bytes) -> type:
@@ -50,48 +56,25 @@ def resolve_worker_cls(worker_cls: type | str | bytes) -> type:
     return worker_cls
 
 
-def _process_name(dims: list[tuple[str, int, int]]) -> str:
-    """Worker_PP1_TP0: only the dimensions larger than 1."""
-    return "Worker" + "".join(f"_{tag}{rank}" for tag, size, rank in dims if size > 1)
-
-
-def setup_proc_title_and_log_prefix(enable_ep: bool = False) -> str:
-    """Title this process (ps/top) and its log lines after its place in the parallel layout."""
-    import sys
-    ps = sys.modules.get("rayfree.cluster.parallel_state")  # not imported: no groups (and no torch import here)
-    name = "Worker"
-    if ps is not None and ps.model_parallel_is_initialized():
-        dims = [("DP", ps.get_dp_group()), ("PP", ps.get_pp_group()), ("PCP", ps.get_pcp_group()),
-                ("TP", ps.get_tp_group()), ("DCP", ps.get_dcp_group())]
-        if enable_ep:
-            dims.append(("EP", ps.get_ep_group()))
-        name = _process_name([(tag, g.world_size, g.rank_in_group) for tag, g in dims])
-    try:
-        import setproctitle
-        setproctitle.setproctitle(f"rayfree::{name}")
-    except ImportError:  # pragma: no cover - it is a dependency
-        pass
-    multiprocessing.current_process().name = name  # %(processName)s in every log line
-    return name
-
-
 class WorkerProc:
-    """Runs one worker in this (child) process."""
+    """Runs one worker in this (child) process. `lifeline.watch(mq)` learns of every queue it makes."""
 
     def __init__(self, config: ClusterConfig, worker_cls: type | str | bytes, worker_kwargs: dict[str, Any],
                  local_rank: int, rank: int, distributed_init_method: str, input_shm_handle: bytes | None,
-                 is_driver_worker: bool) -> None:
+                 is_driver_worker: bool, lifeline: Any = None) -> None:
         self.config = config
         self.rank = rank
+        self.collective = frozenset(config.collective_methods)
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.worker_response_mq: MessageQueue | None = None
         self.peer_response_handles: list[Handle] = []
         self.async_output_queue: queue.Queue | None = None
+        self._lifeline = lifeline
         cls = resolve_worker_cls(worker_cls)
         self.worker = cls(config, local_rank, rank, distributed_init_method, is_driver_worker, **worker_kwargs)
-        setup_proc_title_and_log_prefix()
+        set_title()
         self.worker.init_device()
-        setup_proc_title_and_log_prefix(config.parallel.enable_expert_parallel)
+        set_title(config.parallel.enable_expert_parallel)
         self.worker.load_model()
         if config.async_scheduling:
             self.async_output_queue = queue.Queue()
@@ -103,112 +86,28 @@ class WorkerProc:
     def _init_message_queues(self, input_shm_handle: bytes | None) -> None:
         if self.config.parallel.nnodes_within_dp == 1:
             if input_shm_handle is None:
-                raise RuntimeError(f"worker rank {self.rank}: single-node worker started without the broadcast queue's handle")
-            self.rpc_broadcast_mq = MessageQueue.create_from_handle(input_shm_handle, self.rank)
-            self.worker_response_mq = MessageQueue(1, 1, max_chunk_bytes=REPLY_CHUNK_BYTES, max_chunks=REPLY_CHUNKS)
+                raise RuntimeError(f"worker rank {self.rank}: a one-node worker started without the broadcast "
+                                   f"queue's handle")
+            self.rpc_broadcast_mq = self._watched(MessageQueue.create_from_handle(input_shm_handle, self.rank))
+            local = 0 if self.config.force_remote else 1
+            self.worker_response_mq = self._watched(MessageQueue(
+                1, local, max_chunk_bytes=REPLY_CHUNK_BYTES, max_chunks=REPLY_CHUNKS, connect_ip="127.0.0.1"))
             return
         from rayfree.cluster.parallel_state import get_inner_dp_world_group
         group = get_inner_dp_world_group()
         # Rank 0 (on the leader node) holds the executor's handle and relays it.
-        self.rpc_broadcast_mq = group.create_mq_broadcaster(
-            external_writer_handle=input_shm_handle if group.rank_in_group == 0 else None, blocking=False)
-        self.worker_response_mq, self.peer_response_handles = group.create_single_reader_mq_broadcasters(
+        self.rpc_broadcast_mq = self._watched(group.create_mq_broadcaster(
+            external_writer_handle=input_shm_handle if group.rank_in_group == 0 else None, blocking=False))
+        mq, self.peer_response_handles = group.create_single_reader_mq_broadcasters(
             reader_rank_in_group=0, max_chunk_bytes=REPLY_CHUNK_BYTES, max_chunks=REPLY_CHUNKS)
+        self.worker_response_mq = self._watched(mq)
 
-    # -- child side ---------------------------------------------------------------------
+    def _watched(self, mq: MessageQueue) -> MessageQueue:
+        if self._lifeline is not None:
+            self._lifeline.watch(mq)
+        return mq
 
-    def monitor_death_pipe(self, death_pipe: Connection | None, shutdown_requested: threading.Event) -> None:
-        """A thread that waits for EOF on the death pipe: the parent is gone, stop serving."""
-        if death_pipe is None:
-            return
-        queues = [self.rpc_broadcast_mq, self.worker_response_mq]
-
-        def watch() -> None:
-            try:
-                death_pipe.recv_bytes()
-            except EOFError:
-                logger.debug("the executor closed its end of the death pipe (shutdown, or it died): stopping")
-            except OSError:
-                return  # closed by our own shutdown
-            shutdown_requested.set()
-            for mq in queues:
-                if mq is not None:
-                    mq.shutdown()
-
-        threading.Thread(target=watch, daemon=True, name="DeathPipeMonitor").start()
-
-    @staticmethod
-    def worker_main(**kwargs: Any) -> None:
-        """Entry point of the worker process."""
-        shutdown_requested = threading.Event()
-
-        def on_signal(signum: int, frame: Any) -> None:
-            if not shutdown_requested.is_set():
-                shutdown_requested.set()
-                raise SystemExit(128 + signum)
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        security.use(kwargs.pop("security_policy", None))
-        ready_writer: Connection | None = kwargs.pop("ready_pipe")
-        death_pipe: Connection | None = kwargs.pop("death_pipe", None)
-        for fd in kwargs.pop("inherited_fds", []):
-            try:
-                os.close(fd)
-            except OSError as e:
-                logger.warning("closing an inherited pipe: %s", e)
-        logs.configure()
-        import faulthandler
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
-        rank = kwargs.get("rank", -1)
-        worker: WorkerProc | None = None
-        failed = False
-        try:
-            worker = WorkerProc(**kwargs)
-            worker.monitor_death_pipe(death_pipe, shutdown_requested)
-            assert ready_writer is not None and worker.worker_response_mq is not None
-            ready_writer.send_bytes(encode(Ready(
-                rank, worker.worker_response_mq.export_handle().to_bytes(),
-                [h.to_bytes() for h in worker.peer_response_handles])))
-            timeout = kwargs["config"].ready_timeout_s
-            if worker.rpc_broadcast_mq is not None:
-                worker.rpc_broadcast_mq.wait_until_ready(timeout=timeout)
-            worker.worker_response_mq.wait_until_ready(timeout=timeout)
-            ready_writer.close()
-            ready_writer = None
-            worker.worker_busy_loop()
-        except Exception as e:
-            if ready_writer is not None and not shutdown_requested.is_set():
-                logger.exception("worker rank %d failed to start", rank)
-                try:
-                    ready_writer.send_bytes(encode(StartupFailed(rank, type(e).__name__, str(e),
-                                                                 traceback.format_exc())))
-                except OSError:
-                    pass
-                failed = True
-            elif shutdown_requested.is_set():
-                logger.debug("worker rank %d shutting down", rank)
-            else:
-                logger.exception("worker rank %d failed", rank)
-                failed = True
-            shutdown_requested.set()
-        except SystemExit:
-            logger.warning("worker rank %d was terminated", rank)
-            raise
-        finally:
-            if ready_writer is not None:
-                ready_writer.close()
-            if death_pipe is not None:
-                death_pipe.close()
-            try:
-                if worker is not None:
-                    worker.shutdown()
-                else:
-                    _destroy_distributed()
-            except Exception:  # noqa: BLE001 - exiting anyway; say what went wrong
-                logger.exception("worker rank %d: error while shutting down", rank)
-        if failed:
-            raise SystemExit(1)
+    # -- serving ----------------------------------------------------------------------------
 
     def worker_busy_loop(self) -> None:
         """Serve RPCs: (method, args, kwargs, output_rank) in; the result (or a RemoteError) out.
@@ -217,12 +116,11 @@ class WorkerProc:
         to locals and pays for nothing the common case does not need.
         """
         mq = self.rpc_broadcast_mq
-        assert mq is not None
+        assert mq is not None and self.worker_response_mq is not None
         dequeue = mq.dequeue
         rank = self.rank
         worker = self.worker
         put = self.async_output_queue.put if self.async_output_queue is not None else None
-        assert self.worker_response_mq is not None
         send = self.worker_response_mq.enqueue
         while True:
             method, args, kwargs, output_rank = dequeue(indefinite=True)
@@ -235,13 +133,8 @@ class WorkerProc:
                     raise TypeError(f"an RPC method is a name or a pickled callable, got {type(method).__name__}")
                 output = func(*args, **kwargs) if kwargs else func(*args)
             except Exception as e:
-                logger.exception("worker rank %d: RPC %s raised", rank, _method_name(method))
-                if output_rank is None or rank == output_rank:
-                    output = RemoteError(rank, type(e).__name__, str(e), traceback.format_exc())
-                    if put is not None:
-                        put(output)
-                    else:
-                        send(output)
+                self._failed(method, output_rank, e)
+                method = args = kwargs = func = None
                 continue
             if output_rank is None or rank == output_rank:
                 t = type(output)
@@ -259,6 +152,21 @@ class WorkerProc:
             # Free this call's objects now, while the caller reads the reply, not when the next call arrives.
             method = args = kwargs = func = output = None
 
+    def _failed(self, method: Any, output_rank: int | None, e: Exception) -> None:
+        """Reply with the error (if this rank replies); in a collective step, then leave (FatalRpc)."""
+        name = method if isinstance(method, str) else "<callable>"
+        error = RemoteError.of(self.rank, e)
+        logger.error("worker rank %d: RPC %s raised %s: %s\n%s", self.rank, name, error.error_type, error.message,
+                     error.traceback)
+        if output_rank is None or self.rank == output_rank:
+            if self.async_output_queue is not None:
+                self.async_output_queue.put(error)
+            else:
+                self.enqueue_output(error)
+        if name in self.collective:
+            self.flush_outputs(5.0)
+            raise FatalRpc(name, error)
+
     def enqueue_output(self, output: Any) -> None:
         """`output` is already a reply (a Boxed value where it must be, see messages.Boxed)."""
         mq = self.worker_response_mq
@@ -273,11 +181,12 @@ class WorkerProc:
 
     def _send_unsendable(self, output: Any, e: Exception) -> None:
         """The result itself cannot be sent (say, unpicklable): tell the caller instead of leaving it waiting."""
-        logger.exception("worker rank %d: cannot send a result of type %s", self.rank, type(output).__name__)
+        logger.error("worker rank %d: cannot send a result of type %s: %s", self.rank, type(output).__name__, e)
         assert self.worker_response_mq is not None
-        self.worker_response_mq.enqueue(RemoteError(self.rank, type(e).__name__,
-                                                    f"the result ({type(output).__name__}) could not be sent: {e}",
-                                                    traceback.format_exc()))
+        err = RemoteError.of(self.rank, e)
+        self.worker_response_mq.enqueue(RemoteError(self.rank, err.error_type,
+                                                    f"the result ({type(output).__name__}) could not be sent: "
+                                                    f"{err.message}", err.traceback))
 
     def async_output_busy_loop(self) -> None:
         """Send outputs from a thread so the busy loop can start the next step at once."""
@@ -287,10 +196,20 @@ class WorkerProc:
             output = q.get()
             if output is _STOP:
                 return
+            if type(output) is threading.Event:  # flush_outputs: everything before it is sent
+                output.set()
+                continue
             try:
                 self.enqueue_output(output)
             except TransportError:
                 return
+
+    def flush_outputs(self, timeout: float) -> None:
+        """Wait until the output thread has sent what it holds (before the process leaves)."""
+        if self.async_output_queue is not None:
+            done = threading.Event()
+            self.async_output_queue.put(done)
+            done.wait(timeout)
 
     def shutdown(self) -> None:
         if self.async_output_queue is not None:
@@ -302,7 +221,7 @@ class WorkerProc:
         try:
             self.worker.shutdown()
         finally:
-            _destroy_distributed()
+            destroy_distributed()
 
 
 _STOP = object()
@@ -336,13 +255,9 @@ def worker_info(_worker: Any = None) -> dict[str, Any]:
     }
 
 
-def _destroy_distributed() -> None:
+def destroy_distributed() -> None:
     import sys
     ps = sys.modules.get("rayfree.cluster.parallel_state")
     if ps is not None:
         ps.destroy_distributed_environment()
-
-
-def _method_name(method: Any) -> str:
-    return method if isinstance(method, str) else "<callable>"
 
