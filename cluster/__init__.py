@@ -4,6 +4,8 @@ config.py      the cluster's shape and timeouts (no torch needed)
 group.py       a gloo process group with byte collectives and the two queue builders
 parallel_state the process-wide world / TP / PP / DP / PCP / DCP / EP / inner-DP groups
 simulate.py    simulated nodes on one machine (network namespaces, private /dev/shm)
+join.py        the rendezvous: who is missing, who disagrees on the shape
+pg_queues.py   vLLM's MessageQueue.create_from_process_group(...) constructors
 """
 
 if __name__ != "rayfree.cluster":  # the repository's folder imported as a top-level package: two copies of rayfree
@@ -11,6 +13,7 @@ if __name__ != "rayfree.cluster":  # the repository's folder imported as a top-l
                       f"(pip install -e . puts it there)")
 
 
+from . import pg_queues  # attaches MessageQueue.create_from_process_group(...)
 from .config import ClusterConfig, ConfigError, ParallelConfig, load_config
 
-__all__ = ["ClusterConfig", "ParallelConfig", "ConfigError", "load_config"]
+__all__ = ["ClusterConfig", "ParallelConfig", "ConfigError", "load_config", "pg_queues"]

@@ -4,16 +4,15 @@ Names follow vLLM so engine code ports over. Ranks are laid out
 [DP][PP][PCP][TP] (see config.py). Every rank must call the same functions in
 the same order: each group creation is a collective over the whole world.
 
-Joining is checked by rayfree itself before torch.distributed: every rank
-registers in the rendezvous store, so a rank that never arrives is named in
-the error instead of a bare timeout.
+Joining is checked by rayfree itself before torch.distributed (join.py): a
+rank that never arrives is named, and nodes that disagree on the shape are
+told so.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-import time
 from urllib.parse import urlparse
 
 import torch
@@ -23,6 +22,7 @@ from rayfree.transport import get_ip
 
 from .config import ParallelConfig
 from .group import Group, GroupError
+from .join import JoinError, join
 
 __all__ = [
     "init_distributed_environment", "initialize_model_parallel", "model_parallel_is_initialized",
@@ -32,10 +32,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("rayfree.cluster")
-
-
-class JoinError(GroupError):
-    """Ranks did not all join the world in time; the message names the missing ones."""
 
 
 _WORLD: Group | None = None
@@ -53,45 +49,13 @@ def _parse_init_method(method: str) -> tuple[str, int]:
     return u.hostname, u.port
 
 
-def _join(host: str, port: int, world_size: int, rank: int, timeout_s: float):
-    """Rendezvous through a TCPStore on rank 0; raise JoinError naming ranks that never came."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
-                              timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError/...
-        if rank == 0:
-            raise JoinError(f"rank 0 could not host the rendezvous at {host}:{port}: {e}. Is the port free and "
-                            f"the address one of this node's?") from e
-        raise JoinError(f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s: "
-                        f"rank 0 never started it, or master_addr/master_port is wrong or unreachable") from e
-    store.set(f"rayfree/join/{rank}", "1")
-    keys = [f"rayfree/join/{r}" for r in range(world_size)]
-    missing = [r for r in range(world_size) if r != rank]
-    next_scan = 0.0
-    try:
-        while not store.check(keys):
-            now = time.monotonic()
-            if now >= next_scan or now >= deadline:  # who is still missing, for the error
-                missing = [r for r in range(world_size) if not store.check([keys[r]])]
-                next_scan = now + 0.5
-            if now >= deadline:
-                raise JoinError(f"rank {rank}: rank(s) {missing} of {world_size} never joined the world at "
-                                f"{host}:{port} within {timeout_s:.0f}s; check that their node started and "
-                                f"can reach {host}")
-            time.sleep(0.02)
-    except JoinError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the store went away: rank 0 gave up or died
-        raise JoinError(f"rank {rank}: the rendezvous at {host}:{port} (hosted by rank 0) closed while waiting "
-                        f"for rank(s) {missing} of {world_size} to join") from e
-    return store
-
-
 def init_distributed_environment(world_size: int, rank: int, distributed_init_method: str,
                                  local_rank: int = -1, backend: str = "gloo", *, timeout_s: float = 120.0,
-                                 force_remote: bool | None = None) -> Group:
-    """Join the world (torch.distributed, gloo on CPU) and return the world group."""
+                                 force_remote: bool | None = None, shape: str = "", node: int = -1) -> Group:
+    """Join the world (torch.distributed, gloo on CPU) and return the world group.
+
+    `shape` (join.shape_of) and `node` let a rank that finds others with another shape say so.
+    """
     global _WORLD, _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER
     if _WORLD is not None:
         if _WORLD.world_size != world_size or _WORLD.rank != rank:
@@ -100,7 +64,7 @@ def init_distributed_environment(world_size: int, rank: int, distributed_init_me
     if not 0 <= rank < world_size:
         raise GroupError(f"rank {rank} is out of range for world_size {world_size}")
     host, port = _parse_init_method(distributed_init_method)
-    store = _join(host, port, world_size, rank, timeout_s)
+    store = join(host, port, world_size, rank, timeout_s, shape, node)
     dist.init_process_group(backend, store=store, world_size=world_size, rank=rank,
                             timeout=datetime.timedelta(seconds=timeout_s))
     _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER = store, timeout_s, force_remote, host

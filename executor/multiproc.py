@@ -155,7 +155,7 @@ class MultiprocExecutor(Executor):
     # -- failures --------------------------------------------------------------------------
 
     def _on_worker_death(self, w: WorkerHandle) -> None:
-        if self.shutting_down:
+        if self.shutting_down or self.is_failed:
             return
         how = exit_description(w.proc.exitcode)
         logger.error("%s died unexpectedly (%s); shutting down the executor", w.describe(), how)
@@ -163,7 +163,7 @@ class MultiprocExecutor(Executor):
 
     def _on_worker_fatal(self, w: WorkerHandle, msg: Fatal) -> None:
         """A collective step raised on rank `w.rank`: its peers may be stuck in a collective, so stop them all."""
-        if self.shutting_down:
+        if self.shutting_down or self.is_failed:
             return
         logger.error("%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type,
                      msg.method)

@@ -38,7 +38,7 @@ _EXPORTS = {
     "ParallelConfig": "rayfree.cluster.config",
     "ConfigError": "rayfree.cluster.config",
     "WorkerBase": "rayfree.worker.base",
-    "MessageQueue": "rayfree.transport.message_queue",
+    "MessageQueue": "rayfree.cluster.pg_queues",  # the class, with its process-group constructors attached
     "Handle": "rayfree.transport.handle",
     "TransportError": "rayfree.transport.errors",
     "QueueTimeout": "rayfree.transport.errors",
@@ -46,6 +46,7 @@ _EXPORTS = {
     "QueueClosed": "rayfree.transport.errors",
     "MessageTooLarge": "rayfree.transport.errors",
     "HandleError": "rayfree.transport.errors",
+    "SocketError": "rayfree.transport.sockets",
 }
 
 __all__ = [
@@ -69,6 +70,7 @@ __all__ = [
     "QueueShutdown",
     "QueueTimeout",
     "RpcTimeout",
+    "SocketError",
     "StartupTimeout",
     "TransportError",
     "UniProcExecutor",
@@ -88,6 +90,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from rayfree.transport.errors import (HandleError, MessageTooLarge, QueueClosed, QueueShutdown, QueueTimeout,
                                           TransportError)
     from rayfree.transport.handle import Handle
+    from rayfree.transport.sockets import SocketError
     from rayfree.transport.message_queue import MessageQueue
     from rayfree.worker.base import WorkerBase
 

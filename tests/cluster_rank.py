@@ -145,6 +145,19 @@ def missing(rank: int, world: int, master: str, port: int) -> None:
     out(rank=rank, ok=True)
 
 
+def shape(rank: int, world: int, master: str, port: int) -> None:
+    """A rank that believes in another shape (its node was started with other sizes)."""
+    from rayfree.cluster.parallel_state import JoinError, init_distributed_environment
+    t0 = time.monotonic()
+    try:
+        init_distributed_environment(world, rank, f"tcp://{master}:{port}", timeout_s=float(os.environ["RF_JOIN_S"]),
+                                     shape=os.environ["RF_SHAPE"], node=int(os.environ["RF_NODE"]))
+    except JoinError as e:
+        out(rank=rank, ok=False, error=str(e), after_s=time.monotonic() - t0)
+        return
+    out(rank=rank, ok=True)
+
+
 def main() -> None:
     import faulthandler
     # A stuck rank shows where it is stuck, and exits before the test gives up on it.
@@ -155,7 +168,7 @@ def main() -> None:
             external_writer(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
             return
         rank, world, master, port = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-        {"groups": groups, "external": external, "missing": missing, "layout": layout}[scenario](
+        {"groups": groups, "external": external, "missing": missing, "layout": layout, "shape": shape}[scenario](
             rank, world, master, port)
     except BaseException:
         out(ok=False, crash=traceback.format_exc())

@@ -133,6 +133,26 @@ def test_a_rank_that_never_joins_is_named_and_nothing_is_left() -> None:
     assert sim.tag not in listed, f"namespaces left behind: {listed}"
 
 
+@pytest.mark.timeout(120)
+def test_nodes_started_with_different_sizes_are_told_so() -> None:
+    """Node 0 thinks tp=2 (world 2, ranks 0-1), node 1 was started with tp=4 (world 4, its ranks are 2-3):
+    instead of "rank 1 never joined", both sides say that the sizes differ and what each one has."""
+    with SimulatedCluster(1, use_netns=False) as sim:
+        port = get_open_port("127.0.0.1")
+        plan = {0: ("2", "tp=2 nnodes=2", "0"), 2: ("4", "tp=4 nnodes=2", "1"), 3: ("4", "tp=4 nnodes=2", "1")}
+        procs = {rank: sim.nodes[0].popen([sys.executable, "-m", "tests.cluster_rank", "shape", str(rank), world,
+                                           "127.0.0.1", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True,
+                                          env={"RF_JOIN_S": "20", "RF_SHAPE": shp, "RF_NODE": node})
+                 for rank, (world, shp, node) in plan.items()}
+        res = results(procs, timeout=60)
+    for rank, r in res.items():
+        assert not r["ok"], f"rank {rank} joined a world that cannot be: {r}"
+        assert "disagree on the cluster's shape" in r["error"], f"rank {rank}: {r['error']}"
+        assert "world size 2 (tp=2 nnodes=2)" in r["error"] and "world size 4 (tp=4 nnodes=2)" in r["error"]
+        assert r["after_s"] < 5.0, f"rank {rank} took {r['after_s']:.1f}s to notice"
+
+
 @pytest.mark.timeout(180)
 def test_parallel_groups_follow_the_layout() -> None:
     """TP=2 x PP=2 on one node: group membership, a TP all-reduce, byte gather, getters and destroy."""

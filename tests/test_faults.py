@@ -18,7 +18,7 @@ import pytest
 from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from rayfree.executor import ExecutorFailed, MultiprocExecutor, RpcTimeout, WorkerError
 from rayfree.procs import is_alive
-from rayfree.transport.segments import entries
+from rayfree.transport.segments import creator_alive, creator_pid, entries
 
 ECHO = "tests.workers:EchoWorker"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -284,6 +284,20 @@ def test_sigterm_stops_a_busy_worker_without_waiting_for_sigkill(path: str) -> N
     assert took < 5.0, f"shutdown took {took:.1f}s: SIGTERM did not stop the busy workers"
     assert all(p.exitcode is not None and p.exitcode != -signal.SIGKILL for p in procs), \
         [p.exitcode for p in procs]
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_in_the_start_up_handshake_is_named_and_leaves_nothing(path: str) -> None:
+    """After READY its reply ring and ipc directory exist and nobody has unlinked them yet: the executor
+    names the worker (pid, title, exit code) and removes what it made."""
+    before = entries()
+    with pytest.raises(ExecutorFailed.__mro__[1]) as info:  # an ExecutorError: WorkerDied
+        MultiprocExecutor(cfg(path), ECHO, {"die_in_handshake_on": [1]})
+    text = str(info.value)
+    assert "worker rank 1" in text and "rayfree::Worker_TP1" in text and "exit code 9" in text, text
+    # (tests running beside this one have live segments of their own: only ours, or a dead maker's, count)
+    left = {e for e in entries() - before if creator_pid(e) == os.getpid() or not creator_alive(e)}
+    assert not left, f"left behind: {sorted(left)}"
 
 
 # -- the engine's process dies ----------------------------------------------------------------------

@@ -22,6 +22,12 @@ class EchoWorker(WorkerBase):
         if self.rank in self.kwargs.get("die_load_on", ()):
             os._exit(7)
         time.sleep(self.kwargs.get("load_delay", 0.0))
+        if self.rank in self.kwargs.get("die_in_handshake_on", ()):
+            from rayfree.transport import MessageQueue
+
+            def die(*_a, **_k):
+                os._exit(9)
+            MessageQueue.wait_until_ready = die  # after READY, with its reply ring made: gone mid-handshake
 
     def echo(self, x):
         return x

@@ -39,6 +39,16 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
     def n_local_reader(self) -> int:
         return len(self.local_reader_ranks)
 
+    @property
+    def remote_subscribe_addr(self) -> str | None:
+        """vLLM's name for the TCP endpoint remote readers subscribe to."""
+        return self.remote_endpoint
+
+    @property
+    def local_subscribe_addr(self) -> str | None:
+        """vLLM's name for the ipc endpoint local readers subscribe to (overflow, READY, CLOSE)."""
+        return self.local_endpoint
+
     def to_bytes(self) -> bytes:
         return security.seal(_MAGIC + msgspec.msgpack.encode(self))
 

@@ -165,6 +165,18 @@ class MessageQueue:
         else:
             self.dequeue = self._r.fast_dequeue()  # type: ignore[method-assign,union-attr]
 
+    def broadcast_object(self, obj: Any = None) -> Any:
+        """vLLM's symmetric call: the writer sends `obj` and returns it, a reader returns what it receives."""
+        if self._w is not None:
+            self.enqueue(obj)
+            return obj
+        return self.dequeue()
+
+    @property
+    def shutting_down(self) -> bool:
+        """`shutdown()` was called (vLLM's name)."""
+        return self._shutdown
+
     # -- the checking versions (before the handshake, after shutdown) ------------------------------
 
     def enqueue(self, obj: Any, timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> None:

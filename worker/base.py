@@ -35,10 +35,13 @@ class WorkerBase:
         GPU engines override this to select `cuda:{local_rank}` first and then
         call `super().init_device()`.
         """
+        from rayfree.cluster.join import shape_of
         from rayfree.cluster.parallel_state import init_distributed_environment, initialize_model_parallel
-        init_distributed_environment(self.parallel_config.world_size, self.rank, self.distributed_init_method,
-                                     self.local_rank, timeout_s=self.config.join_timeout_s,
-                                     force_remote=self.config.force_remote or None)
+        par = self.parallel_config
+        init_distributed_environment(par.world_size, self.rank, self.distributed_init_method, self.local_rank,
+                                     timeout_s=self.config.join_timeout_s,
+                                     force_remote=self.config.force_remote or None, shape=shape_of(par),
+                                     node=par.node_rank if par.nnodes > 1 else -1)
         initialize_model_parallel(self.parallel_config)
 
     def load_model(self) -> None:

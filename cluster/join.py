@@ -1,0 +1,99 @@
+"""Joining the world: a rendezvous that names who is missing, notices nodes that disagree, and keeps its bound.
+
+torch.distributed's own rendezvous fails with a bare timeout. Here every rank
+first registers in the TCPStore (hosted by rank 0) with a one-line description
+of the cluster it thinks it is in (world size and parallel shape), so a rank
+that never comes is named, and nodes started with different sizes (`--tp 2`
+on one, `--tp 4` on the other) are told so, with what each one has, instead of
+"rank 1 never joined". The whole join, store connection included, ends
+within `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch.distributed as dist
+
+from .config import ParallelConfig
+from .group import GroupError
+
+__all__ = ["JoinError", "join", "shape_of"]
+
+_SCAN_S = 0.5
+
+
+class JoinError(GroupError):
+    """Ranks did not all join the world in time, or they disagree on its shape; the message says which."""
+
+
+def shape_of(par: ParallelConfig) -> str:
+    """What a rank believes the cluster is, in the words of the flags that set it."""
+    return (f"tp={par.tensor_parallel_size} pp={par.pipeline_parallel_size} pcp={par.prefill_context_parallel_size} "
+            f"dp={par.data_parallel_size} nnodes={par.nnodes}")
+
+
+def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, shape: str = "", node: int = -1):
+    """The TCPStore of the world at host:port, once every rank has registered; JoinError otherwise."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout_s
+    try:
+        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
+                              timeout=datetime.timedelta(seconds=max(1.0, timeout_s)), wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError/...
+        if rank == 0:
+            raise JoinError(f"rank 0 could not host the rendezvous at {host}:{port}: {e}. Is the port free and "
+                            f"the address one of this node's?") from e
+        raise JoinError(f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s: "
+                        f"rank 0 never started it, or master_addr/master_port is wrong or unreachable") from e
+    me = f"{rank}|{world_size}|{node}|{shape}"
+    keys = [f"rayfree/join/{r}" for r in range(world_size)]
+    missing = [r for r in range(world_size) if r != rank]
+    try:
+        store.set(f"rayfree/join/{rank}", me)
+        n = store.add("rayfree/arrivals", 1)
+        store.set(f"rayfree/arrival/{n}", me)
+        seen = 0
+        next_scan = 0.0
+        while not store.check(keys):
+            now = time.monotonic()
+            if now >= next_scan or now >= deadline:  # who is missing, and does anyone disagree?
+                missing = [r for r in range(world_size) if not store.check([keys[r]])]
+                seen = _check_agreement(store, seen, me, rank)
+                next_scan = now + _SCAN_S
+            if now >= deadline:
+                raise JoinError(f"rank {rank}: rank(s) {missing} of {world_size} never joined the world at "
+                                f"{host}:{port} within {timeout_s:.0f}s (join_timeout_s); check that their node "
+                                f"started and can reach {host}")
+            time.sleep(0.02)
+        _check_agreement(store, seen, me, rank)
+    except JoinError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the store went away: rank 0 gave up or died
+        raise JoinError(f"rank {rank}: the rendezvous at {host}:{port} (hosted by rank 0) closed while waiting "
+                        f"for rank(s) {missing} of {world_size} to join") from e
+    return store
+
+
+def _check_agreement(store, seen: int, me: str, rank: int) -> int:
+    """Read the arrivals after the first `seen`; JoinError if one's world or shape is not this rank's."""
+    count = int(store.add("rayfree/arrivals", 0))
+    for i in range(seen + 1, count + 1):
+        other = store.get(f"rayfree/arrival/{i}").decode()
+        if _world_and_shape(other) != _world_and_shape(me):
+            raise JoinError(f"the nodes disagree on the cluster's shape: {_describe(me)} but "
+                            f"{_describe(other)}; start every node with the same sizes (--tp, --pp, --dp, "
+                            f"--nnodes, ...)")
+    return count
+
+
+def _world_and_shape(entry: str) -> tuple[str, str]:
+    _, world, _, shape = entry.split("|", 3)
+    return world, shape
+
+
+def _describe(entry: str) -> str:
+    rank, world, node, shape = entry.split("|", 3)
+    where = f" on node {node}" if node != "-1" else ""
+    return f"rank {rank}{where} has world size {world} ({shape or 'shape unknown'})"
