@@ -383,3 +383,49 @@ def _is_worker(pid: int) -> bool:
     except OSError:
         return False
     return b"spawn_main" in cmd
+
+
+# -- vLLM's names, and a join that keeps its bound ------------------------------------------------------
+
+class _Agg:
+    """A stand-in for vLLM's KVOutputAggregator: it sees every rank's output and the reply rank."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def aggregate(self, outputs, output_rank: int = 0):
+        self.calls.append((outputs, output_rank))
+        return ("aggregated", len(outputs), output_rank)
+
+
+@pytest.mark.timeout(120)
+def test_the_names_vllms_engine_uses_are_there(path: str) -> None:
+    ex = MultiprocExecutor(cfg(path), ECHO)
+    try:
+        assert ex.supports_pp is True and MultiprocExecutor.supports_async_scheduling() is True
+        assert len(ex.get_response_mqs()) == 2 and not ex.shutdown_event.is_set()
+        agg = _Agg()
+        assert ex.collective_rpc("echo", args=(5,), unique_reply_rank=1, kv_output_aggregator=agg) == \
+            ("aggregated", 2, 1)
+        assert agg.calls == [([5, 5], 1)]
+        ex.kv_output_aggregator = agg
+        assert ex.execute_model({"x": 1}) == ("aggregated", 2, 0)
+        assert ex.collective_rpc("echo", args=(6,), non_block=True, ec_output_aggregator=agg).result(30) == \
+            ("aggregated", 2, 0)
+    finally:
+        ex.shutdown()
+    assert ex.shutdown_event.is_set()
+
+
+@pytest.mark.timeout(120)
+def test_a_leader_alone_fails_within_its_join_timeout() -> None:
+    from rayfree.transport import get_open_port
+    port, hb = get_open_port("127.0.0.1"), get_open_port("127.0.0.1")
+    c = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+                                              master_port=port), heartbeat_port=hb, join_timeout_s=4,
+                      shutdown_grace_s=2, shutdown_term_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"rank\(s\) \[1\] of 2 never joined .* within 4s"):
+        MultiprocExecutor(c, ECHO, {"distributed": True})
+    took = time.monotonic() - t0
+    assert took < 4 + 6, f"a 4 s join timeout ended after {took:.1f}s"
