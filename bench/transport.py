@@ -279,6 +279,125 @@ def zmq_pingpong(count: int) -> float:
     return statistics.median(ts[count // 10:])
 
 
+
+# -- remote paths: sealed (default) vs insecure vs the raw floors ---------------------------------------
+
+def _floor_sub(port: str, idx: int, conn) -> None:
+    """A raw pyzmq subscriber; subscriber 0 answers each message with a small reply."""
+    import zmq
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    rep = None
+    if idx == 0:
+        rep = ctx.socket(zmq.PUSH)
+        rep.connect(conn.recv())
+    conn.send(b"ready")
+    while True:
+        frames = sub.recv_multipart(copy=False)
+        if len(frames[0]) == 1 and frames[0].bytes == b"q":  # (.bytes copies: only on the 1-byte stop)
+            break
+        if rep is not None:
+            rep.send(b"ok")
+    ctx.destroy(linger=0)
+
+
+def zmq_floor(obj, n_sub: int, iters: int) -> float:
+    """Raw pyzmq zero-copy XPUB/SUB round trip of the payload's bytes to `n_sub` subscribers, then a small
+    reply from one: what the remote path costs with neither pickle nor security."""
+    import zmq
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.XPUB_NODROP, 1)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
+    pub.bind("tcp://127.0.0.1:*")
+    pull = ctx.socket(zmq.PULL)
+    pull.bind("tcp://127.0.0.1:*")
+    port = pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    spawn = mp.get_context("spawn")
+    procs, conns = [], []
+    for i in range(n_sub):
+        a, b = spawn.Pipe()
+        p = spawn.Process(target=_floor_sub, args=(port, i, b), daemon=True)
+        p.start()
+        if i == 0:
+            a.send(pull.getsockopt_string(zmq.LAST_ENDPOINT))
+        procs.append(p)
+        conns.append(a)
+    for c in conns:
+        c.recv()
+    for _ in range(n_sub):
+        pub.recv()  # every subscription arrived
+    payload = memoryview((ctypes_buffer(obj)))
+    ts = []
+    for i in range(iters + max(3, iters // 10)):
+        t0 = time.perf_counter()
+        pub.send(payload, copy=len(payload) < 65536)
+        pull.recv()
+        ts.append(time.perf_counter() - t0)
+    pub.send(b"q")
+    for p in procs:
+        p.join(10)
+    ctx.destroy(linger=0)
+    return statistics.median(ts[max(3, iters // 10):])
+
+
+def ctypes_buffer(obj):
+    import ctypes
+    if hasattr(obj, "data_ptr"):
+        return (ctypes.c_char * nbytes(obj)).from_address(obj.data_ptr())
+    return bytearray(pickle.dumps(obj, 5))
+
+
+def seal_open_ms(obj) -> tuple[float, float]:
+    """Sealing the payload once and opening it once with the queue's AEAD (warm buffers), in ms."""
+    from rayfree.transport.aead import Opener, Sealer
+    key, qid = os.urandom(32), os.urandom(16)
+    frames = [memoryview(ctypes_buffer(obj)).cast("B")]
+    s, o = Sealer(key, qid), Opener(key, qid)
+    best_s = best_o = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        sealed = s.seal(frames)
+        t1 = time.perf_counter()
+        o.open([memoryview(f) for f in sealed])
+        t2 = time.perf_counter()
+        s.give_back(sealed)
+        best_s, best_o = min(best_s, t1 - t0), min(best_o, t2 - t1)
+    return best_s * 1e3, best_o * 1e3
+
+
+def remote_table(loads, readers: list[int], iters_of) -> None:
+    """Sealed (the default), insecure and the raw floor, same run, for each reader count and payload."""
+    from rayfree.transport import security
+    sealed_policy = security.current()
+    print("remote paths (TCP loopback): round trip = broadcast to N readers + a reply from reader 0, p50 us")
+    hdr = (f"{'N':>3} {'payload':>8} {'sealed':>10} {'insecure':>10} {'zmq floor':>10} {'insec/floor':>11} "
+           f"{'sealed-insec':>12} {'seal+open':>10}")
+    print(hdr)
+    print("-" * len(hdr))
+    for n in readers:
+        res = {}
+        for mode in ("sealed", "insecure"):
+            security.use(sealed_policy if mode == "sealed" else security.Policy(None, True))
+            try:
+                rig = MQRig(0, n)
+                try:
+                    res[mode] = {name: pct(measure(rig, obj, iters_of(name)), 0.5) for name, obj, _ in loads}
+                finally:
+                    rig.close()
+            finally:
+                security.use(sealed_policy)
+        for name, obj, _ in loads:
+            floor = zmq_floor(obj, n, iters_of(name))
+            so = seal_open_ms(obj)
+            s, i = res["sealed"][name], res["insecure"][name]
+            print(f"{n:>3} {name:>8} {s * 1e6:>10.1f} {i * 1e6:>10.1f} {floor * 1e6:>10.1f} {i / floor:>11.2f} "
+                  f"{(s - i) * 1e6:>12.1f} {(so[0] + so[1]) * 1e3:>10.1f}", flush=True)
+
+
 def fence_cost_ns(n: int = 200_000) -> float:
     """One inlined fence (a lock's acquire + release), less the loop around it."""
     from rayfree.transport.ring import _acquire, _release
@@ -337,6 +456,8 @@ def main() -> None:
     ap.add_argument("--configs", default="local1,local2,local4,remote1", help="comma-separated subset")
     ap.add_argument("--no-paced", action="store_true", help="skip the paced case")
     ap.add_argument("--no-fence-ab", action="store_true", help="skip the fence cost measurement")
+    ap.add_argument("--remote-readers", default="1,4", help="reader counts of the sealed/insecure/floor table "
+                    "('' to skip it)")
     args = ap.parse_args()
     import torch
     torch.set_num_threads(1)
@@ -398,6 +519,12 @@ def main() -> None:
               f"aarch64's fences (8 a round trip), {without * 1e6:.1f} us with this CPU's "
               f"({'4: x86 needs only the store->load ones' if _TSO else 'the same 8'}); "
               f"{(with_f / without - 1) * 100:+.0f}%")
+    readers = [int(x) for x in args.remote_readers.split(",") if x]
+    if readers:
+        print()
+        remote_loads = [(name, obj, it) for name, obj, it in loads if name != "64KiB"]
+        remote_table(remote_loads, readers, lambda name: {"tiny": 1000, "4MiB": 40, "32MiB": 10}.get(name, 40)
+                     if not args.quick else 10)
     if args.no_paced:
         return
     # Paced: an engine's decode loop, one message every 5 ms.

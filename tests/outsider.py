@@ -3,9 +3,10 @@
     python -m tests.outsider '{"pub": [...], "router": [...], "server_key": "...", "seconds": 3}'
 
 For each endpoint it tries with no CURVE at all and with a random CURVE key (given the real server
-public key, as if it had learned it): SUB sockets to the publishers, DEALER sockets that send forged
-heartbeat goodbyes to the leader's heartbeat endpoint. Prints one JSON line: bytes received,
-handshakes that succeeded, and handshakes that failed.
+public key, as if it had learned it): SUB sockets to the publishers (also claiming to be reader 0,
+without its admission token), DEALER sockets that send forged heartbeat goodbyes to the leader's
+heartbeat endpoint. Prints one JSON line: bytes received, handshakes that succeeded (per kind of
+endpoint), and handshakes that failed.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def main() -> None:
                 socks.append((kind, s))
     print("STARTED", flush=True)
     got = ok = failed = sent = 0
+    ok_by_kind = {"pub": 0, "router": 0}
+    kind_of = {m: kind for m, (kind, _) in zip(monitors, socks)}
     bye = msgspec.msgpack.encode(["bye", 1, False, "forged by an outsider"])
     beat = msgspec.msgpack.encode(["beat", 1, [2, 3], "10.6.6.6", 1, 1])
     end = time.monotonic() + spec["seconds"]
@@ -64,6 +67,7 @@ def main() -> None:
                 ev = recv_monitor_message(sock)["event"]
                 if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     ok += 1
+                    ok_by_kind[kind_of[sock]] += 1
                 elif ev != zmq.EVENT_DISCONNECTED:
                     failed += 1
             else:
@@ -79,6 +83,7 @@ def main() -> None:
         m.close(linger=0)
     ctx.term()
     print("REPORT:" + json.dumps({"received_bytes": got, "handshakes_ok": ok, "handshakes_failed": failed,
+                                  "handshakes_ok_pub": ok_by_kind["pub"], "handshakes_ok_router": ok_by_kind["router"],
                                   "sockets": len(socks), "queued_sends": sent}), flush=True)
 
 

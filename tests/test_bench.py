@@ -33,7 +33,7 @@ def test_rpc_bench_runs_and_prints_every_row() -> None:
 @pytest.mark.timeout(300)
 def test_transport_bench_runs_and_measures_the_fences() -> None:
     cmd = [sys.executable, os.path.join(ROOT, "bench", "transport.py"), "--quick", "--payloads", "tiny,64KiB",
-           "--configs", "local1,remote1", "--no-paced"]
+           "--configs", "local1,remote1", "--no-paced", "--remote-readers", "1"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, f"bench/transport.py failed:\n{out.stdout}\n{out.stderr}"
     rows = re.findall(r"^(local|remote)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)", out.stdout, re.M)
@@ -42,3 +42,5 @@ def test_transport_bench_runs_and_measures_the_fences() -> None:
     fence = re.search(r"fence: (\d+) ns per fence; local N=1 tiny round trip p50 ([\d.]+) us with aarch64's "
                       r"fences \(8 a round trip\), ([\d.]+) us with this CPU's", out.stdout)
     assert fence and float(fence.group(2)) > 0 and float(fence.group(3)) > 0, out.stdout
+    remote = re.findall(r"^\s+1\s+tiny\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out.stdout, re.M)
+    assert len(remote) == 1 and all(float(x) > 0 for x in remote[0]), out.stdout  # sealed, insecure, floor

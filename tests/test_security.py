@@ -116,8 +116,9 @@ def test_a_reader_without_the_secret_gets_nothing(monkeypatch) -> None:
 #: Every place that unpickles, and why its bytes are trusted. A new one fails this test until it is
 #: reviewed and listed here.
 UNPICKLE_SITES = {
-    "transport/serde.py": (1, "messages read from the same-user shm ring or an authenticated (CURVE) socket"),
-    "transport/zmq_channel.py": (1, "binds serde's loads; the socket is CURVE-authenticated"),
+    "transport/serde.py": (1, "messages read from the same-user shm ring or a sealed queue whose seal checked"),
+    "transport/zmq_channel.py": (1, "binds serde's loads; a TCP message reaches it only after aead.Opener checked "
+                                    "its seal (ipc ones come from a 0700 directory)"),
     "transport/shm_channel.py": (2, "binds pickle.loads (one line, two matches) for the same-user shm ring"),
     "worker/proc.py": (2, "the worker class from the parent's process arguments; RPC callables that "
                           "arrived over the authenticated broadcast queue"),
@@ -270,3 +271,113 @@ def test_the_heartbeat_endpoint_drops_10000_malformed_messages_and_keeps_answeri
     finally:
         peer.close(linger=0)
         server.close()
+
+
+# -- the sealed data path (aead.py) ---------------------------------------------------------------
+
+class _Boom:
+    """Unpickling this runs code (writes a file): a forged message must never get that far."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.timeout(120)
+def test_forged_tampered_truncated_replayed_reordered_and_foreign_messages_are_refused_unread(tmp_path) -> None:
+    """A remote reader gets 6 good messages; between them arrive sealed messages that are tampered,
+    truncated, replayed, out of order, of another queue and of another cluster, each carrying a payload that
+    would write a file if it were ever unpickled. Every one is skipped; no file appears; nothing good is lost."""
+    import pickle
+
+    from rayfree.transport.aead import Sealer, queue_key
+    boom = str(tmp_path / "unpickled")
+    payload = [pickle.dumps(_Boom(boom), 5)]
+    with tcp_writer() as w:
+        p, conn = procs.spawn(procs.reader_collect, w.export_handle().to_bytes(), 0, 6)
+        try:
+            assert procs.recv(conn)[0] == "attached"
+            w.wait_until_ready(timeout=60)
+            qid = bytes.fromhex(w.export_handle().queue_id)
+            secret = security.process_secret()
+            sock, real = w._w.remote.sock, w._w.remote.sealer
+
+            def forged(seq: int, key_secret=secret, queue_id=qid) -> list:
+                s = Sealer(queue_key(key_secret.derive(b"queue-aead"), queue_id), queue_id)
+                s.seq = seq
+                return [bytes(f) for f in s.seal(payload)]
+
+            other = ClusterSecret(os.urandom(32), "another cluster")
+            replay = None
+            for i in range(6):
+                nxt = real.seq  # the sequence number the reader expects next
+                tampered = forged(nxt)
+                tampered[-1] = tampered[-1][:-1] + bytes([tampered[-1][-1] ^ 1])
+                truncated = forged(nxt)
+                truncated[-1] = truncated[-1][:-1]
+                attacks = [tampered, truncated, forged(nxt + 1), forged(nxt, queue_id=os.urandom(16)),
+                           forged(nxt, key_secret=other)]
+                if replay is not None:
+                    attacks.append(replay)
+                for frames in attacks:
+                    sock.send_multipart(frames)
+                replay = forged(nxt - 1) if nxt else None  # a copy of the last genuine message's slot
+                w.enqueue(("good", i), timeout=30)
+            kind, got, bad = procs.recv(conn, timeout=90)
+        finally:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert kind == "done" and got == [("good", i) for i in range(6)], (kind, got)
+    assert bad == 5 * 6 + 5, bad
+    assert not os.path.exists(boom), "a forged message was unpickled"
+
+
+@pytest.mark.timeout(120)
+def test_a_subscriber_without_the_token_gets_nothing_and_cannot_stall_the_writer() -> None:
+    """After the handshake, outsiders subscribe and never read: one with no token, one with a wrong one, one
+    replaying reader 0's (genuine) hello. The writer still sends 3,000 messages (3x its high-water mark)
+    without waiting for them, and they receive nothing."""
+    from rayfree.transport.aead import admission_token
+    from rayfree.transport.sockets import HELLO_PREFIX
+    with tcp_writer() as w:
+        p, conn = procs.spawn(procs.reader_collect, w.export_handle().to_bytes(), 0, 3000)
+        ctx = zmq.Context()
+        outsiders = []
+        try:
+            assert procs.recv(conn)[0] == "attached"
+            w.wait_until_ready(timeout=60)
+            qid = bytes.fromhex(w.export_handle().queue_id)
+            genuine = admission_token(security.process_secret().derive(b"queue-admit"), qid, 0)
+            for hello in (b"0", b"0:" + b"x" * 32, b"0:" + genuine):
+                s = ctx.socket(zmq.SUB)
+                s.setsockopt(zmq.RCVHWM, 1)
+                s.setsockopt(zmq.RCVBUF, 4096)
+                s.setsockopt(zmq.SUBSCRIBE, b"")
+                s.setsockopt(zmq.SUBSCRIBE, HELLO_PREFIX + hello)
+                s.connect(w.export_handle().remote_endpoint)
+                outsiders.append(s)
+            time.sleep(0.5)  # let them connect and subscribe (nothing to wait on: they are refused in silence)
+            t0 = time.monotonic()
+            for i in range(3000):
+                w.enqueue(("m", i, b"x" * 1000), timeout=30)
+            took = time.monotonic() - t0
+            kind, got, bad = procs.recv(conn, timeout=90)
+            received = 0
+            for s in outsiders:
+                while s.poll(0):
+                    received += sum(len(f) for f in s.recv_multipart())
+        finally:
+            for s in outsiders:
+                s.close(linger=0)
+            ctx.term()
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert kind == "done" and len(got) == 3000 and got[-1][1] == 2999
+    assert received == 0, f"outsiders received {received} bytes"
+    assert took < 30

@@ -52,10 +52,7 @@ class _Held:
         """Send CLOSE if not yet sent, read reports; True when this one is finished (and closed)."""
         if not self.close_sent:
             try:
-                self.sender.sock.send(CLOSE, zmq.NOBLOCK)  # refused while a reader is a full HWM behind
-                self.close_sent = True
-            except zmq.Again:
-                pass
+                self.close_sent = self.sender.send_control(CLOSE, block=False)  # refused while a reader lags
             except zmq.ZMQError:
                 self.pending.clear()
         if self.pending and self.close_sent:

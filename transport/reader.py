@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import security
+from .aead import Opener, admission_token, queue_key
 from .errors import BadFrame, QueueTimeout
 from .handle import Handle
 from .ring import EMPTY
@@ -39,8 +41,14 @@ class QueueReader:
                 sub = make_subscriber(handle.local_endpoint, hello, maxmsgsize=limit)
                 self.sock = self.shm.overflow = SocketReceiver(sub, "ipc")
             else:
+                opener = None
+                secret = security.process_secret()
+                if secret is not None:  # a sealed queue: open every message, show the admission token
+                    qid = bytes.fromhex(handle.queue_id)
+                    opener = Opener(queue_key(secret.derive(b"queue-aead"), qid), qid)
+                    hello += b":" + admission_token(secret.derive(b"queue-admit"), qid, rank)
                 sub = make_subscriber(handle.remote_endpoint, hello, maxmsgsize=limit)
-                self.sock = SocketReceiver(sub, "tcp", HELLO_PREFIX + hello)
+                self.sock = SocketReceiver(sub, "tcp", HELLO_PREFIX + hello, opener)
         except BaseException:
             self.close()
             raise

@@ -1,12 +1,12 @@
-"""The cluster secret: CURVE keys for every TCP socket, and signatures for handles.
+"""The cluster secret: the root of the queues' seals (aead.py), the heartbeats' CURVE keys, and handle signatures.
 
 vLLM's multi-node queue let anyone who could reach its publisher run code on
 every worker (its readers unpickle whatever arrives). Here a TCP socket exists
 only with a cluster secret (`rayfree keygen`), unless the user explicitly opts
-out with --insecure. From the secret every node derives the same two CURVE
-key pairs: the server pair (bound sockets) and the client pair (connecting
-sockets). A ZAP handler admits only the client key, so a peer without the
-secret can neither subscribe, publish nor reply; the traffic is encrypted.
+out with --insecure. From the secret every node derives the same keys: each
+queue's sealing key and its subscribers' admission tokens (`derive`, used by
+aead.py, writer.py, reader.py), and two CURVE key pairs for the heartbeat
+sockets, whose ZAP handler admits only the client key.
 
 Handles cross the unauthenticated gloo rendezvous, so `seal`/`unseal` wrap
 them in an HMAC with a nonce and a time: a forged one is refused before

@@ -4,9 +4,11 @@ Publishers are XPUB sockets that never drop (XPUB_NODROP: a slow subscriber
 makes the writer wait, bounded by its timeout, instead of losing a message)
 and that report every subscription (XPUB_VERBOSE), which is how the writer
 learns which readers have arrived. Subscribers cap the size of what they
-accept. Every TCP socket is a CURVE server (bound) or client (connecting) with
-keys from the cluster secret (security.py), or refuses to exist without one
-unless the user chose --insecure; ipc sockets stay in 0700 directories.
+accept. With a cluster secret, a queue's TCP messages are sealed once by the
+writer (aead.py) and its publisher admits subscribers by hand, on a token
+derived from the secret; the heartbeat sockets are CURVE servers and clients
+with keys from the secret. Without a secret no TCP socket exists unless the
+user chose --insecure; ipc sockets stay in 0700 directories.
 """
 
 from __future__ import annotations
@@ -108,9 +110,12 @@ def _is_tcp_v6(endpoint: str) -> bool:
     return endpoint.startswith("tcp://[") or (endpoint.startswith("tcp://") and is_ipv6(endpoint[6:].rsplit(":", 1)[0]))
 
 
-def make_publisher(bind_to: str, *, sndhwm: int) -> tuple[zmq.Socket, str]:
-    """An XPUB bound to `bind_to` (ipc://path or tcp://host:*); returns it and its real endpoint."""
+def make_publisher(bind_to: str, *, sndhwm: int) -> tuple[zmq.Socket, str, bool]:
+    """An XPUB bound to `bind_to` (ipc://path or tcp://host:*): it, its real endpoint, and whether it admits
+    subscribers by hand (a TCP publisher with a cluster secret: its messages are sealed (aead.py), so it takes
+    no CURVE, and only subscribers that show their admission token get them, see writer.py)."""
     sock = context().socket(zmq.XPUB)
+    manual = False
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, sndhwm)
@@ -118,18 +123,21 @@ def make_publisher(bind_to: str, *, sndhwm: int) -> tuple[zmq.Socket, str]:
         sock.setsockopt(zmq.XPUB_NODROP, 1)
         if _is_tcp_v6(bind_to):
             sock.setsockopt(zmq.IPV6, 1)
-        _secure_server(sock, bind_to, "a queue with remote readers")
+        if bind_to.startswith("tcp://") and security.require_secret("a queue with remote readers") is not None:
+            sock.setsockopt(zmq.XPUB_MANUAL, 1)
+            manual = True
         with zmq_errors(f"binding a publisher to {bind_to}"):
             sock.bind(bind_to)
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     except BaseException:
         sock.close(linger=0)
         raise
-    return sock, endpoint
+    return sock, endpoint, manual
 
 
 def make_subscriber(endpoint: str, hello: bytes, *, maxmsgsize: int | None) -> zmq.Socket:
-    """A SUB connected to `endpoint`, subscribed to everything plus its hello topic."""
+    """A SUB connected to `endpoint`, subscribed to everything plus its hello topic (which carries its admission
+    token on a sealed TCP queue: no CURVE there, see make_publisher)."""
     sock = context().socket(zmq.SUB)
     try:
         sock.setsockopt(zmq.LINGER, 0)
@@ -138,7 +146,8 @@ def make_subscriber(endpoint: str, hello: bytes, *, maxmsgsize: int | None) -> z
             sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
         if _is_tcp_v6(endpoint):
             sock.setsockopt(zmq.IPV6, 1)
-        _secure_client(sock, endpoint, "a remote reader")
+        if endpoint.startswith("tcp://"):
+            security.require_secret("a remote reader")  # policy: TCP only with a secret, or --insecure
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.SUBSCRIBE, HELLO_PREFIX + hello)
         with zmq_errors(f"connecting a subscriber to {endpoint}"):

@@ -8,6 +8,7 @@ so the common case pays for no branch it does not need.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import secrets
@@ -19,15 +20,16 @@ import zmq
 
 from rayfree import settings
 
-from . import lingering, serde
+from . import lingering, security, serde
 from .errors import MessageTooLarge, QueueShutdown, QueueTimeout
 from .framing import KIND_BYTES, KIND_DATA
 from .handle import HANDLE_VERSION, Handle
 from .net import IpcDir, get_ip, tcp_endpoint
 from .shm_channel import ShmSender
 from .shm_ring import ShmRingBuffer
+from .aead import Sealer, admission_token, queue_key
 from .sockets import HELLO_PREFIX, make_publisher, translate
-from .zmq_channel import RAW_MAX_BYTES, READY, SocketSender
+from .zmq_channel import RAW_MAX_BYTES, READY, SocketSender, hello_rank
 
 __all__ = ["QueueWriter", "REMOTE_SNDHWM", "deadline_of"]
 
@@ -71,6 +73,7 @@ class QueueWriter:
         self.overflow: SocketSender | None = None
         self.remote: SocketSender | None = None
         self.shut = False
+        self._admit: Any = None  # (rank, token) -> bool, on a sealed TCP queue
         self._ser = serde.Serializer()
         queue_id = secrets.token_bytes(16)
         local_ep = remote_ep = None
@@ -78,13 +81,22 @@ class QueueWriter:
             if local_reader_ranks:
                 self.ring = ShmRingBuffer.create(len(local_reader_ranks), max_chunk_bytes, max_chunks, queue_id)
                 self.ipc = IpcDir()
-                sock, local_ep = make_publisher(self.ipc.endpoint("overflow"), sndhwm=0)
+                sock, local_ep, _ = make_publisher(self.ipc.endpoint("overflow"), sndhwm=0)
                 self.overflow = SocketSender(sock, "ipc", local_reader_ranks, 0)
                 self.shm = ShmSender(self.ring, local_reader_ranks, spin_us, self.ipc.path, self.overflow)
                 self._put_one, self._wake = self.shm.rw.put_one, self.shm.wake_parked
             if self.remote_reader_ranks:
-                sock, remote_ep = make_publisher(tcp_endpoint(connect_ip or get_ip(), "*"), sndhwm=REMOTE_SNDHWM)
-                self.remote = SocketSender(sock, "tcp", self.remote_reader_ranks, REMOTE_SNDHWM)
+                sock, remote_ep, manual = make_publisher(tcp_endpoint(connect_ip or get_ip(), "*"),
+                                                         sndhwm=REMOTE_SNDHWM)
+                sealer = None
+                if manual:  # a cluster secret: sealed messages, subscribers admitted on their token
+                    secret = security.process_secret()
+                    assert secret is not None
+                    sealer = Sealer(queue_key(secret.derive(b"queue-aead"), queue_id), queue_id)
+                    admit_key = secret.derive(b"queue-admit")
+                    self._admit = lambda rank, token: hmac.compare_digest(
+                        token, admission_token(admit_key, queue_id, rank))
+                self.remote = SocketSender(sock, "tcp", self.remote_reader_ranks, REMOTE_SNDHWM, sealer)
         except BaseException:
             self.abort()
             raise
@@ -120,7 +132,8 @@ class QueueWriter:
             ms = 200 if deadline is None else max(1, min(200, int((deadline - now) * 1000) + 1))
             try:
                 for sock, _ in poller.poll(ms):
-                    _read_hellos(sock, missing[id(sock)])
+                    admit = self._admit if self.remote is not None and sock is self.remote.sock else None
+                    _read_hellos(sock, missing[id(sock)], admit)
             except zmq.ZMQError as e:
                 raise translate(e, "wait_until_ready") from e
         # Every local reader has mapped the ring and opened its pipes: the names can go.
@@ -235,15 +248,26 @@ class QueueWriter:
             self.ring.close()
 
 
-def _read_hellos(sock: zmq.Socket, missing: set[int]) -> None:
-    """Drop from `missing` the readers whose hello subscription arrived (XPUB reports b"\\x01" + topic)."""
+def _read_hellos(sock: zmq.Socket, missing: set[int], admit: Any = None) -> None:
+    """Drop from `missing` the readers whose hello subscription arrived (XPUB reports b"\\x01" + topic).
+
+    On a publisher that admits by hand (`admit` given), a hello with the rank's token subscribes the pipe it
+    came on to every message, once per rank; any other subscription is left unanswered, so that peer gets
+    nothing and its pipe never fills (it cannot hold the writer back)."""
     while True:
         try:
             msg = sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
-        if msg[:1] == b"\x01" and msg[1:].startswith(HELLO_PREFIX):
-            try:
-                missing.discard(int(msg[1 + len(HELLO_PREFIX):]))
-            except ValueError:
-                pass
+        if msg[:1] != b"\x01" or not msg[1:].startswith(HELLO_PREFIX):
+            continue
+        body = msg[1 + len(HELLO_PREFIX):]
+        rank = hello_rank(body)
+        if rank is None or rank not in missing:
+            continue  # unknown, or already admitted: a replayed hello gets nothing
+        if admit is not None:
+            if not admit(rank, body.partition(b":")[2]):
+                logger.warning("refused a subscriber claiming to be reader %d without its token", rank)
+                continue
+            sock.setsockopt(zmq.SUBSCRIBE, b"")  # the pipe of the hello just read: every message
+        missing.discard(rank)

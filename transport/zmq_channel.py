@@ -21,6 +21,7 @@ import zmq
 from rayfree import settings
 
 from . import serde
+from .aead import Opener, Sealer
 from .channel import Receiver, Sender
 from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout
 from .sockets import translate
@@ -36,44 +37,110 @@ RAW = b"\x01"
 RAW_MAX_BYTES = 4096
 #: A blocked receive re-checks for shutdown this often.
 SLICE_MS = 100
+#: Frames at least this big go to ZeroMQ without a copy.
+ZERO_COPY_MIN = 64 << 10
 
 _perf = time.perf_counter
 _loads = serde.loads
 
 
 class SocketSender(Sender):
-    """Sends frames on one publisher, waiting at most until a deadline when subscribers lag."""
+    """Sends frames on one publisher, waiting at most until a deadline when subscribers lag.
 
-    def __init__(self, sock: zmq.Socket, path: str, readers: list[int], hwm: int) -> None:
+    With a `sealer` (a TCP queue with a cluster secret) every message, control messages included, is
+    sealed once (aead.py) before it goes to every subscriber. Frames of ZERO_COPY_MIN bytes or more go
+    to ZeroMQ without a copy: sealed ones are our own buffers (reused once ZeroMQ is done with them);
+    plain ones are the caller's, so `send` returns only once ZeroMQ has let go of them.
+    """
+
+    def __init__(self, sock: zmq.Socket, path: str, readers: list[int], hwm: int,
+                 sealer: Sealer | None = None) -> None:
         self.sock = sock
         self.path = path
         self.readers = readers
         self.hwm = hwm
+        self.sealer = sealer
         self.shutdown_requested = False
         self.waiters = Waiters()
         self.log_interval = settings.get("RAYFREE_WAIT_LOG_INTERVAL_S")
         self._sndtimeo = -2  # unknown
+        self._in_flight: list[tuple[zmq.MessageTracker, list]] = []
 
     def send(self, frames: list, sizes: list[int] | None, deadline: float | None,
              on_wait: Callable[[], None] | None = None) -> None:
         """Without waiting if the readers keep up; else in slices, so a shutdown or the deadline ends it."""
+        if self.sealer is not None:
+            if self._in_flight:
+                self._recycle()
+            frames = self.sealer.seal(frames)
+        if len(frames) == 1 and len(frames[0]) < ZERO_COPY_MIN:  # the common small message: one call
+            try:
+                self.sock.send(frames[0], zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                pass
+            except zmq.ZMQError as e:
+                raise translate(e, f"enqueue to {self.path} readers") from e
         try:
-            if len(frames) == 1:
-                self.sock.send(frames[0], zmq.NOBLOCK, copy=True)
-            else:
-                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=True)
-            return
-        except zmq.Again:
-            pass  # a reader is a full HWM behind: nothing was sent (ZeroMQ takes a message whole or not at all)
+            tracker = self._put(frames, zmq.NOBLOCK)
+        except zmq.Again:  # a reader is a full HWM behind: nothing was sent (ZeroMQ takes a message whole)
+            try:
+                tracker = self._send_waiting(frames, deadline, on_wait)
+            except BaseException:
+                if self.sealer is not None:
+                    self.sealer.seq -= 1  # not sent: the readers must not see a gap
+                raise
         except zmq.ZMQError as e:
             raise translate(e, f"enqueue to {self.path} readers") from e
-        self._send_waiting(frames, deadline, on_wait)
+        if tracker is None:
+            return
+        if self.sealer is not None:
+            self._in_flight.append((tracker, frames))
+        else:
+            self._wait_sent(tracker, deadline)
+
+    def _put(self, frames: list, flags: int) -> zmq.MessageTracker | None:
+        """Hand one message to ZeroMQ; the big frames without a copy (then: a tracker of when it let go)."""
+        sock = self.sock
+        last = len(frames) - 1
+        tracked = []
+        for i, f in enumerate(frames):
+            more = zmq.SNDMORE if i < last else 0
+            if (len(f) if type(f) is bytes else memoryview(f).nbytes) >= ZERO_COPY_MIN:
+                frame = zmq.Frame(f, track=True)
+                tracked.append(frame)
+                sock.send(frame, (flags if i == 0 else 0) | more, copy=False)
+            else:
+                sock.send(f, (flags if i == 0 else 0) | more, copy=True)
+        return zmq.MessageTracker(*tracked) if tracked else None
+
+    def _recycle(self) -> None:
+        done = [x for x in self._in_flight if x[0].done]
+        if done:
+            self._in_flight = [x for x in self._in_flight if not x[0].done]
+            for _, sealed in done:
+                self.sealer.give_back(sealed)
+
+    def _wait_sent(self, tracker: zmq.MessageTracker, deadline: float | None) -> None:
+        """Until ZeroMQ has sent the caller's buffers (so the caller may change them once enqueue returns)."""
+        while not tracker.done:
+            if self.shutdown_requested:
+                raise QueueShutdown("enqueue interrupted: shutdown() was called on this queue")
+            left = 0.1 if deadline is None else min(0.1, deadline - _perf())
+            if left <= 0:
+                raise QueueTimeout(f"enqueue timed out waiting for {self.path} reader rank(s) {self.readers} to take "
+                                   f"a message (its buffers are still in use)")
+            try:
+                tracker.wait(left)
+            except zmq.NotDone:
+                pass
 
     def send_raw(self, data: bytes) -> None:
         """A small bytes message, without pickle."""
         self.send([RAW + data], None, None)
 
-    def _send_waiting(self, frames: list, deadline: float | None, on_wait: Callable[[], None] | None) -> None:
+    def _send_waiting(self, frames: list, deadline: float | None,
+                      on_wait: Callable[[], None] | None) -> zmq.MessageTracker | None:
         sock = self.sock
         t0 = _perf()
         next_log = t0 + self.log_interval
@@ -96,23 +163,27 @@ class SocketSender(Sender):
                     sock.setsockopt(zmq.SNDTIMEO, ms)
                     self._sndtimeo = ms
                 try:
-                    if len(frames) == 1:
-                        sock.send(frames[0], copy=True)
-                    else:
-                        sock.send_multipart(frames, copy=True)
-                    return
+                    return self._put(frames, 0)
                 except zmq.Again:
                     if on_wait is not None:
                         on_wait()
                 except zmq.ZMQError as e:
                     raise translate(e, f"enqueue to {self.path} readers") from e
 
-    def send_control(self, msg: bytes, block: bool) -> None:
+    def send_control(self, msg: bytes, block: bool) -> bool:
+        """READY or CLOSE (sealed like any message on a sealed queue); False if it could not go now."""
+        frames = [msg] if self.sealer is None else self.sealer.seal([msg])
         try:
-            self.sock.send(msg, 0 if block else zmq.NOBLOCK)
+            self._put(frames, 0 if block else zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            if self.sealer is not None:
+                self.sealer.seq -= 1  # not sent: the readers must not see a gap
+            return False
         except zmq.ZMQError as e:
             if block:
                 raise translate(e, f"sending {msg[len(CTRL):].decode()} to {self.path} readers") from e
+            return False
 
     def read_close_acks(self, pending: set[int], hello_prefix: bytes, wait_ms: int) -> None:
         """Remove from `pending` the readers that confirmed CLOSE or went away (see lingering.py);
@@ -128,9 +199,8 @@ class SocketSender(Sender):
             # XPUB reports 0x01 + topic per subscription and 0x00 + topic when one is dropped.
             if msg[1:1 + len(hello_prefix)] != hello_prefix:
                 continue
-            try:
-                rank = int(msg[1 + len(hello_prefix):])
-            except ValueError:
+            rank = hello_rank(msg[1 + len(hello_prefix):])
+            if rank is None:
                 continue
             if msg[:1] == b"\x00":
                 pending.discard(rank)
@@ -149,6 +219,14 @@ class SocketSender(Sender):
         self.sock.close(linger=0)
 
 
+def hello_rank(body: bytes) -> int | None:
+    """The rank in a hello topic's body (`rank` or `rank:token`)."""
+    try:
+        return int(body.split(b":", 1)[0])
+    except ValueError:
+        return None
+
+
 class SocketReceiver(Receiver):
     """Receives from one subscriber; blocks inside ZeroMQ, in slices, so shutdown is seen.
 
@@ -156,9 +234,12 @@ class SocketReceiver(Receiver):
     with ZeroMQ's I/O thread for the core, which costs more than it saves.
     """
 
-    def __init__(self, sock: zmq.Socket, path: str, hello_topic: bytes | None = None) -> None:
+    def __init__(self, sock: zmq.Socket, path: str, hello_topic: bytes | None = None,
+                 opener: Opener | None = None) -> None:
         self.sock = sock
         self.path = path
+        #: a sealed queue's messages are verified and decrypted (aead.py) before anything else looks at them
+        self.opener = opener
         #: dropped when CLOSE is read: the writer's sign that this reader has every message
         self.hello_topic = hello_topic
         self.shutdown_requested = False
@@ -196,7 +277,7 @@ class SocketReceiver(Receiver):
                     frame = self.sock.recv(copy=False)
             except zmq.Again:
                 return self.decode(self.recv_frames(None, indefinite, what))
-            if not frame.more:
+            if not frame.more and self.opener is None:
                 buf = frame.buffer
                 if buf[:1] == RAW:
                     return bytes(buf[1:])
@@ -251,7 +332,7 @@ class SocketReceiver(Receiver):
                 parts.append(frame.buffer)
         except zmq.ZMQError as e:
             raise translate(e, what) from e
-        return parts
+        return parts if self.opener is None else self.opener.open(parts)
 
     @staticmethod
     def decode(parts: list) -> Any:
