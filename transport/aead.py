@@ -141,9 +141,7 @@ class Opener:
         lengths = struct.unpack_from(f"<{n}Q", head, _HEAD.size)
         if any(memoryview(p).nbytes != ln for p, ln in zip(parts[1:], lengths)):
             raise BadFrame("a sealed message whose frame lengths do not match its header (truncated?)")
-        if seq != self.expect:
-            raise BadFrame(f"a sealed message out of order: sequence {seq}, expected {self.expect} "
-                           f"(replayed, reordered, or lost)")
+        self._check_order(seq)
         dec = Cipher(self._alg, modes.GCM(_nonce(seq), head[-_TAG:])).decryptor()
         dec.authenticate_additional_data(self._qid + head[:-_TAG])
         out = []
@@ -159,10 +157,14 @@ class Opener:
         try:
             dec.finalize()
         except InvalidTag:
-            raise BadFrame("a sealed message that fails authentication (forged, tampered, or from another queue "
-                           "or cluster)") from None
+            raise _forged() from None
         self.expect = seq + 1
         return out
+
+    def _check_order(self, seq: int) -> None:
+        if seq != self.expect:
+            raise BadFrame(f"a sealed message out of order: sequence {seq}, expected {self.expect} "
+                           f"(replayed, reordered, or lost)")
 
     def _open_one(self, msg: bytes, nparts: int) -> list:
         """A one-frame sealed message: header, tag, then the ciphertext of every frame joined."""
@@ -173,14 +175,11 @@ class Opener:
         lengths = struct.unpack_from(f"<{n}Q", msg, _HEAD.size)
         if sum(lengths) != len(msg) - hlen - _TAG:
             raise BadFrame("a sealed message whose length does not match its header (truncated?)")
-        if seq != self.expect:
-            raise BadFrame(f"a sealed message out of order: sequence {seq}, expected {self.expect} "
-                           f"(replayed, reordered, or lost)")
+        self._check_order(seq)
         try:
             pt = self._aead.decrypt(_nonce(seq), msg[hlen + _TAG:] + msg[hlen: hlen + _TAG], self._qid + msg[:hlen])
         except InvalidTag:
-            raise BadFrame("a sealed message that fails authentication (forged, tampered, or from another queue "
-                           "or cluster)") from None
+            raise _forged() from None
         self.expect = seq + 1
         view = memoryview(bytearray(pt))  # writable, like every buffer a reader gets
         out, off = [], 0
@@ -188,3 +187,7 @@ class Opener:
             out.append(view[off: off + ln])
             off += ln
         return out
+
+
+def _forged() -> BadFrame:
+    return BadFrame("a sealed message that fails authentication (forged, tampered, or from another queue or cluster)")

@@ -36,18 +36,13 @@ from rayfree import settings
 from .errors import BadFrame
 from .framing import KIND_BYTES, KIND_DATA, KIND_WRAP, KINDS, ONE, ONE_FRAME_OFFSET, SLOT
 from .shm_ring import CLOSED, READER_PARKED, WRITER_PARKED, ShmRingBuffer
-from .waiting import SpinPolicy, _fence_acquire, _fence_release, sched_yield
+from .waiting import SpinPolicy, _fence_acquire, _fence_release, fence, sched_yield
 
 # fence() inlined as its two calls on the hot paths (a Python frame costs as much as the fence itself).
 _acquire, _release = _fence_acquire, _fence_release
 _perf = time.perf_counter
 #: CPUs that keep stores in order and loads in order (TSO)
 _TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i486", "i586", "i686", "x86")
-
-
-def fence() -> None:
-    _acquire()
-    _release()
 
 
 def ordering_fences() -> bool:
