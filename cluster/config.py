@@ -43,6 +43,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     master_port: int = 29500
     #: Ranks per node; None: the inner-DP world divided evenly over its nodes.
     local_world_size: int | None = None
+    #: The DP replica an executor runs; None: this node's first (set per executor when a node runs several).
+    data_parallel_rank: int | None = None
 
     # -- derived ---------------------------------------------------------------
 
@@ -59,6 +61,47 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def nnodes_within_dp(self) -> int:
         """Nodes that one DP replica spans (the nodes are shared evenly by the replicas)."""
         return max(1, self.nnodes // self.data_parallel_size)
+
+    @property
+    def replicas_per_node(self) -> int:
+        """DP replicas one node holds: 1 when a replica spans nodes, else DP / nnodes."""
+        return max(1, self.data_parallel_size // self.nnodes)
+
+    def replicas_of_node(self, node: int) -> list[int]:
+        """The DP ranks whose ranks run on node `node`."""
+        if self.data_parallel_size >= self.nnodes:
+            k = self.replicas_per_node
+            return list(range(node * k, (node + 1) * k))
+        return [node // self.nnodes_within_dp]
+
+    def nodes_of_replica(self, dp_rank: int) -> list[int]:
+        """The nodes replica `dp_rank` runs on; its leader is the first."""
+        if self.data_parallel_size >= self.nnodes:
+            return [dp_rank // self.replicas_per_node]
+        n = self.nnodes_within_dp
+        return list(range(dp_rank * n, (dp_rank + 1) * n))
+
+    @property
+    def node_replicas(self) -> list[int]:
+        """The DP ranks this node runs."""
+        return self.replicas_of_node(self.node_rank)
+
+    @property
+    def dp_rank(self) -> int:
+        """The DP replica of this executor (`data_parallel_rank`, else this node's first)."""
+        return self.node_replicas[0] if self.data_parallel_rank is None else self.data_parallel_rank
+
+    def global_rank(self, rank: int, dp_rank: int | None = None) -> int:
+        """Rank `rank` of replica `dp_rank` (default: this one) in the world across DP ([DP][PP][PCP][TP])."""
+        return (self.dp_rank if dp_rank is None else dp_rank) * self.world_size + rank
+
+    def node_ranks(self, node: int) -> list[int]:
+        """The world ranks (across DP) that run on node `node`."""
+        out = []
+        for r in self.replicas_of_node(node):
+            within = self.nodes_of_replica(r).index(node)
+            out += [self.global_rank(within * self.local_ranks + i, r) for i in range(self.local_ranks)]
+        return out
 
     @property
     def node_rank_within_dp(self) -> int:
@@ -90,6 +133,10 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Node (within the DP replica) that runs `rank`."""
         return rank // self.local_ranks
 
+    def cluster_node_of(self, rank: int, dp_rank: int | None = None) -> int:
+        """The node (its node_rank in the cluster) that runs rank `rank` of replica `dp_rank`."""
+        return self.nodes_of_replica(self.dp_rank if dp_rank is None else dp_rank)[self.node_of(rank)]
+
     # -- validation ------------------------------------------------------------
 
     def validate(self, check_local_master: bool = False) -> ParallelConfig:
@@ -119,6 +166,10 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"local_world_size={self.local_world_size} does not match: {per_dp} node(s) x "
                                   f"{self.local_world_size} != world size {self.world_size}; leave it unset or "
                                   f"set it to {self.world_size // per_dp}")
+        if self.data_parallel_rank is not None and self.data_parallel_rank not in self.node_replicas:
+            raise ConfigError(f"data_parallel_rank={self.data_parallel_rank} does not run on node {self.node_rank}: "
+                              f"with nnodes={self.nnodes} and data_parallel_size={self.data_parallel_size} this "
+                              f"node runs replica(s) {self.node_replicas}; leave it unset")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"master_port={self.master_port} is not a TCP port: use 1..65535 (0 picks a free one)")
         if not self.master_addr:

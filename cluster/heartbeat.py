@@ -1,4 +1,4 @@
-"""Heartbeats between the leader node and its followers: a lost node is noticed in bounded time.
+"""Heartbeats between node 0 and every other node: a lost node is noticed in bounded time.
 
 vLLM's head waits for a dead node's replies until the RPC timeout, and its
 followers keep running when the head dies. Here every follower sends a `Beat`
@@ -43,13 +43,15 @@ WAIT_LOG_S = 10.0
 
 
 class Beat(msgspec.Struct, tag="beat", array_like=True):
-    """I am alive: a follower's ranks and address (the leader answers with node_rank 0)."""
+    """I am alive: a node's ranks and address (node 0 answers with node_rank 0); `done`: its entry points
+    have returned and it waits for node 0 to stop the cluster."""
 
     node_rank: int
     ranks: list[int]
     ip: str
     pid: int
     seq: int
+    done: bool = False
 
 
 class Bye(msgspec.Struct, tag="bye", array_like=True):
@@ -69,7 +71,7 @@ ByeCallback = Callable[[int, bool, str], None]
 
 
 class _Peer:
-    __slots__ = ("node_rank", "ranks", "ip", "identity", "last_seen", "gone")
+    __slots__ = ("node_rank", "ranks", "ip", "identity", "last_seen", "gone", "done")
 
     def __init__(self, node_rank: int, ranks: list[int]) -> None:
         self.node_rank = node_rank
@@ -78,6 +80,7 @@ class _Peer:
         self.identity: bytes | None = None
         self.last_seen: float | None = None
         self.gone = False
+        self.done = False
 
 
 class _Beater:
@@ -229,7 +232,7 @@ class HeartbeatServer(_Beater):
             return
         if peer.last_seen is None:
             logger.info("follower node %d (%s, ranks %s) is beating", msg.node_rank, msg.ip, msg.ranks)
-        peer.identity, peer.ip, peer.last_seen = identity, msg.ip, time.monotonic()
+        peer.identity, peer.ip, peer.last_seen, peer.done = identity, msg.ip, time.monotonic(), msg.done
         try:
             sock.send_multipart([identity, _encode(Beat(0, [], "", me, seq))], zmq.NOBLOCK)
         except zmq.Again:
@@ -249,6 +252,10 @@ class HeartbeatServer(_Beater):
                     why = f"it never sent a heartbeat to {self.endpoint} (is that port reachable from it?)"
                 logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, why)
                 self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
+
+    def all_done(self, nodes: list[int]) -> bool:
+        """Have these nodes all reported `done`?"""
+        return all(self.peers[k].done for k in nodes)
 
     def _say_bye(self, sock: zmq.Socket) -> None:
         if self._bye is None:
@@ -275,6 +282,8 @@ class HeartbeatClient(_Beater):
         self.on_bye = on_bye
         self.contact = threading.Event()
         self.last_reply: float | None = None
+        #: carried by every beat from now on (see Beat.done)
+        self.done = False
         self._sock = make_dealer(self.endpoint)
         self._thread.start()
 
@@ -293,7 +302,7 @@ class HeartbeatClient(_Beater):
                 if now >= next_beat:
                     seq += 1
                     try:
-                        sock.send(_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq)), zmq.NOBLOCK)
+                        sock.send(_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done)), zmq.NOBLOCK)
                     except zmq.Again:
                         pass  # not connected yet, or the link is down: the timeout decides
                     next_beat = now + self.interval

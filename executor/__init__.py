@@ -12,12 +12,14 @@ if __name__ != "rayfree.executor":  # the repository's folder imported as a top-
 
 
 from .abstract import Executor, FailureCallback, UniProcExecutor
-from .errors import (ExecutorError, ExecutorFailed, LeaderLost, NodeLost, NotLeaderError, RpcTimeout, StartupTimeout,
-                     WorkerDied, WorkerError, WorkerStartupError)
+from .errors import (ExecutorError, ExecutorFailed, LeaderLost, NodeLost, NotLeaderError, ReplicaFailed, RpcTimeout,
+                     StartupTimeout, WorkerDied, WorkerError, WorkerStartupError)
 from .future import FutureWrapper
 from .multiproc import MultiprocExecutor
+from .replicas import NodeReplicas
 from .workers import WorkerGroup
 
 __all__ = ["Executor", "FailureCallback", "UniProcExecutor", "MultiprocExecutor", "FutureWrapper",
            "ExecutorError", "ExecutorFailed", "NotLeaderError", "RpcTimeout", "WorkerDied", "WorkerError",
-           "NodeLost", "LeaderLost", "WorkerStartupError", "StartupTimeout", "WorkerGroup"]
+           "NodeLost", "LeaderLost", "ReplicaFailed", "WorkerStartupError", "StartupTimeout", "WorkerGroup",
+           "NodeReplicas"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["ExecutorError", "WorkerError", "WorkerDied", "RpcTimeout", "ExecutorFailed", "NotLeaderError",
-           "NodeLost", "LeaderLost", "WorkerStartupError", "StartupTimeout"]
+           "NodeLost", "LeaderLost", "ReplicaFailed", "WorkerStartupError", "StartupTimeout"]
 
 
 class ExecutorError(RuntimeError):
@@ -50,11 +50,14 @@ class NotLeaderError(ExecutorError):
 class NodeLost(ExecutorError):
     """A follower node fell silent (killed, crashed, or its link cut), or stopped while the leader ran."""
 
-    def __init__(self, node_rank: int, ranks: list[int], ip: str, why: str) -> None:
-        super().__init__(f"node {node_rank} ({ip}, ranks {ranks}) was lost: {why}; the executor has shut down. "
-                         f"Check that node's log and its network link to the leader.")
+    def __init__(self, node_rank: int, ranks: list[int], ip: str, why: str, replicas: list[int] | None = None
+                 ) -> None:
+        dp = f", DP replica {', '.join(map(str, replicas))}" if replicas else ""
+        super().__init__(f"node {node_rank} ({ip}{dp}, ranks {ranks}) was lost: {why}; the executor has shut down. "
+                         f"Check that node's log and its network link to node 0.")
         self.node_rank = node_rank
         self.ranks = ranks
+        self.replicas = replicas or []
 
 
 class LeaderLost(ExecutorError):
@@ -63,6 +66,15 @@ class LeaderLost(ExecutorError):
     def __init__(self, node_rank: int, why: str) -> None:
         super().__init__(f"node {node_rank}: the leader (node 0) is gone: {why}; this node stopped its workers")
         self.node_rank = node_rank
+
+
+class ReplicaFailed(ExecutorError):
+    """Another DP replica on this node failed: the replicas share collectives, so this one stops too."""
+
+    def __init__(self, dp_rank: int, why: str) -> None:
+        super().__init__(f"DP replica {dp_rank} on this node failed ({why}); every replica stops with it, since "
+                         f"their ranks share collectives (DP, expert parallel)")
+        self.dp_rank = dp_rank
 
 
 class WorkerStartupError(ExecutorError):

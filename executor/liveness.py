@@ -1,64 +1,182 @@
-"""Node liveness for a multi-node executor: the leader's heartbeat server or a follower's client, wired to
-the executor's failure policy (a lost follower fails the leader; a lost or failed leader stops a follower)."""
+"""Cluster-wide liveness: one node's part, shared by the executors (DP replicas) that node runs.
+
+Node 0 runs the heartbeat server and every other node beats toward it, so a
+lost node is noticed in one place and every replica hears of it: with data
+parallelism the ranks of all replicas share collectives (expert parallelism,
+the DP all-reduce), and one replica carrying on alone would hang in them.
+
+The policy, in one place:
+- a node lost, or stopping after a failure: node 0 fails its executors, naming
+  the node, its replica(s) and ranks, and says `Bye(failed)` to every other
+  node, which fails its own;
+- an executor of this node fails: the node's other replicas fail with it and
+  the node says so (node 0 to everyone, another node to node 0);
+- a clean stop: each replica leader's entry point returns and its node calls
+  `finish()`; other nodes report `done` in their beats, node 0 waits for every
+  replica leader's, then stops and says `Bye(clean)`, and every node stops.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import TYPE_CHECKING
 
-from rayfree.cluster.heartbeat import HeartbeatClient, HeartbeatServer
+from rayfree.cluster.config import ClusterConfig
+from rayfree.cluster.heartbeat import Bye, HeartbeatClient, HeartbeatServer
 from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
 
-from .errors import LeaderLost, NodeLost
+from .errors import LeaderLost, NodeLost, ReplicaFailed
 
 if TYPE_CHECKING:
     from .multiproc import MultiprocExecutor
 
-__all__ = ["start_heartbeat"]
+__all__ = ["NodeLiveness"]
 
 logger = logging.getLogger("rayfree.executor")
 
+#: How often `finish()` on node 0 looks at the other replica leaders' `done`.
+_FINISH_POLL_S = 0.05
 
-def start_heartbeat(ex: MultiprocExecutor) -> HeartbeatServer | HeartbeatClient:
-    """Start this node's side of the heartbeats; callbacks hold the executor weakly."""
-    par, cfg = ex.parallel_config, ex.config
-    port = cfg.heartbeat_endpoint_port
-    per_node = par.local_ranks
-    me = weakref.ref(ex)
 
-    def fail(error: Exception) -> None:
-        x = me()
-        if x is not None:
-            x._fast_stop = True  # a node is gone: its peers may hang in gloo, so do not wait long for them
-            x._fail(error)
+class NodeLiveness:
+    """This node's heartbeats (none on a one-node cluster) and the failure policy above, for `replicas`
+    executors; `attach` each as it starts."""
 
-    if ex.is_leader:
-        followers = {k: list(range(k * per_node, (k + 1) * per_node)) for k in range(1, par.nnodes_within_dp)}
-        server = HeartbeatServer(bind_address(par.master_addr), port, followers, cfg.heartbeat_interval_s,
-                                 cfg.heartbeat_timeout_s, lambda node, ranks, ip, why: fail(NodeLost(node, ranks, ip,
-                                                                                                     why)))
-        logger.info("leader: heartbeat endpoint %s; waiting for %d follower node(s) to join (join_timeout_s=%.0f)",
-                    server.endpoint, len(followers), cfg.join_timeout_s)
+    def __init__(self, config: ClusterConfig, replicas: int = 1) -> None:
+        self.config = config
+        self.par = par = config.parallel
+        self.node = par.node_rank
+        self.replicas = replicas
+        self._lock = threading.Lock()
+        self._executors: list[weakref.ref[MultiprocExecutor]] = []
+        self._ready = 0
+        self._stopped = 0
+        self._closed = False
+        self.failure: Exception | None = None
+        #: set when the cluster's fate is decided: node 0 said goodbye, or something failed
+        self.settled = threading.Event()
+        self.beater: HeartbeatServer | HeartbeatClient | None = None
+        if par.nnodes > 1:
+            self.beater = self._server() if self.node == 0 else self._client()
+
+    # -- heartbeats ------------------------------------------------------------------
+
+    def _server(self) -> HeartbeatServer:
+        par, cfg = self.par, self.config
+        others = {k: par.node_ranks(k) for k in range(1, par.nnodes)}
+        server = HeartbeatServer(bind_address(par.master_addr), cfg.heartbeat_endpoint_port, others,
+                                 cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s, self._node_lost)
+        logger.info("node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
+                    server.endpoint, len(others), cfg.join_timeout_s)
         return server
-    node = par.node_rank_within_dp
-    ranks = list(range(par.global_start_rank, par.global_start_rank + per_node))
 
-    def leader_bye(_node: int, clean: bool, reason: str) -> None:
-        x = me()
-        if x is None:
-            return
+    def _client(self) -> HeartbeatClient:
+        par, cfg = self.par, self.config
+        client = HeartbeatClient(par.master_addr, cfg.heartbeat_endpoint_port, self.node, par.node_ranks(self.node),
+                                 get_ip(peer=par.master_addr), cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s,
+                                 lambda why: self._fail_soon(LeaderLost(self.node, why)), self._head_bye)
+        logger.info("node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world "
+                    "(join_timeout_s=%.0f)", self.node, par.master_addr, par.master_port, client.endpoint,
+                    cfg.join_timeout_s)
+        return client
+
+    def _node_lost(self, node: int, ranks: list[int], ip: str, why: str) -> None:
+        replicas = self.par.replicas_of_node(node) if self.par.data_parallel_size > 1 else None
+        self._fail_soon(NodeLost(node, ranks, ip, why, replicas))
+
+    def _fail_soon(self, error: Exception) -> None:
+        """`fail_all` off the heartbeat thread, which must be free to say goodbye to the other nodes at once
+        (the executors' staged close takes a while)."""
+        threading.Thread(target=self.fail_all, args=(error,), daemon=True, name="RayfreeNodeFailed").start()
+
+    def _head_bye(self, _node: int, clean: bool, reason: str) -> None:
         if clean:
-            logger.info("node %d: the leader shut down; stopping this node's workers", node)
-            x.shutdown()
+            logger.info("node %d: node 0 stopped the cluster; stopping this node's workers", self.node)
+            self.settled.set()
+            for ex in self.executors():
+                ex.shutdown()
         else:
-            fail(LeaderLost(node, f"it stopped after a failure: {reason}"))
+            self._fail_soon(LeaderLost(self.node, f"it stopped after a failure: {reason}"))
 
-    client = HeartbeatClient(par.master_addr, port, node, ranks, get_ip(peer=par.master_addr),
-                             cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s,
-                             lambda why: fail(LeaderLost(node, why)), leader_bye)
-    logger.info("node %d: waiting for the leader (node 0) at %s:%d (heartbeats at %s) to form the world "
-                "(join_timeout_s=%.0f)", node, par.master_addr, par.master_port, client.endpoint, cfg.join_timeout_s)
-    return client
+    # -- the executors ---------------------------------------------------------------------
 
+    def attach(self, ex: MultiprocExecutor) -> None:
+        with self._lock:
+            self._executors.append(weakref.ref(ex))
+
+    def executors(self) -> list[MultiprocExecutor]:
+        with self._lock:
+            return [x for x in (r() for r in self._executors) if x is not None]
+
+    def ready(self) -> None:
+        """One executor is ready; once all of this node's are, silence counts as a loss."""
+        with self._lock:
+            self._ready += 1
+            arm = self._ready == self.replicas
+        if arm and self.beater is not None:
+            self.beater.arm()
+
+    def fail_all(self, error: Exception) -> None:
+        """Fail every executor of this node with `error` (each then stops, see `stopped`)."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = error
+        self.settled.set()
+        for ex in self.executors():
+            ex._fast_stop = True  # peers may hang in gloo: do not wait long for them
+            ex._fail(error)
+
+    def stopped(self, ex: MultiprocExecutor, failure: Exception | None, reason: str) -> None:
+        """Executor `ex` is shutting down (before its workers stop); tell whoever must know."""
+        if failure is not None or reason:
+            why = reason or str(failure).split("\n")[0]
+            with self._lock:
+                first = self.failure is None
+                if first:
+                    self.failure = failure or ReplicaFailed(self.par.dp_rank, why)
+            if first and len(self.executors()) > 1:
+                sibling = ReplicaFailed(ex.parallel_config.dp_rank, why)
+                for other in self.executors():
+                    if other is not ex:
+                        other._fast_stop = True
+                        other._fail(sibling)
+            self.settled.set()
+            self._close(Bye(self.node, False, why[:300]))
+            return
+        with self._lock:
+            self._stopped += 1
+            last = self._stopped >= len(self._executors)
+        if last:
+            self._close(Bye(self.node, True, "shut down"))
+
+    def _close(self, bye: Bye) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self.beater is not None:  # the other side(s) stop too, without waiting for a timeout
+            self.beater.close(bye)
+
+    # -- a clean stop ---------------------------------------------------------------------
+
+    def finish(self) -> bool:
+        """This node's entry points have returned: wait until the whole cluster may stop (True), or it
+        failed (False). Node 0 waits for every other replica leader; another node, for node 0's goodbye."""
+        if self.beater is None:
+            return self.failure is None
+        if isinstance(self.beater, HeartbeatClient):
+            self.beater.done = True
+            self.settled.wait()  # bounded: node 0's goodbye, or its silence (heartbeat_timeout_s)
+            return self.failure is None
+        leaders = [k for k in range(1, self.par.nnodes) if self.par.nodes_of_replica(
+            self.par.replicas_of_node(k)[0])[0] == k]
+        if leaders:
+            logger.info("node 0: this node's replicas are done; waiting for the replica leader(s) on node(s) %s",
+                        leaders)
+        while not self.settled.wait(_FINISH_POLL_S):
+            if self.beater.all_done(leaders):
+                return True
+        return self.failure is None

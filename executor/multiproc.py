@@ -26,7 +26,6 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from rayfree.cluster.heartbeat import Bye, HeartbeatClient, HeartbeatServer
 from rayfree.transport import MessageQueue, QueueClosed, QueueShutdown, get_ip, get_open_port
 from rayfree.transport.security import require_secret
 from rayfree.worker.messages import Boxed, Fatal, RemoteError
@@ -35,7 +34,7 @@ from .abstract import Executor
 from .collect import Collector, map_failure, unwrap
 from .errors import ExecutorFailed, NotLeaderError, WorkerDied, WorkerError
 from .future import FutureWrapper, WaitExpired
-from .liveness import start_heartbeat
+from .liveness import NodeLiveness
 from .workers import WorkerGroup, WorkerHandle, exit_description
 
 __all__ = ["MultiprocExecutor"]
@@ -52,8 +51,11 @@ class MultiprocExecutor(Executor):
 
     supports_pp: bool = True
 
-    def __init__(self, config, worker_cls, worker_kwargs=None, monitor_workers: bool = True) -> None:
+    def __init__(self, config, worker_cls, worker_kwargs=None, monitor_workers: bool = True,
+                 liveness: NodeLiveness | None = None) -> None:
         self.monitor_workers = monitor_workers
+        #: shared by the DP replicas of one node (executor/replicas.py); else this executor makes its own
+        self.liveness = liveness
         self.shutting_down = False
         self._shutdown_done = threading.Event()
         #: set once the executor has shut down (vLLM's name)
@@ -65,7 +67,6 @@ class MultiprocExecutor(Executor):
         self.response_mqs: list[MessageQueue] = []
         self.rpc_broadcast_mq: MessageQueue | None = None
         self._failure: Exception | None = None
-        self._heartbeat: HeartbeatServer | HeartbeatClient | None = None
         self._stop_reason: str | None = None
         self._fast_stop = False  # a node is gone: its peers may hang in gloo, so do not wait long for them
         super().__init__(config, worker_cls, worker_kwargs)
@@ -78,17 +79,24 @@ class MultiprocExecutor(Executor):
         self.world_size = par.world_size
         self.local_world_size = par.local_ranks
         self.is_leader = par.node_rank_within_dp == 0
-        multi_node = par.nnodes_within_dp > 1
-        if multi_node:
+        #: this executor's DP replica (its workers' ranks are 0..world_size-1 within it)
+        self.dp_rank = par.dp_rank
+        multi_node = par.nnodes_within_dp > 1  # this replica spans nodes
+        if par.nnodes > 1 or par.data_parallel_size > 1:  # one world for every replica
             distributed_init_method = f"tcp://{par.master_addr}:{par.master_port or 29500}"
         else:
             distributed_init_method = f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}"
         worker_cls = self.worker_cls if isinstance(self.worker_cls, str) else cloudpickle.dumps(self.worker_cls)
         success = False
         try:
-            if multi_node:
-                require_secret(f"a cluster of {par.nnodes_within_dp} nodes")  # before anything starts
-                self._heartbeat = start_heartbeat(self)
+            if par.nnodes > 1:
+                require_secret(f"a cluster of {par.nnodes} nodes")  # before anything starts
+            if self.liveness is None:
+                if par.nnodes > 1 and par.replicas_per_node > 1:
+                    raise ValueError(f"node {par.node_rank} runs {par.replicas_per_node} DP replicas: start them "
+                                     f"together with rayfree.executor.NodeReplicas (or `rayfree node`)")
+                self.liveness = NodeLiveness(self.config)
+            self.liveness.attach(self)
             handle = None
             if self.is_leader:
                 connect_ip = get_ip(peer=par.master_addr) if multi_node else "127.0.0.1"
@@ -106,8 +114,7 @@ class MultiprocExecutor(Executor):
                 on_fatal = weakref.WeakMethod(self._on_worker_fatal)
                 self.group.start_monitor(lambda w: on_death() and on_death()(w),
                                          lambda w, msg: on_fatal() and on_fatal()(w, msg))
-            if self._heartbeat is not None:
-                self._heartbeat.arm()
+            self.liveness.ready()
             if self.is_leader:
                 self.response_mqs = self.group.response_queues(self.world_size)
                 # The order the workers do it in: the broadcast queue, then the reply queues.
@@ -348,10 +355,8 @@ class MultiprocExecutor(Executor):
             self._shutdown_done.set()
 
     def _shutdown(self) -> None:
-        if self._heartbeat is not None:  # tell the other side(s) first: they stop too, without a timeout
-            reason = self._stop_reason or (str(self._failure).split("\n")[0] if self._failure else "shut down")
-            clean = self._failure is None and self._stop_reason is None
-            self._heartbeat.close(Bye(self.parallel_config.node_rank_within_dp, clean, reason[:300]))
+        if self.liveness is not None:  # tell the other nodes (and replicas) first: they stop too, at once
+            self.liveness.stopped(self, self._failure, self._stop_reason or "")
         grace, term = self.config.shutdown_grace_s, self.config.shutdown_term_s
         if self._fast_stop:
             grace, term = min(grace, 0.2), min(term, 1.0)

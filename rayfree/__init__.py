@@ -31,6 +31,8 @@ _EXPORTS = {
     "RpcTimeout": "rayfree.executor.errors",
     "NodeLost": "rayfree.executor.errors",
     "LeaderLost": "rayfree.executor.errors",
+    "ReplicaFailed": "rayfree.executor.errors",
+    "NodeReplicas": "rayfree.executor.replicas",
     "NotLeaderError": "rayfree.executor.errors",
     "WorkerStartupError": "rayfree.executor.errors",
     "StartupTimeout": "rayfree.executor.errors",
@@ -64,11 +66,13 @@ __all__ = [
     "MessageTooLarge",
     "MultiprocExecutor",
     "NodeLost",
+    "NodeReplicas",
     "NotLeaderError",
     "ParallelConfig",
     "QueueClosed",
     "QueueShutdown",
     "QueueTimeout",
+    "ReplicaFailed",
     "RpcTimeout",
     "SocketError",
     "StartupTimeout",
@@ -84,7 +88,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
     from rayfree.executor.abstract import Executor, FailureCallback, UniProcExecutor
     from rayfree.executor.errors import (ExecutorError, ExecutorFailed, LeaderLost, NodeLost, NotLeaderError,
-                                         RpcTimeout, StartupTimeout, WorkerDied, WorkerError, WorkerStartupError)
+                                         ReplicaFailed, RpcTimeout, StartupTimeout, WorkerDied, WorkerError,
+                                         WorkerStartupError)
+    from rayfree.executor.replicas import NodeReplicas
     from rayfree.executor.future import FutureWrapper
     from rayfree.executor.multiproc import MultiprocExecutor
     from rayfree.transport.errors import (HandleError, MessageTooLarge, QueueClosed, QueueShutdown, QueueTimeout,

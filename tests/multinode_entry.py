@@ -120,7 +120,7 @@ def outsiders(ex) -> int:
     remote = [r for r in range(ex.world_size) if ex.parallel_config.node_of(r) != 0]
     spec = {"pub": [ex.rpc_broadcast_mq.handle.remote_endpoint]
             + [ex.response_mqs[r].handle.remote_endpoint for r in remote],
-            "router": [ex._heartbeat.endpoint], "server_key": process_secret().server_public.decode(), "seconds": 3}
+            "router": [ex.liveness.beater.endpoint], "server_key": process_secret().server_public.decode(), "seconds": 3}
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAYFREE_")}
     out = subprocess.Popen([sys.executable, "-m", "tests.outsider", json.dumps(spec)], env=env,
                            stdout=subprocess.PIPE, text=True)
@@ -134,4 +134,21 @@ def outsiders(ex) -> int:
     after = [torch.equal(ex.execute_model(make_batch(s)), reference_forward(make_batch(s)["x"])) for s in range(20)]
     say("RESULT", endpoints=spec, report=report, steps=steps, equal=int(equal), after=sum(after),
         failed=ex.is_failed)
+    return 0
+
+
+def dp_check(ex) -> int:
+    """One DP replica's leader: its own batches through its ranks, the cross-replica all-reduce, its topology."""
+    import torch
+
+    from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
+    dp = ex.parallel_config.data_parallel_size
+    steps = equal = dp_ok = 0
+    for s in range(20):
+        batch = make_batch(s, replica=ex.dp_rank)
+        equal += torch.equal(ex.execute_model(batch), reference_forward(batch["x"]))
+        dp_ok += ex.collective_rpc("step_report", unique_reply_rank=ex.output_rank)["dp_sum"] == dp_sum(s, dp)
+        steps += 1
+    info = ex.collective_rpc(where, timeout=60)
+    say("RESULT", replica=ex.dp_rank, steps=steps, equal=int(equal), dp_ok=int(dp_ok), info=info)
     return 0

@@ -24,7 +24,7 @@ from rayfree.procs import group_members
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPOSE = os.path.join(ROOT, "docker-compose.yml")
-_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
+_VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*)|:\?([^}]*))?\}")
 
 
 def compose() -> dict[str, Any]:
@@ -38,7 +38,7 @@ def interpolate(text: str, values: dict[str, str]) -> str:
         if m.group(1) in values:
             return values[m.group(1)]
         if m.group(2) is None:
-            raise KeyError(f"docker-compose.yml needs {m.group(1)}")
+            raise KeyError(f"docker-compose.yml needs {m.group(1)}" + (f": {m.group(3)}" if m.group(3) else ""))
         return m.group(2)
     return _VAR.sub(sub, text)
 
@@ -122,8 +122,9 @@ class Nodes:
                     "RAYFREE_LOG_LEVEL": "INFO", **env}
         self.started: list[NodeProc] = []
 
-    def start(self, k: int, **env: str) -> NodeProc:
-        service = "head" if k == 0 else "follower"
+    def start(self, k: int, service: str | None = None, **env: str) -> NodeProc:
+        """Node k as compose's `service` (default: head for node 0, follower for the others)."""
+        service = service or ("head" if k == 0 else "follower")
         argv, cenv = compose_invocation(service, {**self.values, "RAYFREE_NODE_RANK": str(k)})
         proc = NodeProc(self.sim.nodes[k], argv, {**cenv, **self.env, **env})
         self.started.append(proc)

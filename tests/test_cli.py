@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 
 import pytest
@@ -50,3 +51,24 @@ def test_default_demo_runs_two_simulated_nodes_and_leaves_nothing() -> None:
     assert [row[0] for row in table] == ["0", "1", "2", "3"] and [row[1] for row in table] == ["0", "0", "1", "1"]
     assert "step latency p99" in r.stdout and "outputs equal to 1-process model          30" in r.stdout
     assert "no process, shm segment or namespace left behind" in r.stdout
+
+
+@pytest.mark.timeout(200)
+def test_dp_demo_runs_two_replicas_on_four_simulated_nodes() -> None:
+    t0 = time.monotonic()
+    r = run("demo", "--dp", "2", "--steps", "40", timeout=190)
+    wall = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "DP=2 x TP=2 x PP=1 = 4 workers on 4 simulated nodes" in r.stdout
+    table = [ln.split() for ln in r.stdout.splitlines() if "Worker_DP" in ln]
+    # [replica r] replica rank world node ip process ...
+    rows = sorted((int(x[2]), int(x[3]), int(x[4]), int(x[5]), x[7]) for x in table)
+    assert rows == [(0, 0, 0, 0, "Worker_DP0_TP0"), (0, 1, 1, 1, "Worker_DP0_TP1"),
+                    (1, 0, 2, 2, "Worker_DP1_TP0"), (1, 1, 3, 3, "Worker_DP1_TP1")], table
+    for replica in (0, 1):
+        assert f"[replica {replica}] outputs equal to 1-process model          40" in r.stdout
+        assert f"[replica {replica}] cross-replica all-reduce correct          40" in r.stdout
+        assert f"[replica {replica}] step latency p99" in r.stdout
+    assert "node exit codes                      0 0 0 0" in r.stdout
+    assert "no process, shm segment or namespace left behind" in r.stdout
+    print(f"\nrayfree demo --dp 2 --steps 40: {wall:.1f} s")

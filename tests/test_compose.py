@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from rayfree.cli.cluster_demo import node_command, node_env
 
@@ -22,7 +24,7 @@ VALUES = {"RAYFREE_MASTER_ADDR": "10.0.0.1", "RAYFREE_MASTER_PORT": "29500"}
 
 def test_gpu_services_reserve_gpus_share_memory_and_use_the_host_network() -> None:
     services = compose()["services"]
-    for name in ("head", "follower"):
+    for name in ("head", "follower", "leader"):
         svc = services[name]
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices), name
@@ -67,6 +69,18 @@ def test_the_demo_runs_the_compose_invocation() -> None:
         assert node_command()[1:] == argv[1:]  # both: <python> -m rayfree.cli node
         demo = node_env(2, k, VALUES["RAYFREE_MASTER_ADDR"], 29500, 2, 2)
         assert {x: v for x, v in env.items() if x != "RAYFREE_HEARTBEAT_TIMEOUT_S"} == demo, service
+
+
+def test_the_dp_layout_the_compose_file_shows_is_the_demo_s() -> None:
+    """`rayfree demo --dp 2`: 4 nodes, replicas of TP=2 over nodes 0-1 and 2-3; head, follower, leader, follower."""
+    dp = {**VALUES, "RAYFREE_NNODES": "4", "RAYFREE_DATA_PARALLEL_SIZE": "2", "RAYFREE_TENSOR_PARALLEL_SIZE": "2",
+          "RAYFREE_PIPELINE_PARALLEL_SIZE": "1"}
+    for k, service in enumerate(("head", "follower", "leader", "follower")):
+        _, env = compose_invocation(service, {**dp, "RAYFREE_NODE_RANK": str(k)})
+        demo = node_env(4, k, VALUES["RAYFREE_MASTER_ADDR"], 29500, 2, 1, dp=2)
+        assert {x: v for x, v in env.items() if x != "RAYFREE_HEARTBEAT_TIMEOUT_S"} == demo, (k, service)
+    with pytest.raises(KeyError, match="RAYFREE_NODE_RANK"):  # a replica leader must be told which node it is
+        compose_invocation("leader", dp)
 
 
 def test_the_image_installs_every_package() -> None:

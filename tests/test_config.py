@@ -20,6 +20,39 @@ def test_derived_values() -> None:
     assert [p.node_of(r) for r in range(4)] == [0, 0, 1, 1]
 
 
+@pytest.mark.parametrize("nnodes, dp, tp, node_replicas, replica_nodes, node_ranks", [
+    # DP=2 of TP=2 over 4 nodes (1 rank each): replica 0 on nodes 0-1, replica 1 on nodes 2-3
+    (4, 2, 2, [[0], [0], [1], [1]], [[0, 1], [2, 3]], [[0], [1], [2], [3]]),
+    # DP=2 of TP=1 on 2 nodes: a replica per node
+    (2, 2, 1, [[0], [1]], [[0], [1]], [[0], [1]]),
+    # DP=4 of TP=2 on 2 nodes: two whole replicas per node
+    (2, 4, 2, [[0, 1], [2, 3]], [[0], [0], [1], [1]], [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    # one node, DP=2: both replicas on it
+    (1, 2, 2, [[0, 1]], [[0], [0]], [[0, 1, 2, 3]]),
+])
+def test_dp_replicas_over_nodes(nnodes, dp, tp, node_replicas, replica_nodes, node_ranks) -> None:
+    p = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, nnodes=nnodes).validate()
+    assert [p.replicas_of_node(k) for k in range(nnodes)] == node_replicas
+    assert [p.nodes_of_replica(r) for r in range(dp)] == replica_nodes
+    assert [p.node_ranks(k) for k in range(nnodes)] == node_ranks
+    assert p.world_size_across_dp == dp * tp
+    for k in range(nnodes):  # each node's executors: which replica, which world ranks, leading or not
+        for r in node_replicas[k]:
+            q = ParallelConfig(tensor_parallel_size=tp, data_parallel_size=dp, nnodes=nnodes, node_rank=k,
+                               data_parallel_rank=r).validate()
+            assert q.dp_rank == r and q.node_rank_within_dp == replica_nodes[r].index(k)
+            assert [q.global_rank(i) for i in range(q.global_start_rank, q.global_start_rank + q.local_ranks)] \
+                == [g for g in node_ranks[k] if g // tp == r]
+            assert all(q.cluster_node_of(i) == k for i in range(q.global_start_rank,
+                                                                 q.global_start_rank + q.local_ranks))
+
+
+def test_a_replica_that_does_not_run_on_the_node_is_refused() -> None:
+    with pytest.raises(ConfigError, match="data_parallel_rank=0 does not run on node 2.*runs replica\\(s\\) \\[1\\]"):
+        ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, nnodes=4, node_rank=2,
+                       data_parallel_rank=0).validate()
+
+
 @pytest.mark.parametrize("kw, needle", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size=0"),
     (dict(tensor_parallel_size=3, nnodes=2), "not divisible by the 2 node"),

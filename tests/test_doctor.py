@@ -69,3 +69,16 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.mark.timeout(90)
+def test_dp_replicas_are_listed_with_this_node_s_place() -> None:
+    r = doctor("--quick", "--nnodes", "4", "--dp", "2", "--tp", "2", "--node-rank", "3", "--master-addr", "10.0.0.1",
+               "--insecure")
+    assert "DP=2 replicas of 2 rank(s), in one world of 4:" in r.stdout, r.stdout
+    assert "replica 0: node(s) [0, 1], world ranks 0..1\n" in r.stdout, r.stdout
+    assert "replica 1: node(s) [2, 3], world ranks 2..3 <- this node\n" in r.stdout, r.stdout
+    r = doctor("--quick", "--nnodes", "2", "--dp", "4", "--tp", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+               "--insecure")
+    assert "node 1 of 2, 4 rank(s) here" in r.stdout, r.stdout
+    assert "replica 3: node(s) [1], world ranks 6..7 <- this node (leads it)" in r.stdout, r.stdout

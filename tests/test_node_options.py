@@ -36,12 +36,21 @@ def test_flags_win_over_the_environment_which_wins_over_the_file(tmp_path) -> No
 
 @pytest.mark.parametrize("argv, env, message", [
     ((), {}, "give the worker class"),
-    (("--worker", "a:B"), {}, "node 0 runs the engine: give --entry"),
+    (("--worker", "a:B"), {}, "node 0 leads its replica and runs the engine: give --entry"),
     (("--worker", "a:B", "--entry", "a:f", "--headless"), {}, "cannot be --headless"),
     (("--worker", "a:B", "--entry", "a:f", "--node-rank", "1", "--nnodes", "2", "--tp", "2"), {},
-     "only node 0 runs the entry point"),
+     r"only its first node \(0\) runs the entry point"),
     (("--worker", "a:B", "--entry", "a:f", "--worker-kwargs", "[1]"), {}, "must be a JSON object"),
-    (("--worker", "a:B", "--nnodes", "2", "--dp", "2", "--node-rank", "1"), {}, "data_parallel_size > 1"),
+    # DP=2 over 2 nodes: each node holds a whole replica, so node 1 leads replica 1
+    (("--worker", "a:B", "--nnodes", "2", "--dp", "2", "--node-rank", "1"), {},
+     "node 1 leads DP replica 1 and runs the engine"),
+    (("--worker", "a:B", "--nnodes", "2", "--dp", "2", "--node-rank", "1", "--headless"), {},
+     "leads DP replica 1, so it cannot be --headless .with this many nodes per replica, every node leads one"),
+    # DP=2 over 4 nodes: node 3 follows node 2, the leader of replica 1
+    (("--worker", "a:B", "--entry", "a:f", "--nnodes", "4", "--dp", "2", "--tp", "2", "--node-rank", "3"), {},
+     r"follower of DP replica 1: only its first node \(2\) runs the entry point"),
+    (("--worker", "a:B", "--nnodes", "4", "--dp", "2", "--tp", "2", "--node-rank", "2", "--headless"), {},
+     r"node_rank=2 leads DP replica 1, so it cannot be --headless: its followers are node\(s\) \[3\]"),
 ])
 def test_each_unworkable_node_is_refused_with_the_fix(argv, env, message) -> None:
     with pytest.raises(NodeUsageError, match=message):

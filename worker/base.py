@@ -30,7 +30,7 @@ class WorkerBase:
         self.kwargs = kwargs
 
     def init_device(self) -> None:
-        """Join the torch.distributed world (gloo) and build the parallel groups.
+        """Join the torch.distributed world (gloo, every DP replica's ranks) and build the parallel groups.
 
         GPU engines override this to select `cuda:{local_rank}` first and then
         call `super().init_device()`.
@@ -38,7 +38,9 @@ class WorkerBase:
         from rayfree.cluster.join import shape_of
         from rayfree.cluster.parallel_state import init_distributed_environment, initialize_model_parallel
         par = self.parallel_config
-        init_distributed_environment(par.world_size, self.rank, self.distributed_init_method, self.local_rank,
+        # `rank` is the rank within this DP replica (the executor's); the world spans every replica.
+        init_distributed_environment(par.world_size_across_dp, par.global_rank(self.rank),
+                                     self.distributed_init_method, self.local_rank,
                                      timeout_s=self.config.join_timeout_s,
                                      force_remote=self.config.force_remote or None, shape=shape_of(par),
                                      node=par.node_rank if par.nnodes > 1 else -1)

@@ -245,7 +245,9 @@ def worker_info(_worker: Any = None) -> dict[str, Any]:
 
     return {
         "rank": wp.rank if wp is not None else -1,
-        "node": par.node_of(wp.rank) if par is not None and wp is not None else 0,
+        "replica": par.dp_rank if par is not None else 0,
+        "global_rank": par.global_rank(wp.rank) if par is not None and wp is not None else -1,
+        "node": par.cluster_node_of(wp.rank) if par is not None and wp is not None else 0,
         "host": socket.gethostname(),
         "ip": get_ip(peer=par.master_addr if par is not None and par.nnodes > 1 else None),
         "pid": os.getpid(),

@@ -16,10 +16,10 @@ def process_name(dims: list[tuple[str, int, int]]) -> str:
 
 
 def title_for(par: ParallelConfig, rank: int) -> str:
-    """The title rank `rank` of a DP replica will have, from the layout alone ([PP][PCP][TP], TP fastest)."""
+    """The title rank `rank` of a DP replica will have, from the layout alone ([DP][PP][PCP][TP], TP fastest)."""
     tp, pcp, pp, dcp = (par.tensor_parallel_size, par.prefill_context_parallel_size, par.pipeline_parallel_size,
                         par.decode_context_parallel_size)
-    dims = [("PP", pp, rank // (tp * pcp) % pp), ("PCP", pcp, rank // tp % pcp), ("TP", tp, rank % tp),
+    dims = [("DP", par.data_parallel_size, par.dp_rank), ("PP", pp, rank // (tp * pcp) % pp), ("PCP", pcp, rank // tp % pcp), ("TP", tp, rank % tp),
             ("DCP", dcp, rank % dcp)]
     return process_name(dims)
 

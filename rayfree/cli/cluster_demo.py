@@ -31,12 +31,12 @@ def node_command() -> list[str]:
 
 
 def node_env(nnodes: int, node_rank: int, master_addr: str, master_port: int, tp: int, pp: int,
-             worker: str = WORKER, entry: str | None = ENTRY, **extra: str) -> dict[str, str]:
+             worker: str = WORKER, entry: str | None = ENTRY, dp: int = 1, **extra: str) -> dict[str, str]:
     """The environment that makes `rayfree node` node `node_rank` (as the compose file sets it)."""
     env = {"RAYFREE_NNODES": str(nnodes), "RAYFREE_NODE_RANK": str(node_rank), "RAYFREE_MASTER_ADDR": master_addr,
            "RAYFREE_MASTER_PORT": str(master_port), "RAYFREE_TENSOR_PARALLEL_SIZE": str(tp),
-           "RAYFREE_PIPELINE_PARALLEL_SIZE": str(pp), "RAYFREE_WORKER": worker}
-    if node_rank == 0:
+           "RAYFREE_PIPELINE_PARALLEL_SIZE": str(pp), "RAYFREE_DATA_PARALLEL_SIZE": str(dp), "RAYFREE_WORKER": worker}
+    if node_rank % max(1, nnodes // dp) == 0:  # the first node of a DP replica leads it
         env["RAYFREE_ENTRY"] = entry or ENTRY
     else:
         env["RAYFREE_HEADLESS"] = "1"
@@ -70,17 +70,25 @@ def _group_members(pgid: int, wait_s: float = 5.0) -> list[str]:
         time.sleep(0.1)
 
 
-def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, timeout_s: float = 300.0) -> int:
+def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, timeout_s: float = 300.0) -> int:
+    from rayfree.cluster.config import ConfigError, ParallelConfig
     if steps < 1 or nnodes < 2:
         print("rayfree demo: --steps must be >= 1 and --nodes >= 2 here", file=sys.stderr)
         return 2
-    world = tp * pp
-    if world % nnodes:
-        print(f"rayfree demo: TP x PP = {world} ranks cannot be split evenly over {nnodes} nodes", file=sys.stderr)
+    try:
+        par = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
+                             nnodes=nnodes).validate()
+    except ConfigError as e:
+        print(f"rayfree demo: {e}", file=sys.stderr)
         return 2
+    world = par.world_size_across_dp
     t0 = time.time()
-    print(f"rayfree demo: toy engine, TP={tp} x PP={pp} = {world} workers on {nnodes} simulated nodes "
+    shape = f"DP={dp} x TP={tp} x PP={pp}" if dp > 1 else f"TP={tp} x PP={pp}"
+    print(f"rayfree demo: toy engine, {shape} = {world} workers on {nnodes} simulated nodes "
           f"({world // nnodes} each), {steps} steps")
+    if dp > 1:
+        for r in range(dp):
+            print(f"  DP replica {r}: node(s) {par.nodes_of_replica(r)} (leader: node {par.nodes_of_replica(r)[0]})")
     from .demo import demo_secret
     with demo_secret() as secret, SimulatedCluster(nnodes) as sim:
         how = ("own network namespace, IP and /dev/shm each" if sim.mode == "netns"
@@ -100,7 +108,7 @@ def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, timeout_s: float
         # Followers first: start order does not matter, and this shows it.
         for k in reversed(range(nnodes)):
             procs.insert(0, sim.nodes[k].popen(node_command(), env=node_env(nnodes, k, master, port, tp, pp,
-                                                                                **extra)))
+                                                                                dp=dp, **extra)))
         codes: list[int | None] = []
         deadline = time.monotonic() + timeout_s
         try:

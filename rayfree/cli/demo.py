@@ -103,76 +103,92 @@ def drive(ex, steps: int | None = None) -> int:
     """The demo engine's driver (`rayfree node --entry rayfree.cli.demo:drive`): topology, steps, latency table.
 
     Steps come from RAYFREE_DEMO_STEPS (default 200); RAYFREE_DEMO_T0 (a time.time()) makes it say how long
-    the cluster took to become ready.
+    the cluster took to become ready. With DP, each replica's leader runs it on its own batches, and every
+    line says which replica it is about.
     """
     import torch
 
-    from rayfree.cli.toy_engine import make_batch, reference_forward
+    from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
     steps = steps if steps is not None else settings.get("RAYFREE_DEMO_STEPS")
     t0 = settings.get("RAYFREE_DEMO_T0")
     par = ex.parallel_config
-    print(f"  {par.world_size} workers on {par.nnodes_within_dp} node(s) ready"
-          + (f" after {time.time() - float(t0):.1f} s" if t0 else "") + f"; output rank {ex.output_rank}")
-    print()
-    print(f"  {'rank':<6}{'node':<6}{'ip':<16}{'process':<18}{'pid':>8}  {'broadcast':<10}{'replies':<8}")
+    dp, replica = par.data_parallel_size, ex.dp_rank
+    tag = f"[replica {replica}] " if dp > 1 else ""
+
+    def say(text: str = "") -> None:
+        print(f"  {tag}{text}" if text else "", flush=True)
+
+    say(f"{par.world_size} workers on {par.nnodes_within_dp} node(s) ready"
+        + (f" after {time.time() - float(t0):.1f} s" if t0 else "") + f"; output rank {ex.output_rank}")
+    # With DP: the replica, and each rank's place in the world all replicas share.
+    lines = [(f"{'replica':<9}" if dp > 1 else "") + f"{'rank':<6}" + (f"{'world':<7}" if dp > 1 else "")
+             + f"{'node':<6}{'ip':<16}{'process':<20}{'pid':>8}  {'broadcast':<10}{'replies':<8}"]
     for r in _topology(ex):
-        print(f"  {r['rank']:<6}{r['node']:<6}{r['ip']:<16}{r['process']:<18}{r['pid']:>8}  {r['broadcast']:<10}"
-              f"{r['replies']:<8}")
-    print(flush=True)
+        lines.append((f"{r['replica']:<9}" if dp > 1 else "") + f"{r['rank']:<6}"
+                     + (f"{r['global_rank']:<7}" if dp > 1 else "") + f"{r['node']:<6}{r['ip']:<16}"
+                     f"{r['process']:<20}{r['pid']:>8}  {r['broadcast']:<10}{r['replies']:<8}")
+    for line in lines:
+        say(line)
     lat: list[float] = []
     over: list[float] = []
-    bad = 0
-    tty = sys.stdout.isatty()
+    bad = bad_dp = 0
+    tty = sys.stdout.isatty() and dp == 1  # replicas share the terminal: plain progress lines
     t_run = time.perf_counter()
     for step in range(steps):
-        batch = make_batch(step)
+        batch = make_batch(step, replica=replica)
         t = time.perf_counter()
         out = ex.execute_model(batch)
         dt = time.perf_counter() - t
-        worker_s = ex.collective_rpc("step_time", unique_reply_rank=ex.output_rank)
+        report = ex.collective_rpc("step_report", unique_reply_rank=ex.output_rank)
         lat.append(dt)
-        over.append(max(0.0, dt - worker_s))
+        over.append(max(0.0, dt - report["seconds"]))
         bad += not torch.equal(out, reference_forward(batch["x"]))
+        bad_dp += dp > 1 and report["dp_sum"] != dp_sum(step, dp)
         if tty:
             done = (step + 1) * 30 // steps
             print(f"\r  [{'#' * done}{'.' * (30 - done)}] step {step + 1}/{steps}", end="", flush=True)
         elif (step + 1) % 50 == 0 or step == steps - 1:
-            print(f"  step {step + 1}/{steps}", flush=True)
+            say(f"step {step + 1}/{steps}")
     if tty:
         print()
     run_s = time.perf_counter() - t_run
-    print()
-    print(f"  {'steps':<34}{steps:>10}")
-    print(f"  {'steps per second':<34}{steps / run_s:>10.0f}")
-    print(f"  {'step latency p50 (us)':<34}{_pct(lat, 0.5) * 1e6:>10.0f}")
-    print(f"  {'step latency p99 (us)':<34}{_pct(lat, 0.99) * 1e6:>10.0f}")
-    print(f"  {'executor overhead p50 (us)':<34}{_pct(over, 0.5) * 1e6:>10.0f}")
-    print(f"  {'executor overhead p99 (us)':<34}{_pct(over, 0.99) * 1e6:>10.0f}")
-    print(f"  {'outputs equal to 1-process model':<34}{steps - bad:>10}", flush=True)
-    return 0 if bad == 0 else 1
+    rows = [("steps", steps), ("steps per second", round(steps / run_s)),
+            ("step latency p50 (us)", round(_pct(lat, 0.5) * 1e6)),
+            ("step latency p99 (us)", round(_pct(lat, 0.99) * 1e6)),
+            ("executor overhead p50 (us)", round(_pct(over, 0.5) * 1e6)),
+            ("executor overhead p99 (us)", round(_pct(over, 0.99) * 1e6)),
+            ("outputs equal to 1-process model", steps - bad)]
+    if dp > 1:
+        rows.append(("cross-replica all-reduce correct", steps - bad_dp))
+    for name, value in rows:
+        say(f"{name:<34}{value:>10}")
+    return 0 if bad == 0 and bad_dp == 0 else 1
 
 
-def run_engine_demo(tp: int, pp: int, steps: int) -> int:
-    """One node: the executor in this process."""
+def run_engine_demo(tp: int, pp: int, steps: int, dp: int = 1) -> int:
+    """One node: the executor(s) in this process (with DP, one per replica, in one world)."""
     from rayfree.cluster.config import ClusterConfig, ParallelConfig
-
-    from rayfree.executor.multiproc import MultiprocExecutor
-    if steps < 1:
-        print("rayfree demo: --steps must be >= 1", file=sys.stderr)
+    from rayfree.executor.replicas import NodeReplicas
+    from rayfree.transport.net import get_open_port
+    if steps < 1 or dp < 1:
+        print("rayfree demo: --steps and --dp must be >= 1", file=sys.stderr)
         return 2
-    config = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp))
-    n = config.parallel.world_size
-    print(f"rayfree demo: toy engine, TP={tp} x PP={pp} = {n} workers on this node, {steps} steps")
+    config = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                                   data_parallel_size=dp,
+                                                   master_port=get_open_port("127.0.0.1")))
+    n = config.parallel.world_size_across_dp
+    print(f"rayfree demo: toy engine, {f'DP={dp} x ' if dp > 1 else ''}TP={tp} x PP={pp} = {n} workers on this "
+          f"node, {steps} steps")
     print(f"  starting {n} workers (spawn, torch, gloo world and groups, model, queues) ...", flush=True)
     t0 = time.perf_counter()
-    ex = MultiprocExecutor(config, "rayfree.cli.toy_engine:ToyWorker")
+    reps = NodeReplicas(config, "rayfree.cli.toy_engine:ToyWorker")
     try:
         print(f"  ready in {time.perf_counter() - t0:.1f} s")
-        rc = drive(ex, steps)
+        codes = reps.run(lambda ex: drive(ex, steps))
     finally:
-        ex.shutdown()
-    clean = all(w.proc.exitcode == 0 for w in ex.workers)
-    ok = rc == 0 and clean
+        reps.shutdown()
+    clean = all(w.proc.exitcode == 0 for ex in reps.executors for w in ex.workers)
+    ok = all(c == 0 for c in codes) and clean
     print(f"  {'all outputs match the single-process model; workers exited cleanly' if ok else 'FAILED'}")
     return 0 if ok else 1
 

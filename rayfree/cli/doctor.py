@@ -39,8 +39,9 @@ def check_shm(config: ClusterConfig) -> Check:
     from rayfree.transport.shm_ring import shm_free_bytes
     from rayfree.worker.proc import REPLY_CHUNK_BYTES, REPLY_CHUNKS
     par = config.parallel
-    need = (DEFAULT_MAX_CHUNK_BYTES * DEFAULT_MAX_CHUNKS if par.node_rank_within_dp == 0 else 0) \
+    per_replica = (DEFAULT_MAX_CHUNK_BYTES * DEFAULT_MAX_CHUNKS if par.node_rank_within_dp == 0 else 0) \
         + par.local_ranks * REPLY_CHUNK_BYTES * REPLY_CHUNKS
+    need = per_replica * len(par.node_replicas)
     free = shm_free_bytes()
     if free is None:
         return Check("/dev/shm", "FAIL", "/dev/shm is missing or unreadable",
@@ -208,8 +209,17 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(f"rayfree doctor: the configuration itself is wrong: {e}")
         return 1
     par = config.parallel
-    print(f"rayfree doctor: node {par.node_rank} of {par.nnodes}, {par.local_ranks} rank(s) here, master "
-          f"{par.master_addr}:{par.master_port}")
+    print(f"rayfree doctor: node {par.node_rank} of {par.nnodes}, {par.local_ranks * len(par.node_replicas)} "
+          f"rank(s) here, master {par.master_addr}:{par.master_port}")
+    if par.data_parallel_size > 1:
+        print(f"  DP={par.data_parallel_size} replicas of {par.world_size} rank(s), in one world of "
+              f"{par.world_size_across_dp}:")
+        for r in range(par.data_parallel_size):
+            nodes = par.nodes_of_replica(r)
+            here = " <- this node" + (" (leads it)" if nodes[0] == par.node_rank else "") \
+                if par.node_rank in nodes else ""
+            print(f"    replica {r}: node(s) {nodes}, world ranks {par.global_rank(0, r)}.."
+                  f"{par.global_rank(par.world_size - 1, r)}{here}")
     checks = diagnose(config, quick=args.quick, fix=args.fix, ask=not args.quick and sys.stdin.isatty())
     for c in checks:
         print(f"  [{c.status:^4}] {c.name:<15} {c.detail}")

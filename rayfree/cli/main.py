@@ -26,9 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "otherwise), checks every output against the single-process model, and prints "
                                    "the topology and step latencies. --nodes 1 runs it in this process; "
                                    "--transport runs the transport-only demo instead.")
-    d.add_argument("--nodes", type=int, default=2, help="simulated nodes (default 2; 1: no simulation)")
+    d.add_argument("--nodes", type=int, default=None, help="simulated nodes (default 2, with --dp D: 2 x D; "
+                   "1: no simulation)")
     d.add_argument("--tp", type=int, default=2, help="tensor-parallel size (default 2)")
-    d.add_argument("--pp", type=int, default=2, help="pipeline-parallel size (default 2)")
+    d.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (default 2; with --dp: 1)")
+    d.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1); --dp 2: two replicas "
+                   "of TP=2, each over two nodes, in one world")
     d.add_argument("--steps", type=int, default=200, help="engine steps (default 200)")
     d.add_argument("--transport", action="store_true", help="the transport demo: one writer, shm and TCP readers")
     d.add_argument("--readers", type=int, default=3, help="--transport: local readers (default 3)")
@@ -67,11 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.transport:
             from .demo import run_transport_demo
             return run_transport_demo(args.readers, args.remote, args.messages)
-        if args.nodes <= 1:
+        nodes = args.nodes if args.nodes is not None else 2 * max(1, args.dp)
+        pp = args.pp if args.pp is not None else (1 if args.dp > 1 else 2)
+        if nodes <= 1:
             from .demo import run_engine_demo
-            return run_engine_demo(args.tp, args.pp, args.steps)
+            return run_engine_demo(args.tp, pp, args.steps, args.dp)
         from .cluster_demo import run_cluster_demo
-        return run_cluster_demo(args.nodes, args.tp, args.pp, args.steps)
+        return run_cluster_demo(nodes, args.tp, pp, args.steps, args.dp)
     if args.command == "node":
         from .node import run_node
         return run_node(args)

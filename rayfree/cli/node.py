@@ -1,13 +1,22 @@
-"""`rayfree node`: run one node of a cluster — the leader with the engine's entry point, or a headless follower.
+"""`rayfree node`: run one node of a cluster — a leader with the engine's entry point, or a headless follower.
+
+With data parallelism (--dp D) the nodes split into D replicas of nnodes/D
+nodes each (or, when D >= nnodes, each node holds D/nnodes whole replicas).
+The first node of each replica leads it: it runs an executor and the entry
+point, called with that executor (`ex.dp_rank` says which replica); the
+replica's other nodes are headless followers. Every rank of every replica
+joins one torch.distributed world at master_addr:master_port (node 0), and
+node 0 watches every node's heartbeats (executor/liveness.py).
 
 Every option also comes from the environment (RAYFREE_WORKER, RAYFREE_ENTRY,
 RAYFREE_HEADLESS, RAYFREE_WORKER_KWARGS and every RAYFREE_<config field>) and
 from a config file (the cluster fields, plus a [node] table with worker,
 entry, headless, worker_kwargs), so a compose file can hold the whole invocation.
 
-Exit codes: 0 clean stop (the entry returned 0, the leader shut down, or
-SIGTERM); 1 the cluster failed (a node or worker lost, the leader gone); 2 bad
-usage; otherwise the entry point's own return value.
+Exit codes: 0 clean stop (every entry returned 0 and node 0 stopped the
+cluster, or SIGTERM); 1 the cluster failed (a node or worker lost, node 0
+gone), even if an entry point returned 0 after seeing it; 2 bad usage;
+otherwise the first non-zero code an entry point returned.
 """
 
 from __future__ import annotations
@@ -125,9 +134,8 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
     headless = (_option(args, "headless", env, file) or "0").strip().lower() in ("1", "true", "yes")
     entry = _option(args, "entry", env, file)
     leader = par.node_rank_within_dp == 0
-    if par.nnodes > 1 and par.data_parallel_size > 1:
-        raise NodeUsageError("rayfree node runs one DP replica across nodes; data_parallel_size > 1 with several "
-                             "nodes is not supported yet: run one replica per set of nodes")
+    replica = f"DP replica {par.dp_rank}" if par.data_parallel_size > 1 else "its replica"
+    followers = par.nodes_of_replica(par.dp_rank)[1:]
     if par.nnodes > 1:
         from rayfree.transport.security import insecure, process_secret
         if process_secret() is None and not insecure():
@@ -136,13 +144,17 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
                                  "RAYFREE_SECRET_FILE; in compose, the rayfree_secret secret), or pass "
                                  "--insecure on a trusted network")
     if leader and headless:
-        raise NodeUsageError(f"node_rank={par.node_rank} leads its replica, so it cannot be --headless: give the "
-                             f"followers node ranks 1..{par.nnodes - 1}")
+        raise NodeUsageError(f"node_rank={par.node_rank} leads {replica}, so it cannot be --headless"
+                             + (f": its followers are node(s) {followers}" if followers else
+                                " (with this many nodes per replica, every node leads one)"))
     if leader and not entry:
-        raise NodeUsageError("node 0 runs the engine: give --entry package.module:function (called with the "
-                             "executor), or start this node with --node-rank >= 1 --headless")
+        raise NodeUsageError(f"node {par.node_rank} leads {replica} and runs the engine: give --entry "
+                             f"package.module:function (called with the executor)"
+                             + (", or start a follower with --headless and another --node-rank" if followers or
+                                par.nnodes_within_dp > 1 else ""))
     if not leader and entry:
-        raise NodeUsageError(f"node {par.node_rank} is a follower: only node 0 runs the entry point; drop --entry "
+        raise NodeUsageError(f"node {par.node_rank} is a follower of {replica}: only its first node "
+                             f"({par.nodes_of_replica(par.dp_rank)[0]}) runs the entry point; drop --entry "
                              f"(RAYFREE_ENTRY) here")
     return config, worker, kwargs, entry
 
@@ -158,26 +170,26 @@ def run_node(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     par = config.parallel
     role = "leader" if entry else "follower"
-    logger.info("node %d/%d (%s): %d rank(s) from %d, master %s:%d, worker %s", par.node_rank, par.nnodes, role,
-                par.local_ranks, par.global_start_rank, par.master_addr, par.master_port, worker)
+    dp = f", DP replica(s) {par.node_replicas} of {par.data_parallel_size}" if par.data_parallel_size > 1 else ""
+    logger.info("node %d/%d (%s%s): %d rank(s) from %d, master %s:%d, worker %s", par.node_rank, par.nnodes, role,
+                dp, par.local_ranks, par.global_start_rank, par.master_addr, par.master_port, worker)
 
     def on_signal(signum: int, frame: Any) -> None:
         raise _StopRequested(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     from rayfree.executor.errors import ExecutorError
-    from rayfree.executor.multiproc import MultiprocExecutor
-    ex: MultiprocExecutor | None = None
+    from rayfree.executor.replicas import NodeReplicas
+    reps: NodeReplicas | None = None
     try:
-        ex = MultiprocExecutor(config, worker, kwargs)
+        reps = NodeReplicas(config, worker, kwargs)
         if entry is not None:
-            rc = entry(ex)
-            return rc if isinstance(rc, int) else 0
+            return _lead(reps, entry)
         logger.info("node %d: %d worker(s) ready; serving the leader until it stops", par.node_rank, par.local_ranks)
-        while not ex.wait_done(1.0):
+        while not reps.wait_done(1.0):
             pass
-        if ex.failure is not None:
-            logger.error("node %d stopped: %s", par.node_rank, ex.failure)
+        if reps.failure is not None:
+            logger.error("node %d stopped: %s", par.node_rank, reps.failure)
             return EXIT_FAILED
         return 0
     except _StopRequested as e:
@@ -193,8 +205,31 @@ def run_node(args: argparse.Namespace) -> int:
     finally:
         for s in old:  # the shutdown is bounded by its stages; a second signal must not cut it short
             signal.signal(s, signal.SIG_IGN)
-        if ex is not None:
-            ex.shutdown()
+        if reps is not None:
+            reps.shutdown()
         for s, h in old.items():
             signal.signal(s, h)
 
+
+
+def _lead(reps: Any, entry: Callable[[Any], Any]) -> int:
+    """Run the entry point for every replica this node leads; then wait until the whole cluster may stop.
+
+    An entry that raises fails the cluster (every node stops, non-zero); one that returns a code ends its
+    replica cleanly, and the node exits with the first non-zero code once every replica is done.
+    """
+    from rayfree.executor.errors import ExecutorError
+    results = reps.run(entry)
+    raised = [(ex, r) for ex, r in zip(reps.leaders, results) if isinstance(r, BaseException)]
+    for ex, e in raised:
+        if not isinstance(e, ExecutorError):  # the engine's own error: the other nodes must stop too
+            ex._stop_reason = f"DP replica {ex.dp_rank}'s entry point raised {type(e).__name__}: {e}"
+    if raised:
+        if not isinstance(raised[0][1], ExecutorError):
+            logger.error("%s", raised[0][0]._stop_reason)
+        return EXIT_FAILED
+    if not reps.finish():
+        logger.error("node %d: the cluster failed: %s", reps.config.parallel.node_rank, reps.failure)
+        return EXIT_FAILED
+    codes = [r if isinstance(r, int) else 0 for r in results]
+    return next((c for c in codes if c), 0)

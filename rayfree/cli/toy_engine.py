@@ -8,6 +8,12 @@ activations go from stage to stage with gloo send/recv.
 
 Weights are small integers and activations float64, so every partial sum is
 exact and the distributed result equals `reference_forward` bit for bit.
+
+With data parallelism each replica runs its own batches (`make_batch(step,
+replica=r)`), and every step all-reduces the sum of each replica's input over
+the DP group, across replicas (`step_report()["dp_sum"]`), as an MoE model's
+expert-parallel all-to-all would: a replica without its cross-replica group,
+or one that is not stepping, fails it.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 
 from rayfree.worker.base import WorkerBase
 
-__all__ = ["ToyWorker", "make_weights", "reference_forward", "make_batch"]
+__all__ = ["ToyWorker", "make_weights", "reference_forward", "make_batch", "dp_sum"]
 
 D_MODEL, D_HIDDEN, N_LAYERS, SEED = 8, 16, 4, 1234
 
@@ -31,10 +37,15 @@ def make_weights(n_layers: int = N_LAYERS, d: int = D_MODEL, h: int = D_HIDDEN, 
             for _ in range(n_layers)]
 
 
-def make_batch(step: int, batch: int = 4, d: int = D_MODEL) -> dict[str, Any]:
-    """A batch of integer-valued activations, different every step."""
-    g = torch.Generator().manual_seed(step)
+def make_batch(step: int, batch: int = 4, d: int = D_MODEL, replica: int = 0) -> dict[str, Any]:
+    """A batch of integer-valued activations, different every step and every DP replica."""
+    g = torch.Generator().manual_seed(step + replica * 1_000_003)
     return {"step": step, "x": torch.randint(-3, 4, (batch, d), generator=g).double()}
+
+
+def dp_sum(step: int, replicas: int) -> float:
+    """What every replica's step `step` all-reduces: the sum of all replicas' inputs."""
+    return float(sum(make_batch(step, replica=r)["x"].sum() for r in range(replicas)))
 
 
 def reference_forward(x: torch.Tensor, weights=None) -> torch.Tensor:
@@ -48,8 +59,8 @@ class ToyWorker(WorkerBase):
     """Worker kwargs: n_layers, d_model, d_hidden, seed (defaults above)."""
 
     def load_model(self) -> None:
-        from rayfree.cluster.parallel_state import get_pp_group, get_tp_group
-        self.tp, self.pp = get_tp_group(), get_pp_group()
+        from rayfree.cluster.parallel_state import get_dp_group, get_pp_group, get_tp_group
+        self.tp, self.pp, self.dp = get_tp_group(), get_pp_group(), get_dp_group()
         n_layers = self.kwargs.get("n_layers", N_LAYERS)
         d, h = self.kwargs.get("d_model", D_MODEL), self.kwargs.get("d_hidden", D_HIDDEN)
         if h % self.tp.world_size or n_layers % self.pp.world_size:
@@ -62,12 +73,17 @@ class ToyWorker(WorkerBase):
         lo = self.tp.rank_in_group * cols
         self.layers = [(w1[lo:lo + cols].contiguous(), w2[:, lo:lo + cols].contiguous()) for w1, w2 in mine]
         self.last_step_s = 0.0
+        self.last_dp_sum = 0.0
 
     def execute_model(self, scheduler_output: dict[str, Any]) -> torch.Tensor | None:
         import torch.distributed as dist
         t0 = time.perf_counter()
         pp = self.pp
         x = scheduler_output["x"]
+        if self.dp.world_size > 1:  # across replicas: every rank of every replica takes part
+            total = x.sum().reshape(1)
+            dist.all_reduce(total, group=self.dp.cpu_group)
+            self.last_dp_sum = float(total.item())
         if pp.rank_in_group > 0:
             x = torch.empty_like(x)
             dist.recv(x, src=pp.ranks[pp.rank_in_group - 1], group=pp.cpu_group)
@@ -91,6 +107,6 @@ class ToyWorker(WorkerBase):
     def execute_dummy_batch(self) -> None:
         self.execute_model(make_batch(0, batch=1, d=self.layers[0][0].shape[1] if self.layers else D_MODEL))
 
-    def step_time(self) -> float:
-        """Seconds the last execute_model spent in this worker."""
-        return self.last_step_s
+    def step_report(self) -> dict[str, float]:
+        """The last execute_model: seconds spent in this worker, and the cross-replica sum (DP only)."""
+        return {"seconds": self.last_step_s, "dp_sum": self.last_dp_sum}

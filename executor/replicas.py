@@ -1,0 +1,122 @@
+"""`NodeReplicas`: the DP replicas one node runs, started together and stopped together.
+
+With data parallelism every replica's ranks join one torch.distributed world,
+so no replica becomes ready alone: the executors of a node that holds several
+replicas (DP >= nnodes) are started side by side, each in its own thread, with
+one `NodeLiveness` between them. A node that leads a replica runs the
+engine's entry point with that replica's executor (its `dp_rank` says which);
+a follower node of a replica that spans nodes only serves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable
+
+import msgspec
+
+from rayfree.cluster.config import ClusterConfig
+
+from .liveness import NodeLiveness
+from .multiproc import MultiprocExecutor
+
+__all__ = ["NodeReplicas"]
+
+logger = logging.getLogger("rayfree.executor")
+
+#: How often the waiting thread wakes to let a signal handler run.
+_WAKE_S = 0.5
+
+
+class NodeReplicas:
+    """Start the executors of every DP replica on this node (see the module docstring); raise the first
+    start-up failure after stopping the rest."""
+
+    def __init__(self, config: ClusterConfig, worker_cls: Any, worker_kwargs: dict[str, Any] | None = None) -> None:
+        par = config.parallel
+        self.config = config
+        self.dp_ranks = par.node_replicas
+        self.liveness = NodeLiveness(config, len(self.dp_ranks))
+        self.executors: list[MultiprocExecutor] = []
+        configs = [msgspec.structs.replace(config, parallel=msgspec.structs.replace(par, data_parallel_rank=r))
+                   for r in self.dp_ranks]
+        if len(configs) == 1:
+            self.executors = [MultiprocExecutor(configs[0], worker_cls, worker_kwargs, liveness=self.liveness)]
+            return
+        made: dict[int, MultiprocExecutor] = {}
+        errors: dict[int, BaseException] = {}
+
+        def start(i: int) -> None:
+            try:
+                made[i] = MultiprocExecutor(configs[i], worker_cls, worker_kwargs, liveness=self.liveness)
+            except BaseException as e:  # noqa: BLE001 - reported below, after the others are stopped
+                errors[i] = e
+                self.liveness.fail_all(e)
+
+        threads = [threading.Thread(target=start, args=(i,), name=f"RayfreeStartReplica-{r}", daemon=True)
+                   for i, r in enumerate(self.dp_ranks)]
+        for t in threads:
+            t.start()
+        try:
+            for t in threads:
+                while t.is_alive():
+                    t.join(_WAKE_S)
+        except BaseException:  # a signal while starting: the executors still starting fail on their own
+            self.liveness.fail_all(RuntimeError("start-up interrupted"))
+            raise
+        finally:
+            self.executors = [made[i] for i in sorted(made)]
+        if errors:
+            self.shutdown()
+            raise errors[min(errors)]
+
+    @property
+    def leaders(self) -> list[MultiprocExecutor]:
+        """The executors that broadcast (this node leads their replica)."""
+        return [ex for ex in self.executors if ex.is_leader]
+
+    def run(self, entry: Callable[[MultiprocExecutor], Any]) -> list[Any]:
+        """Call `entry(ex)` for every replica this node leads (side by side when there are several) and return
+        what each returned; an exception is returned in its place."""
+        leaders = self.leaders
+        if len(leaders) == 1:
+            return [self._call(entry, leaders[0])]
+        results: list[Any] = [None] * len(leaders)
+
+        def call(i: int) -> None:
+            results[i] = self._call(entry, leaders[i])
+
+        threads = [threading.Thread(target=call, args=(i,), name=f"RayfreeEntry-{ex.dp_rank}", daemon=True)
+                   for i, ex in enumerate(leaders)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(_WAKE_S)
+        return results
+
+    @staticmethod
+    def _call(entry: Callable[[MultiprocExecutor], Any], ex: MultiprocExecutor) -> Any:
+        try:
+            return entry(ex)
+        except Exception as e:  # noqa: BLE001 - the caller turns it into an exit code
+            logger.error("DP replica %d: the entry point raised %s: %s", ex.dp_rank, type(e).__name__, e)
+            logger.debug("traceback", exc_info=True)
+            return e
+
+    def finish(self) -> bool:
+        """The entries have returned: wait until the whole cluster may stop; False if it failed instead."""
+        return self.liveness.finish()
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Until every executor of this node has shut down (a follower node's whole life)."""
+        return all(ex.wait_done(timeout) for ex in self.executors)
+
+    @property
+    def failure(self) -> Exception | None:
+        return self.liveness.failure or next((ex.failure for ex in self.executors if ex.failure), None)
+
+    def shutdown(self) -> None:
+        for ex in self.executors:
+            ex.shutdown()
