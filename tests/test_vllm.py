@@ -54,11 +54,11 @@ def _cpu_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if "cpushm" in n or n.startswith(("rayfree-", "psm_"))}
 
 
-def run_engine(model: str, backend: str, mode: str, timeout: float = 300) -> tuple[str, int]:
+def run_engine(model: str, backend: str, mode: str, *flags: str, timeout: float = 300) -> tuple[str, int]:
     """One engine process in its own session: its output, after checking it left no process or segment
     (and, when nothing was killed, that multiprocessing's resource tracker did not have to remove one)."""
     before = _cpu_segments()
-    p = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine", model, backend, mode], cwd=ROOT, env=_env(),
+    p = subprocess.Popen([sys.executable, "-m", "tests.vllm_engine", model, backend, mode, *flags], cwd=ROOT, env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=timeout)
@@ -91,6 +91,15 @@ def test_tp2_on_one_node_gives_vllm_s_own_tokens(model, mp_tokens) -> None:
     assert r["calls"] == [mp_tokens, mp_tokens], (r, mp_tokens)  # the second call too
     assert len(mp_tokens) == 3 and all(len(t) == 16 for t in mp_tokens)
     assert "RayfreeExecutor" in out and "Worker_TP1" in out  # vLLM's args; rayfree's worker titles
+
+
+@pytest.mark.timeout(300)
+def test_async_scheduling_gives_the_same_tokens(model, mp_tokens) -> None:
+    """vLLM overlaps steps: execute_model and sample_tokens come as futures, several outstanding."""
+    out, _ = run_engine(model, "rayfree", "generate", "--async-scheduling")
+    (r,) = _lines(out, "TOKENS")
+    assert r["calls"] == [mp_tokens, mp_tokens], (r, mp_tokens)
+    assert "'async_scheduling': True" in out  # vLLM took the flag
 
 
 @pytest.mark.timeout(300)

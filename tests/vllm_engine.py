@@ -134,6 +134,8 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    ap.add_argument("--async-scheduling", action="store_true", help="vLLM's async scheduling (steps overlap)")
     ap.add_argument("--nnodes", type=int, default=1, help="mp only: vLLM's own multi-node (node 0 here)")
     ap.add_argument("--master-addr", default="127.0.0.1")
     ap.add_argument("--master-port", type=int, default=29500)
@@ -142,6 +144,10 @@ def main() -> int:
     extra: dict[str, Any] = {}
     if a.mode == "bench":
         extra.update(worker_cls=TIMED_WORKER, async_scheduling=False)
+    if a.async_scheduling:
+        extra["async_scheduling"] = True
+    if a.pp > 1:
+        extra["pipeline_parallel_size"] = a.pp
     if a.nnodes > 1:
         extra.update(nnodes=a.nnodes, node_rank=0, master_addr=a.master_addr, master_port=a.master_port)
     llm = make_llm(a.model, a.backend, a.tp, **extra)
