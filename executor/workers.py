@@ -63,6 +63,12 @@ def start_context() -> Any:
     return multiprocessing.get_context(method)
 
 
+#: One group spawns at a time in a process: a node running several DP replicas starts their executors from
+#: threads, and starting processes (the environment below, multiprocessing's spawn preparation and its
+#: resource tracker) is not safe to interleave.
+_SPAWN_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _worker_env() -> Iterator[None]:
     """While workers start: one OpenMP thread each unless OMP_NUM_THREADS is set (N workers x all cores
@@ -122,7 +128,7 @@ class WorkerGroup:
         par = self.config.parallel
         inherited: list[int] | None = [] if context.get_start_method() == "fork" else None
         policy = security.current()  # handed to each worker explicitly (never through os.environ)
-        with _worker_env():
+        with _SPAWN_LOCK, _worker_env():
             for local_rank, rank in enumerate(self.ranks):
                 ready_r, ready_w = context.Pipe(duplex=False)
                 death_r, death_w = context.Pipe(duplex=False)
