@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -96,12 +97,39 @@ def get_ip(peer: str | None = None) -> str:
 
 
 def get_open_port(host: str | None = None) -> int:
-    """A TCP port that is free right now on `host` (default: this host's cluster address)."""
-    host = host or get_ip()
+    """A TCP port that is free right now on `host` (default: this host's cluster address).
+
+    Picked below the kernel's ephemeral range when there is room: a port from that range, once released
+    here, is one the kernel may hand to any outgoing connection on the machine a moment later, before the
+    caller binds it (seen in CI: a rendezvous port taken that way). Falls back to the kernel's choice.
+    """
+    host = (host or get_ip()).strip("[]")
     family = socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64 if low > _FIXED_LOW + 1000 else 0):
+        port = rng.randrange(_FIXED_LOW, low)
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host.strip("[]"), 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+#: the lowest port get_open_port picks (below it: well-known and registered services)
+_FIXED_LOW = 10000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def runtime_dir() -> str:
