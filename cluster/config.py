@@ -81,6 +81,10 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         n = self.nnodes_within_dp
         return list(range(dp_rank * n, (dp_rank + 1) * n))
 
+    def leads(self, node: int) -> bool:
+        """Is node `node` the first of its replica (it runs the executor that broadcasts, and the entry)?"""
+        return node % self.nnodes_within_dp == 0
+
     @property
     def node_replicas(self) -> list[int]:
         """The DP ranks this node runs."""

@@ -125,9 +125,13 @@ class NodeLiveness:
             if self.failure is None:
                 self.failure = error
         self.settled.set()
+        self._fail_each(error)
+
+    def _fail_each(self, error: Exception, but: MultiprocExecutor | None = None) -> None:
         for ex in self.executors():
-            ex._fast_stop = True  # peers may hang in gloo: do not wait long for them
-            ex._fail(error)
+            if ex is not but:
+                ex._fast_stop = True  # peers may hang in gloo: do not wait long for them
+                ex._fail(error)
 
     def stopped(self, ex: MultiprocExecutor, failure: Exception | None, reason: str) -> None:
         """Executor `ex` is shutting down (before its workers stop); tell whoever must know."""
@@ -136,13 +140,9 @@ class NodeLiveness:
             with self._lock:
                 first = self.failure is None
                 if first:
-                    self.failure = failure or ReplicaFailed(self.par.dp_rank, why)
-            if first and len(self.executors()) > 1:
-                sibling = ReplicaFailed(ex.parallel_config.dp_rank, why)
-                for other in self.executors():
-                    if other is not ex:
-                        other._fast_stop = True
-                        other._fail(sibling)
+                    self.failure = failure or ReplicaFailed(ex.dp_rank, why)
+            if first:  # this node's other replicas share collectives with it
+                self._fail_each(ReplicaFailed(ex.dp_rank, why), but=ex)
             self.settled.set()
             self._close(Bye(self.node, False, why[:300]))
             return
@@ -171,8 +171,7 @@ class NodeLiveness:
             self.beater.done = True
             self.settled.wait()  # bounded: node 0's goodbye, or its silence (heartbeat_timeout_s)
             return self.failure is None
-        leaders = [k for k in range(1, self.par.nnodes) if self.par.nodes_of_replica(
-            self.par.replicas_of_node(k)[0])[0] == k]
+        leaders = [k for k in range(1, self.par.nnodes) if self.par.leads(k)]
         if leaders:
             logger.info("node 0: this node's replicas are done; waiting for the replica leader(s) on node(s) %s",
                         leaders)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from rayfree.cluster.config import ParallelConfig
 from rayfree.cluster.simulate import SimulatedCluster
 
 from .nodes import Nodes, NodeProc
@@ -22,13 +23,13 @@ pytestmark = needs_root
 def start(nodes: Nodes, nnodes: int, dp: int, tp: int, entry: str, order: str = "leaders first",
           **env: str) -> dict[int, NodeProc]:
     """Every node of a DP layout; the first node of each replica leads it (head on node 0, leader elsewhere)."""
-    per_replica = max(1, nnodes // dp)
+    layout = ParallelConfig(data_parallel_size=dp, nnodes=nnodes)
     shape = {"RAYFREE_NNODES": str(nnodes), "RAYFREE_DATA_PARALLEL_SIZE": str(dp),
              "RAYFREE_TENSOR_PARALLEL_SIZE": str(tp), "RAYFREE_PIPELINE_PARALLEL_SIZE": "1", **env}
     ks = list(range(nnodes)) if order == "leaders first" else list(reversed(range(nnodes)))
     procs = {}
     for k in ks:
-        lead = k % per_replica == 0
+        lead = layout.leads(k)
         service = "head" if k == 0 else "leader" if lead else "follower"
         procs[k] = nodes.start(k, service, **shape, **({"RAYFREE_ENTRY": entry} if lead else {}))
     return procs

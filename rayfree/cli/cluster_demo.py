@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from rayfree.cluster.config import ParallelConfig
 from rayfree.cluster.simulate import SimulatedCluster
 from rayfree.procs import cmdline, group_members
 from rayfree.transport.net import get_open_port
@@ -36,7 +37,7 @@ def node_env(nnodes: int, node_rank: int, master_addr: str, master_port: int, tp
     env = {"RAYFREE_NNODES": str(nnodes), "RAYFREE_NODE_RANK": str(node_rank), "RAYFREE_MASTER_ADDR": master_addr,
            "RAYFREE_MASTER_PORT": str(master_port), "RAYFREE_TENSOR_PARALLEL_SIZE": str(tp),
            "RAYFREE_PIPELINE_PARALLEL_SIZE": str(pp), "RAYFREE_DATA_PARALLEL_SIZE": str(dp), "RAYFREE_WORKER": worker}
-    if node_rank % max(1, nnodes // dp) == 0:  # the first node of a DP replica leads it
+    if ParallelConfig(data_parallel_size=dp, nnodes=nnodes).leads(node_rank):  # the first node of a DP replica
         env["RAYFREE_ENTRY"] = entry or ENTRY
     else:
         env["RAYFREE_HEADLESS"] = "1"
@@ -71,7 +72,7 @@ def _group_members(pgid: int, wait_s: float = 5.0) -> list[str]:
 
 
 def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, timeout_s: float = 300.0) -> int:
-    from rayfree.cluster.config import ConfigError, ParallelConfig
+    from rayfree.cluster.config import ConfigError
     if steps < 1 or nnodes < 2:
         print("rayfree demo: --steps must be >= 1 and --nodes >= 2 here", file=sys.stderr)
         return 2

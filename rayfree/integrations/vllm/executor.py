@@ -11,9 +11,7 @@ a stopped head stops its followers.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from typing import Any, Callable
 
 import vllm.envs as envs
@@ -22,7 +20,7 @@ from vllm.v1.executor.abstract import Executor
 from rayfree.executor.multiproc import MultiprocExecutor
 
 from .config import cluster_config
-from .worker import cpu_segments, vllm_init_method
+from .worker import remove_cpu_segments, vllm_init_method
 
 __all__ = ["RayfreeExecutor", "WORKER"]
 
@@ -128,10 +126,8 @@ class _Executor(MultiprocExecutor):
 
 
 def _remove_cpu_segments(init_method: str) -> None:
-    """vLLM's CPU collectives name their shared memory after the rendezvous port and unlink it in the
+    """vLLM's CPU collectives name their shared memory after the rendezvous address and unlink it in the
     workers' own shutdown, which a killed worker never reaches: once every worker has stopped, what is
     left of this engine's is removed."""
-    for path in cpu_segments(init_method.split(":")[-1]):  # the name vLLM's CPU worker gives it
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-            logger.info("removed %s, left by a worker that did not stop cleanly", path)
+    for path in remove_cpu_segments(init_method.split(":")[-1]):  # the name vLLM's CPU worker gives it
+        logger.info("removed %s, left by a worker that did not stop cleanly", path)

@@ -81,9 +81,7 @@ class VllmWorker:
         finally:
             destroy_model_parallel()
             destroy_distributed_environment()
-            for path in self.leftovers():  # the whole engine is stopping: its peers let go of them too
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            remove_cpu_segments(os.environ.get("VLLM_DIST_IDENT", ""))  # the engine is stopping: peers too
 
     def leftovers(self) -> list[str]:
         """vLLM's CPU collectives' shared memory ("<port>-tp:0-...cpushm_<rank>"), which only a clean
@@ -117,3 +115,13 @@ def cpu_segments(ident: str) -> list[str]:
     except OSError:
         return []
     return [os.path.join(SHM_DIR, n) for n in names if n.startswith(f"{ident}-") and "cpushm" in n]
+
+
+def remove_cpu_segments(ident: str) -> list[str]:
+    """Unlink what `cpu_segments(ident)` lists; the paths removed."""
+    removed = []
+    for path in cpu_segments(ident):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(path)
+    return removed
