@@ -6,12 +6,15 @@ of the cluster it thinks it is in (world size and parallel shape), so a rank
 that never comes is named, and nodes started with different sizes (`--tp 2`
 on one, `--tp 4` on the other) are told so, with what each one has, instead of
 "rank 1 never joined". The whole join, store connection included, ends
-within `timeout_s`.
+within `timeout_s`. Rank 0 hosts the store, so when it sees a disagreement it
+keeps the store open a little longer (`TELL_S`) for ranks still on their way,
+who would otherwise only learn that the rendezvous is gone.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import time
 
 import torch.distributed as dist
@@ -22,6 +25,9 @@ from .group import GroupError
 __all__ = ["JoinError", "join", "shape_of"]
 
 _SCAN_S = 0.5
+TELL_S = 5.0  # how long rank 0 keeps the store open after a disagreement, for late ranks to hear of it
+
+log = logging.getLogger("rayfree.cluster.join")
 
 
 class JoinError(GroupError):
@@ -60,14 +66,14 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
             now = time.monotonic()
             if now >= next_scan or now >= deadline:  # who is missing, and does anyone disagree?
                 missing = [r for r in range(world_size) if not store.check([keys[r]])]
-                seen = _check_agreement(store, seen, me, rank)
+                seen = _check_agreement(store, seen, me, rank, deadline)
                 next_scan = now + _SCAN_S
             if now >= deadline:
                 raise JoinError(f"rank {rank}: rank(s) {missing} of {world_size} never joined the world at "
                                 f"{host}:{port} within {timeout_s:.0f}s (join_timeout_s); check that their node "
                                 f"started and can reach {host}")
             time.sleep(0.02)
-        _check_agreement(store, seen, me, rank)
+        _check_agreement(store, seen, me, rank, deadline)
     except JoinError:
         raise
     except Exception as e:  # noqa: BLE001 - the store went away: rank 0 gave up or died
@@ -76,16 +82,36 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
     return store
 
 
-def _check_agreement(store, seen: int, me: str, rank: int) -> int:
+def _check_agreement(store, seen: int, me: str, rank: int, deadline: float) -> int:
     """Read the arrivals after the first `seen`; JoinError if one's world or shape is not this rank's."""
     count = int(store.add("rayfree/arrivals", 0))
     for i in range(seen + 1, count + 1):
         other = store.get(f"rayfree/arrival/{i}").decode()
         if _world_and_shape(other) != _world_and_shape(me):
-            raise JoinError(f"the nodes disagree on the cluster's shape: {_describe(me)} but "
+            err = JoinError(f"the nodes disagree on the cluster's shape: {_describe(me)} but "
                             f"{_describe(other)}; start every node with the same sizes (--tp, --pp, --dp, "
                             f"--nnodes, ...)")
+            if rank == 0:
+                _tell_late_ranks(store, err, deadline)
+            raise err
     return count
+
+
+def _tell_late_ranks(store, err: JoinError, deadline: float) -> None:
+    """Rank 0 (the store's host) stays until every rank any arrival expects has registered, or TELL_S."""
+    log.error("%s; keeping the rendezvous open up to %.0fs for ranks still on their way", err, TELL_S)
+    until = min(time.monotonic() + TELL_S, deadline)
+    try:
+        while time.monotonic() < until:
+            count = int(store.add("rayfree/arrivals", 0))
+            worlds = [int(_world_and_shape(store.get(f"rayfree/arrival/{i}").decode())[0])
+                      for i in range(1, count + 1)]
+            if all(store.check([f"rayfree/join/{r}"]) for r in range(max(worlds))):
+                time.sleep(2 * _SCAN_S)  # the last to come reads the arrivals at its next scan
+                return
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - telling them is best effort; the error stands
+        return
 
 
 def _world_and_shape(entry: str) -> tuple[str, str]:
