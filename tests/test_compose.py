@@ -79,8 +79,11 @@ def test_the_dp_layout_the_compose_file_shows_is_the_demo_s() -> None:
         _, env = compose_invocation(service, {**dp, "RAYFREE_NODE_RANK": str(k)})
         demo = node_env(4, k, VALUES["RAYFREE_MASTER_ADDR"], 29500, 2, 1, dp=2)
         assert {x: v for x, v in env.items() if x != "RAYFREE_HEARTBEAT_TIMEOUT_S"} == demo, (k, service)
-    with pytest.raises(KeyError, match="RAYFREE_NODE_RANK"):  # a replica leader must be told which node it is
-        compose_invocation("leader", dp)
+    # Without RAYFREE_NODE_RANK the leader is node 2: the first node of replica 1 in this layout (compose v1
+    # interpolates the whole file for every command, so a required variable would break `up head` too).
+    _, env = compose_invocation("leader", dp)
+    assert env["RAYFREE_NODE_RANK"] == "2" and ParallelConfig(
+        tensor_parallel_size=2, data_parallel_size=2, nnodes=4, node_rank=2).leads(2)
 
 
 def test_the_image_installs_every_package() -> None:
@@ -88,4 +91,10 @@ def test_the_image_installs_every_package() -> None:
         dockerfile = f.read()
     for pkg in ("transport", "cluster", "worker", "executor", "rayfree"):
         assert f"COPY {pkg} {pkg}" in dockerfile, pkg
-    assert "torch==2.13.0" in dockerfile and "pip install --no-cache-dir ." in dockerfile
+    assert "FROM ${BASE_IMAGE}" in dockerfile and "torch==2.13.0" in dockerfile
+    # Offline from the wheelhouse (make wheelhouse), else from the indexes; numpy beside torch either way.
+    assert "--no-index --find-links /tmp/wheelhouse rayfree numpy" in dockerfile
+    assert "pip install --no-cache-dir numpy ." in dockerfile
+    with open(os.path.join(ROOT, ".dockerignore")) as f:
+        admitted = {ln[1:] for ln in f.read().split() if ln.startswith("!")}
+    assert {"transport", "cluster", "worker", "executor", "rayfree", "pyproject.toml", "docker/wheelhouse"} <= admitted
