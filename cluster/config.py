@@ -208,6 +208,10 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: how long a worker or the executor may spin for the next message before it parks (microseconds; the
     #: spin adapts to recent waits up to this cap); None: RAYFREE_SPIN_US
     spin_us: float | None = None
+    #: a call (or its send) waiting this long is reported, and again at this interval, naming the ranks it waits for
+    stall_report_s: float = 10.0
+    #: after this long, the local ranks such a call waits for dump their Python stacks into the log; None: never
+    stall_dump_s: float | None = 60.0
     #: methods whose exception on any rank is fatal (peers may be blocked in a collective with that rank)
     collective_methods: list[str] = msgspec.field(
         default_factory=lambda: ["execute_model", "sample_tokens", "compile_or_warm_up_model"])
@@ -215,12 +219,15 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def validate(self, check_local_master: bool = False) -> ClusterConfig:
         self.parallel.validate(check_local_master)
         for name in ("join_timeout_s", "ready_timeout_s", "shutdown_grace_s", "shutdown_term_s",
-                     "heartbeat_interval_s", "heartbeat_timeout_s"):
+                     "heartbeat_interval_s", "heartbeat_timeout_s", "stall_report_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"{name}={v!r}: must be a positive number of seconds")
         if self.spin_us is not None and (not isinstance(self.spin_us, (int, float)) or self.spin_us < 0):
             raise ConfigError(f"spin_us={self.spin_us!r}: must be >= 0 microseconds (0 never spins), or unset")
+        if self.stall_dump_s is not None and (not isinstance(self.stall_dump_s, (int, float)) or self.stall_dump_s <= 0):
+            raise ConfigError(f"stall_dump_s={self.stall_dump_s!r}: must be a positive number of seconds, or unset "
+                              f"to never dump stacks")
         if self.rpc_timeout_s is not None and self.rpc_timeout_s <= 0:
             raise ConfigError(f"rpc_timeout_s={self.rpc_timeout_s!r}: must be positive, or unset to wait forever")
         if self.heartbeat_port is not None and not 1 <= self.heartbeat_port <= 65535:

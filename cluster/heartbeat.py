@@ -32,7 +32,7 @@ import zmq
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.sockets import make_dealer, make_router
 
-__all__ = ["Beat", "Bye", "HeartbeatServer", "HeartbeatClient"]
+__all__ = ["Beat", "Bye", "StatusQuery", "HeartbeatServer", "HeartbeatClient", "query_status"]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -52,6 +52,8 @@ class Beat(msgspec.Struct, tag="beat", array_like=True):
     pid: int
     seq: int
     done: bool = False
+    #: the node's own status, opaque here (the executor layer's NodeStatus, encoded): node 0 keeps the last
+    status: bytes = b""
 
 
 class Bye(msgspec.Struct, tag="bye", array_like=True):
@@ -62,8 +64,12 @@ class Bye(msgspec.Struct, tag="bye", array_like=True):
     reason: str
 
 
+class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
+    """`rayfree status` asks node 0 for the cluster's status (it must hold the secret to get through)."""
+
+
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Beat | Bye).decode
+_decode = msgspec.msgpack.Decoder(Beat | Bye | StatusQuery).decode
 
 #: on_lost(node_rank, ranks, ip, why) / on_bye(node_rank, clean, reason)
 LostCallback = Callable[[int, list[int], str, str], None]
@@ -71,7 +77,7 @@ ByeCallback = Callable[[int, bool, str], None]
 
 
 class _Peer:
-    __slots__ = ("node_rank", "ranks", "ip", "identity", "last_seen", "gone", "done")
+    __slots__ = ("node_rank", "ranks", "ip", "identity", "last_seen", "gone", "done", "status")
 
     def __init__(self, node_rank: int, ranks: list[int]) -> None:
         self.node_rank = node_rank
@@ -81,6 +87,7 @@ class _Peer:
         self.last_seen: float | None = None
         self.gone = False
         self.done = False
+        self.status = b""
 
 
 class _Beater:
@@ -189,6 +196,8 @@ class HeartbeatServer(_Beater):
         self.endpoint = tcp_endpoint(bind_ip, port)
         self.peers = {k: _Peer(k, ranks) for k, ranks in followers.items()}
         self.on_lost = on_lost
+        #: answers a StatusQuery (set by the layer above); None: the query gets an empty reply
+        self.status_fn: Callable[[], bytes] | None = None
         self._sock = make_router(self.endpoint)  # in the caller's thread: a busy port fails the start-up
         self._thread.start()
 
@@ -218,6 +227,9 @@ class HeartbeatServer(_Beater):
         except msgspec.DecodeError as e:
             self._dropped(f"an unreadable message ({e})")
             return
+        if isinstance(msg, StatusQuery):
+            self._answer_status(sock, identity)
+            return
         peer = self.peers.get(msg.node_rank)
         if peer is None:
             self._dropped(f"a message from node {msg.node_rank}, which is not a follower of this leader "
@@ -233,6 +245,8 @@ class HeartbeatServer(_Beater):
         if peer.last_seen is None:
             logger.info("follower node %d (%s, ranks %s) is beating", msg.node_rank, msg.ip, msg.ranks)
         peer.identity, peer.ip, peer.last_seen, peer.done = identity, msg.ip, time.monotonic(), msg.done
+        if msg.status:
+            peer.status = msg.status
         try:
             sock.send_multipart([identity, _encode(Beat(0, [], "", me, seq))], zmq.NOBLOCK)
         except zmq.Again:
@@ -252,6 +266,23 @@ class HeartbeatServer(_Beater):
                     why = f"it never sent a heartbeat to {self.endpoint} (is that port reachable from it?)"
                 logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, why)
                 self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
+
+    def _answer_status(self, sock: zmq.Socket, identity: bytes) -> None:
+        try:
+            reply = self.status_fn() if self.status_fn is not None else b""
+        except Exception:  # noqa: BLE001 - a status query must never stop the heartbeats
+            logger.exception("heartbeat: could not build the status reply")
+            reply = b""
+        try:
+            sock.send_multipart([identity, reply], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def peer_views(self) -> list[tuple[int, str, list[int], float | None, bool, bytes]]:
+        """(node, ip, ranks, seconds since its last beat or None, lost or gone, its last status) per follower."""
+        now = time.monotonic()
+        return [(p.node_rank, p.ip, p.ranks, None if p.last_seen is None else now - p.last_seen, p.gone, p.status)
+                for p in list(self.peers.values())]
 
     def all_done(self, nodes: list[int]) -> bool:
         """Have these nodes all reported `done`?"""
@@ -284,6 +315,13 @@ class HeartbeatClient(_Beater):
         self.last_reply: float | None = None
         #: carried by every beat from now on (see Beat.done)
         self.done = False
+        #: this node's status for node 0 (set by the layer above), sent with every beat
+        self.status_fn: Callable[[], bytes] | None = None
+        #: round trips of beats to node 0: the last one, and their count and sum (seconds)
+        self.rtt_s: float | None = None
+        self.rtt_count = 0
+        self.rtt_sum = 0.0
+        self._sent_at = 0.0
         self._sock = make_dealer(self.endpoint)
         self._thread.start()
 
@@ -302,7 +340,9 @@ class HeartbeatClient(_Beater):
                 if now >= next_beat:
                     seq += 1
                     try:
-                        sock.send(_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done)), zmq.NOBLOCK)
+                        sock.send(_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done,
+                                               self._status())), zmq.NOBLOCK)
+                        self._sent_at = time.monotonic()
                     except zmq.Again:
                         pass  # not connected yet, or the link is down: the timeout decides
                     next_beat = now + self.interval
@@ -330,6 +370,15 @@ class HeartbeatClient(_Beater):
         finally:
             self._close(sock, monitor, _BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
 
+    def _status(self) -> bytes:
+        if self.status_fn is None:
+            return b""
+        try:
+            return self.status_fn()
+        except Exception:  # noqa: BLE001 - a status must never stop the heartbeats
+            logger.debug("heartbeat: could not build this node's status", exc_info=True)
+            return b""
+
     def _on_message(self, payload: bytes) -> bool:
         """True when the leader said goodbye."""
         try:
@@ -342,7 +391,27 @@ class HeartbeatClient(_Beater):
             self.on_bye(msg.node_rank, msg.clean, msg.reason)
             return True
         self.last_reply = time.monotonic()
+        if self._sent_at:
+            self.rtt_s = self.last_reply - self._sent_at
+            self.rtt_count += 1
+            self.rtt_sum += self.rtt_s
+            self._sent_at = 0.0
         if not self.contact.is_set():
             logger.info("node %d: the leader answers at %s", self.node_rank, self.endpoint)
             self.contact.set()
         return False
+
+
+def query_status(master_addr: str, port: int, timeout: float) -> bytes:
+    """Node 0's answer to a StatusQuery at master_addr:port (authenticated like every heartbeat); TimeoutError
+    if none comes within `timeout` seconds."""
+    sock = make_dealer(tcp_endpoint(master_addr, port), maxmsgsize=64 << 20)
+    try:
+        sock.send(_encode(StatusQuery()))
+        if not sock.poll(int(timeout * 1000)):
+            raise TimeoutError(f"node 0 did not answer at {tcp_endpoint(master_addr, port)} within {timeout:.0f}s: "
+                               f"is the cluster running, is that its heartbeat port (master_port + 1, or "
+                               f"heartbeat_port), and does this machine hold the cluster's secret?")
+        return sock.recv()
+    finally:
+        sock.close(linger=0)

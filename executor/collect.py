@@ -85,8 +85,21 @@ class Collector:
         self.timeout = timeout
         self.single = single
         self.got: dict[int, Any] = {}
+        #: this call in the executor's record (status, stall reports, metrics) until it ends
+        self.call = ex.rpc_recorder.begin(name, ranks, self.got)
 
     def __call__(self, wait_deadline: float | None) -> Any:
+        try:
+            out = self._collect(wait_deadline)
+        except WaitExpired:
+            raise
+        except BaseException:
+            self.ex.rpc_recorder.end(self.call, False)
+            raise
+        self.ex.rpc_recorder.end(self.call, True)
+        return out
+
+    def _collect(self, wait_deadline: float | None) -> Any:
         ex = self.ex
         for rank in self.ranks:
             if rank in self.got:

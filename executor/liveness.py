@@ -19,6 +19,7 @@ The policy, in one place:
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from typing import TYPE_CHECKING
@@ -29,6 +30,7 @@ from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
 
 from .errors import LeaderLost, NodeLost, ReplicaFailed
+from .status import ClusterStatus, NodeStatus, decode_node, encode, replica_status, worker_statuses
 
 if TYPE_CHECKING:
     from .multiproc import MultiprocExecutor
@@ -59,8 +61,12 @@ class NodeLiveness:
         #: set when the cluster's fate is decided: node 0 said goodbye, or something failed
         self.settled = threading.Event()
         self.beater: HeartbeatServer | HeartbeatClient | None = None
+        self.ip = get_ip(peer=par.master_addr) if par.nnodes > 1 else "127.0.0.1"
         if par.nnodes > 1:
             self.beater = self._server() if self.node == 0 else self._client()
+            # Node 0 answers `rayfree status`; the others send their status with every beat.
+            self.beater.status_fn = (lambda: encode(self.cluster_status())) if self.node == 0 else \
+                (lambda: encode(self.node_status()))
 
     # -- heartbeats ------------------------------------------------------------------
 
@@ -159,6 +165,40 @@ class NodeLiveness:
             self._closed = True
         if self.beater is not None:  # the other side(s) stop too, without waiting for a timeout
             self.beater.close(bye)
+
+    # -- what `rayfree status` shows -------------------------------------------------------------
+
+    def node_status(self) -> NodeStatus:
+        """This node: its workers, and the replicas it leads (calls in flight, replies, the ring)."""
+        par = self.par
+        exs = self.executors()
+        rtt = self.beater.rtt_s if isinstance(self.beater, HeartbeatClient) else None
+        return NodeStatus(node=self.node, ip=self.ip, pid=os.getpid(), ranks=par.node_ranks(self.node),
+                          replicas=par.node_replicas, workers=[w for ex in exs for w in worker_statuses(ex)],
+                          leads=[replica_status(ex) for ex in exs if ex.is_leader],
+                          heartbeat_rtt_ms=None if rtt is None else round(rtt * 1000, 3),
+                          state="failed" if self.failure is not None else "ok")
+
+    def cluster_status(self) -> ClusterStatus:
+        """Every node (node 0's view: the others' last reported status and the age of their last beat)."""
+        from rayfree.cluster.join import shape_of
+        par = self.par
+        nodes = [self.node_status()]
+        if isinstance(self.beater, HeartbeatServer):
+            for node, ip, ranks, age, gone, raw in self.beater.peer_views():
+                ns = None
+                if raw:
+                    try:
+                        ns = decode_node(raw)
+                    except Exception:  # noqa: BLE001 - an unreadable status: show what the heartbeats know
+                        ns = None
+                if ns is None:
+                    ns = NodeStatus(node=node, ip=ip, pid=-1, ranks=ranks, replicas=par.replicas_of_node(node))
+                ns.heartbeat_age_s = None if age is None else round(age, 3)
+                ns.state = "lost" if gone else ("not joined" if age is None else ns.state)
+                nodes.append(ns)
+        return ClusterStatus(nnodes=par.nnodes, world_size=par.world_size,
+                             data_parallel_size=par.data_parallel_size, shape=shape_of(par), nodes=nodes)
 
     # -- a clean stop ---------------------------------------------------------------------
 

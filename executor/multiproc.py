@@ -35,11 +35,14 @@ from .collect import Collector, map_failure, unwrap
 from .errors import ExecutorFailed, NotLeaderError, WorkerDied, WorkerError
 from .future import FutureWrapper, WaitExpired
 from .liveness import NodeLiveness
+from .observe import RpcRecorder, StallWatch
 from .workers import WorkerGroup, WorkerHandle, exit_description
 
 __all__ = ["MultiprocExecutor"]
 
 logger = logging.getLogger("rayfree.executor")
+
+_perf = time.perf_counter
 
 
 class MultiprocExecutor(Executor):
@@ -70,6 +73,8 @@ class MultiprocExecutor(Executor):
         self._stop_reason: str | None = None
         self._fast_stop = False  # a node is gone: its peers may hang in gloo, so do not wait long for them
         self._quick_stop = False  # a worker died: the same, but its local peers get a second to stop cleanly
+        self._stall: StallWatch | None = None
+        self.rpc_recorder = RpcRecorder(config.parallel.world_size)
         super().__init__(config, worker_cls, worker_kwargs)
 
     # -- start-up ------------------------------------------------------------------
@@ -129,6 +134,7 @@ class MultiprocExecutor(Executor):
             self._owed = [0] * self.world_size
             if self.is_leader:
                 self._refresh_fast()
+                self._stall = StallWatch(self, self.config.stall_report_s, self.config.stall_dump_s)
             self._started = True
             success = True
         except BaseException as e:
@@ -214,15 +220,22 @@ class MultiprocExecutor(Executor):
             # The engine's step: a method name, one reply, nothing older pending.
             with self._rpc_lock:
                 if not self.futures_queue and self._fast:
+                    rec = self.rpc_recorder
+                    rec.name, rec.rank, rec.t0 = method, unique_reply_rank, _perf()
                     end = None if timeout is None else time.monotonic() + timeout
                     try:
                         self._fast_send((method, args, kwargs, unique_reply_rank), timeout)
                     except BaseException as e:
+                        rec.t0 = 0.0
+                        rec.failures += 1
                         raise map_failure(self, e, method, "sending it", timeout)
                     try:
                         value = recv() if end is None else recv(max(0.0, end - time.monotonic()))
                     except BaseException as e:
+                        rec.t0 = 0.0
+                        rec.failures += 1
                         raise map_failure(self, e, method, "waiting for its replies", timeout, [unique_reply_rank])
+                    rec.done_fast()
                     t = type(value)
                     return unwrap(value, method) if t is RemoteError or t is Boxed else value
         connector = kv_output_aggregator if kv_output_aggregator is not None else ec_output_aggregator
@@ -249,19 +262,21 @@ class MultiprocExecutor(Executor):
         deadline = None if timeout is None else time.monotonic() + timeout
         send = method if isinstance(method, str) else cloudpickle.dumps(method)
         name = method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
+        ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
+        collect = Collector(self, name, ranks, deadline, timeout, single=output_rank is not None)  # recorded
         try:
             # While the ring is full, read the replies of older calls: the workers may wait for that room.
             mq.enqueue((send, args, kwargs, output_rank),
                        timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
                        on_wait=self._drain if self.futures_queue else None)
         except (QueueShutdown, QueueClosed):
+            self.rpc_recorder.end(collect.call, False)
             if self._failure is None and not self.shutting_down:
                 self._failure_known.wait(1.0)  # a worker just left: the monitor names it within a second
             self._raise_failed()
         except BaseException as e:
+            self.rpc_recorder.end(collect.call, False)
             raise map_failure(self, e, name, "sending it", timeout)
-        ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
-        collect = Collector(self, name, ranks, deadline, timeout, single=output_rank is not None)
         if not non_block and not self.futures_queue:
             # Nothing older is pending: read the replies here, without a Future.
             value = collect(None)
@@ -350,6 +365,8 @@ class MultiprocExecutor(Executor):
         if not first:
             self._shutdown_done.wait()
             return
+        if self._stall is not None:
+            self._stall.stop()
         for mq in (self.rpc_broadcast_mq, *self.response_mqs):  # a thread blocked in a call returns now
             if mq is not None:
                 mq.shutdown()

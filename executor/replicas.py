@@ -33,11 +33,15 @@ class NodeReplicas:
     """Start the executors of every DP replica on this node (see the module docstring); raise the first
     start-up failure after stopping the rest."""
 
-    def __init__(self, config: ClusterConfig, worker_cls: Any, worker_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: ClusterConfig, worker_cls: Any, worker_kwargs: dict[str, Any] | None = None,
+                 on_liveness: Callable[[NodeLiveness], None] | None = None) -> None:
+        """`on_liveness` sees the node's liveness before any executor starts (to serve metrics from it)."""
         par = config.parallel
         self.config = config
         self.dp_ranks = par.node_replicas
         self.liveness = NodeLiveness(config, len(self.dp_ranks))
+        if on_liveness is not None:
+            on_liveness(self.liveness)
         self.executors: list[MultiprocExecutor] = []
         configs = [msgspec.structs.replace(config, parallel=msgspec.structs.replace(par, data_parallel_rank=r))
                    for r in self.dp_ranks]

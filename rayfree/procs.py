@@ -1,4 +1,4 @@
-"""What /proc says about a process: alive (not a zombie), its CPU time, its process group, its command line.
+"""What /proc says about a process: alive (not a zombie), its state, CPU time, process group, command line.
 
 Linux only; every function answers "gone" rather than raising when the process is.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["stat_fields", "is_alive", "cpu_seconds", "group_members", "cmdline"]
+__all__ = ["stat_fields", "is_alive", "proc_state", "cpu_seconds", "group_members", "cmdline"]
 
 _CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -25,6 +25,16 @@ def is_alive(pid: int) -> bool:
     """Running or sleeping, not gone and not a zombie."""
     fields = stat_fields(pid)
     return fields is not None and fields[0] != "Z"
+
+
+_STATES = {"R": "running", "S": "sleeping (waiting)", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP?)",
+           "t": "stopped by a debugger", "Z": "a zombie (exited)", "X": "gone", "I": "idle"}
+
+
+def proc_state(pid: int) -> str:
+    """The process's scheduling state in words ("running", "stopped (SIGSTOP?)", ..., "gone")."""
+    fields = stat_fields(pid)
+    return "gone" if fields is None else _STATES.get(fields[0], f"in state {fields[0]}")
 
 
 def cpu_seconds(pid: int) -> float:

@@ -152,3 +152,14 @@ def dp_check(ex) -> int:
     info = ex.collective_rpc(where, timeout=60)
     say("RESULT", replica=ex.dp_rank, steps=steps, equal=int(equal), dp_ok=int(dp_ok), info=info)
     return 0
+
+
+def calls_then_serve(ex) -> int:
+    """RF_CALLS steps, then stay up until stopped (the metrics test scrapes in between)."""
+    from rayfree.cli.toy_engine import make_batch
+    n = int(os.environ.get("RF_CALLS", "25"))
+    for s in range(n):
+        ex.execute_model(make_batch(s))
+    say("CALLED", calls=n)
+    threading.Event().wait(int(os.environ.get("RF_SERVE_S", "300")))
+    return 0

@@ -131,6 +131,12 @@ class MessageQueue:
         assert self._handle is not None
         return self._handle
 
+    def status(self) -> dict[str, Any]:
+        """The writer's view for status and metrics: bytes per path; ring chunks, how many are occupied and
+        how many each local reader has not read yet (`behind`). Empty on a reader or a closed queue."""
+        w = self._w
+        return w.status() if w is not None and not self._closed else {}
+
     @property
     def is_writer(self) -> bool:
         return self._w is not None

@@ -75,6 +75,9 @@ class QueueWriter:
         self.shut = False
         self._admit: Any = None  # (rank, token) -> bool, on a sealed TCP queue
         self._ser = serde.Serializer()
+        #: bytes put on each path (the shared-memory ring with its overflow socket, and TCP), for metrics
+        self.bytes_shm = 0
+        self.bytes_tcp = 0
         queue_id = secrets.token_bytes(16)
         local_ep = remote_ep = None
         try:
@@ -169,6 +172,7 @@ class QueueWriter:
         if type(obj) is bytes:
             done = put(obj, KIND_BYTES)
             if done:
+                self.bytes_shm += len(obj)
                 if done == 2:
                     self._wake()
                 return
@@ -176,6 +180,7 @@ class QueueWriter:
         if len(frames) == 1:
             done = put(frames[0], KIND_DATA)
             if done:
+                self.bytes_shm += len(frames[0])
                 if done == 2:
                     self._wake()
                 return
@@ -185,8 +190,11 @@ class QueueWriter:
         if timeout is None and on_wait is None:
             if type(obj) is bytes and len(obj) <= RAW_MAX_BYTES:
                 self.remote.send_raw(obj)
+                self.bytes_tcp += len(obj)
                 return
-            self.remote.send(self._ser.dumps(obj), None, None)
+            frames = self._ser.dumps(obj)
+            self.remote.send(frames, None, None)
+            self.bytes_tcp += sum(len(f) if type(f) is bytes else f.nbytes for f in frames)
             return
         self.send_frames(self._ser.dumps(obj), deadline_of(timeout), on_wait)
 
@@ -201,8 +209,29 @@ class QueueWriter:
                                   f"{self.max_message_bytes}; nothing was sent")
         if self.shm is not None:
             self.shm.send(frames, sizes, deadline, on_wait)
+            self.bytes_shm += sum(sizes)
         if self.remote is not None:
             self.remote.send(frames, sizes, deadline, on_wait)
+            self.bytes_tcp += sum(sizes)
+
+    def status(self) -> dict[str, Any]:
+        """What a look from outside may see (another thread, racy by design): bytes per path, and the ring's
+        occupancy with how many chunks each local reader has not yet read or released."""
+        out: dict[str, Any] = {"bytes": {"shm": self.bytes_shm, "tcp": self.bytes_tcp}}
+        if self.shm is not None and self.ring is not None and not self.shut:
+            rw = self.shm.rw
+            behind = dict.fromkeys(self.local_reader_ranks, 0)
+            occupied = 0
+            try:
+                for c in range(self.ring.n_chunks):
+                    held = rw.holders(c)
+                    occupied += bool(held)
+                    for r in held:
+                        behind[self.local_reader_ranks[r]] += 1
+            except ValueError:  # closed meanwhile (the mapping is released): nothing to show
+                return out
+            out.update(chunks=self.ring.n_chunks, occupied=occupied, behind=behind)
+        return out
 
     # -- the end -------------------------------------------------------------------------------
 

@@ -60,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     from rayfree.cluster.config import add_config_arguments
     add_config_arguments(doc)
     add_security_arguments(doc)
+    st = sub.add_parser("status", help="what the running cluster is doing, asked of node 0",
+                        description="Asks node 0, over the heartbeat channel (authenticated with the cluster "
+                                    "secret), for every node, its ranks and workers (pid, process title, state), "
+                                    "heartbeat ages, the calls in flight, each rank's time since its last reply and "
+                                    "the broadcast ring's occupancy. Reads the same options as `rayfree node`.")
+    st.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for node 0's answer (default 5)")
+    add_config_arguments(st)
+    add_security_arguments(st)
     return p
 
 
@@ -85,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         from .node import apply_security_arguments
         apply_security_arguments(args)
         return run_doctor(args)
+    if args.command == "status":
+        from .node import apply_security_arguments
+        from .status import run_status
+        apply_security_arguments(args)
+        return run_status(args)
     if args.command == "keygen":
         from rayfree.transport.security import write_secret
         try:

@@ -62,6 +62,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                    "its return value is the exit code [RAYFREE_ENTRY]")
     p.add_argument("--headless", action="store_const", const="1", default=None,
                    help="a follower node: run this node's workers, no driver [RAYFREE_HEADLESS=1]")
+    p.add_argument("--metrics-port", metavar="PORT", help="serve Prometheus metrics (RPC latency, bytes broadcast, "
+                   "ring occupancy, heartbeats, failures) at http://0.0.0.0:PORT/metrics; needs rayfree[metrics] "
+                   "[RAYFREE_METRICS_PORT]")
     add_security_arguments(p)
     add_config_arguments(p)
 
@@ -98,10 +101,10 @@ def _file_options(args: argparse.Namespace, env: dict[str, str] | Any) -> dict[s
     node = _read_file(path).get("node", {}) if path else {}
     if not isinstance(node, dict):
         raise NodeUsageError(f"{path}: [node] must be a table (worker, entry, headless, worker_kwargs)")
-    unknown = set(node) - {"worker", "entry", "headless", "worker_kwargs"}
+    unknown = set(node) - {"worker", "entry", "headless", "worker_kwargs", "metrics_port"}
     if unknown:
         raise NodeUsageError(f"{path}: unknown [node] key(s) {sorted(unknown)}: use worker, entry, headless, "
-                             f"worker_kwargs")
+                             f"worker_kwargs, metrics_port")
     return node
 
 
@@ -113,6 +116,25 @@ def _load_entry(spec: str) -> Callable[[Any], Any]:
     if not callable(obj):
         raise NodeUsageError(f"--entry {spec!r} is not a function")
     return obj
+
+
+def metrics_port(args: argparse.Namespace, env: dict[str, str] | Any = None) -> int | None:
+    """--metrics-port (or RAYFREE_METRICS_PORT, or the file's [node] metrics_port), checked; None: no metrics."""
+    env = os.environ if env is None else env
+    raw = _option(args, "metrics_port", env, _file_options(args, env))
+    if raw is None:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise NodeUsageError(f"--metrics-port {raw!r} is not a TCP port: use 1..65535")
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise NodeUsageError("--metrics-port needs prometheus_client: pip install 'rayfree[metrics]'") from None
+    return port
 
 
 def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[ClusterConfig, str, dict, str | None]:
@@ -165,6 +187,7 @@ def run_node(args: argparse.Namespace) -> int:
     try:
         config, worker, kwargs, entry_spec = plan(args)
         entry = _load_entry(entry_spec) if entry_spec else None
+        port = metrics_port(args)
     except (NodeUsageError, ConfigError, TransportError) as e:
         print(f"rayfree node: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -181,8 +204,15 @@ def run_node(args: argparse.Namespace) -> int:
     from rayfree.executor.errors import ExecutorError
     from rayfree.executor.replicas import NodeReplicas
     reps: NodeReplicas | None = None
+    metrics: list[Any] = []
+
+    def serve(liveness: Any) -> None:
+        if port is not None:
+            from .metrics import serve_metrics
+            metrics.append(serve_metrics(port, liveness))
+
     try:
-        reps = NodeReplicas(config, worker, kwargs)
+        reps = NodeReplicas(config, worker, kwargs, on_liveness=serve)
         if entry is not None:
             return _lead(reps, entry)
         logger.info("node %d: %d worker(s) ready; serving the leader until it stops", par.node_rank, par.local_ranks)
@@ -207,6 +237,8 @@ def run_node(args: argparse.Namespace) -> int:
             signal.signal(s, signal.SIG_IGN)
         if reps is not None:
             reps.shutdown()
+        for server in metrics:
+            server.shutdown()
         for s, h in old.items():
             signal.signal(s, h)
 

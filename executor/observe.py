@@ -1,0 +1,187 @@
+"""What the executor records about its calls, for `rayfree status`, the stall reports and the metrics.
+
+Kept cheap enough for the engine's step (a few attribute stores, one
+`bisect` per call): the calls in flight and their start, each rank's last
+reply, and a latency histogram per method. The reader is another thread
+(the stall watch, a status query, a metrics scrape); it sees a racy but
+consistent-enough snapshot, which is all a report needs.
+
+The stall watch (vLLM users' most reported multi-node complaint is "No
+available shared memory broadcast block found in 60 seconds", which names
+no rank) looks at the oldest call every second: after `stall_report_s` it
+logs which ranks the call waits for, which local ranks have not read it
+from the ring, and what their processes are doing; after `stall_dump_s` it
+has those local ranks dump their Python stacks into the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from bisect import bisect_left
+from typing import TYPE_CHECKING, Any
+
+from rayfree.procs import proc_state
+
+if TYPE_CHECKING:
+    from .multiproc import MultiprocExecutor
+
+__all__ = ["RpcRecorder", "StallWatch", "LATENCY_BOUNDS"]
+
+logger = logging.getLogger("rayfree.executor")
+
+_perf = time.perf_counter
+
+#: upper bounds (seconds) of the latency histogram's buckets; the last bucket is +Inf
+LATENCY_BOUNDS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3,
+                  250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Histogram:
+    """Counts per bucket (not cumulative), their sum and count."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BOUNDS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(LATENCY_BOUNDS, seconds)] += 1
+        self.sum += seconds
+
+
+class Call:
+    """One call of the general path (several ranks' replies, or non-blocking)."""
+
+    __slots__ = ("name", "t0", "ranks", "got")
+
+    def __init__(self, name: str, ranks: list[int], got: dict[int, Any]) -> None:
+        self.name = name
+        self.t0 = _perf()
+        self.ranks = ranks
+        self.got = got  # the collector's: ranks drop out of `waiting` as their replies are read
+
+
+class RpcRecorder:
+    """The executor's record of its calls. The step's fast path writes `name`, `rank`, `t0` directly."""
+
+    def __init__(self, world_size: int) -> None:
+        #: the fast path's call in flight: t0 > 0 while it runs
+        self.name = ""
+        self.rank = 0
+        self.t0 = 0.0
+        self.calls: list[Call] = []
+        self.last_reply: list[float] = [0.0] * world_size
+        self.hist: dict[str, Histogram] = {}
+        self.failures = 0
+
+    def done_fast(self) -> None:
+        """The fast path's call got its reply."""
+        t = _perf()
+        self.last_reply[self.rank] = t
+        h = self.hist.get(self.name)
+        if h is None:
+            h = self.hist[self.name] = Histogram()
+        h.observe(t - self.t0)
+        self.t0 = 0.0
+
+    def begin(self, name: str, ranks: list[int], got: dict[int, Any]) -> Call:
+        call = Call(name, ranks, got)
+        self.calls.append(call)
+        return call
+
+    def end(self, call: Call, ok: bool) -> None:
+        t = _perf()
+        try:
+            self.calls.remove(call)
+        except ValueError:
+            return
+        for r in call.got:
+            self.last_reply[r] = t
+        if ok:
+            h = self.hist.get(call.name)
+            if h is None:
+                h = self.hist[call.name] = Histogram()
+            h.observe(t - call.t0)
+        else:
+            self.failures += 1
+
+    def in_flight(self) -> list[tuple[str, float, list[int]]]:
+        """(method, age in seconds, ranks whose replies are still awaited), oldest first."""
+        now = _perf()
+        out = [(c.name, now - c.t0, [r for r in c.ranks if r not in c.got]) for c in list(self.calls)]
+        t0, name, rank = self.t0, self.name, self.rank
+        if t0:
+            out.append((name, now - t0, [rank]))
+        return sorted(out, key=lambda x: -x[1])
+
+    def since_last_reply(self) -> list[float | None]:
+        now = _perf()
+        return [None if t == 0.0 else now - t for t in self.last_reply]
+
+
+class StallWatch:
+    """A thread that reports calls waiting longer than `report_s` (see the module docstring)."""
+
+    def __init__(self, ex: MultiprocExecutor, report_s: float, dump_s: float | None) -> None:
+        self.ex = ex
+        self.report_s = report_s
+        self.dump_s = dump_s
+        self._stop = threading.Event()
+        self._reported: dict[tuple[str, int], float] = {}  # (method, start) -> age at its last report
+        self._dumped: set[tuple[str, int]] = set()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="RayfreeStallWatch")
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        tick = min(1.0, self.report_s / 2)
+        while not self._stop.wait(tick):
+            ex = self.ex
+            if ex.shutting_down or ex.is_failed:
+                return
+            try:
+                self._look(ex)
+            except Exception:  # noqa: BLE001 - a report must never take the executor down
+                logger.debug("stall watch: could not look", exc_info=True)
+
+    def _look(self, ex: MultiprocExecutor) -> None:
+        calls = ex.rpc_recorder.in_flight()
+        if not calls:
+            self._reported.clear()
+            return
+        name, age, waiting = calls[0]
+        if age < self.report_s:
+            return
+        key = (name, int(time.monotonic() - age))
+        last = self._reported.get(key)
+        if last is not None and age - last < self.report_s:
+            return
+        self._reported = {key: age}
+        mq = ex.rpc_broadcast_mq
+        behind = {r: n for r, n in ((mq.status().get("behind") or {}) if mq is not None else {}).items() if n}
+        local = {w.rank: w for w in ex.workers}  # ranks within the replica, as the calls name them
+        suspects = sorted(set(waiting) | set(behind))
+        parts = [f"RPC {name} has waited {age:.0f}s for the reply of rank(s) {waiting}"]
+        if behind:
+            parts.append("rank(s) " + ", ".join(f"{r} ({n} message(s))" for r, n in sorted(behind.items()))
+                         + " have not read the broadcast ring")
+        for r in suspects:
+            w = local.get(r)
+            if w is None:
+                parts.append(f"rank {r} is on node {ex.parallel_config.cluster_node_of(r, ex.dp_rank)}: see that node's log")
+            else:
+                parts.append(f"rank {r} (pid {w.proc.pid}, rayfree::{w.title}) is {proc_state(w.proc.pid)}")
+        logger.warning("%s", "; ".join(parts))
+        if self.dump_s is not None and age >= self.dump_s and key not in self._dumped:
+            self._dumped.add(key)
+            stuck = [local[r] for r in suspects if r in local]
+            if stuck:
+                logger.warning("RPC %s still waits after %.0fs (stall_dump_s=%.0f): dumping the Python stacks of "
+                               "rank(s) %s (a stopped process prints its stack when it resumes)", name, age,
+                               self.dump_s, [w.rank for w in stuck])
+                ex.group.dump_stacks(stuck)

@@ -1,0 +1,101 @@
+"""A cluster you can see into: what `rayfree status` shows, as wire messages.
+
+Each node describes itself in a `NodeStatus` (its workers, and for each DP
+replica it leads: calls in flight, time since each rank's last reply, the
+broadcast ring's occupancy). Other nodes send theirs to node 0 inside their
+heartbeats, so node 0 answers a status query alone, with the heartbeat age of
+every node, over the authenticated heartbeat channel (cluster/heartbeat.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from rayfree.procs import proc_state
+
+if TYPE_CHECKING:
+    from .multiproc import MultiprocExecutor
+
+__all__ = ["WorkerStatus", "CallStatus", "ReplicaStatus", "NodeStatus", "ClusterStatus", "replica_status",
+           "worker_statuses", "encode", "decode_node", "decode_cluster"]
+
+
+class WorkerStatus(msgspec.Struct):
+    rank: int  # within its DP replica
+    global_rank: int  # in the world across DP
+    pid: int
+    title: str
+    state: str  # "running", "sleeping (waiting)", "stopped (SIGSTOP?)", "gone", ...
+
+
+class CallStatus(msgspec.Struct):
+    method: str
+    age_s: float
+    waiting_for: list[int]  # ranks whose replies it still awaits
+
+
+class ReplicaStatus(msgspec.Struct):
+    """A DP replica, as its leader's executor sees it."""
+
+    replica: int
+    world_size: int
+    failed: str = ""
+    calls: list[CallStatus] = []
+    #: seconds since each rank's last reply (None: none yet)
+    since_reply_s: list[float | None] = []
+    ring_chunks: int = 0
+    ring_occupied: int = 0
+    #: local readers' unread chunks by rank, and the one furthest behind (-1: none is)
+    ring_behind: dict[int, int] = {}
+    slowest_reader: int = -1
+    bytes_broadcast: dict[str, int] = {}
+    rpc_failures: int = 0
+
+
+class NodeStatus(msgspec.Struct):
+    node: int
+    ip: str
+    pid: int
+    ranks: list[int]  # world ranks (across DP) on this node
+    replicas: list[int]  # DP replicas with ranks here
+    workers: list[WorkerStatus] = []
+    leads: list[ReplicaStatus] = []  # the replicas this node leads
+    heartbeat_rtt_ms: float | None = None  # a follower's last beat round trip to node 0
+    #: filled in by node 0: seconds since this node's last heartbeat, and whether it counts as lost
+    heartbeat_age_s: float | None = None
+    state: str = "ok"
+
+
+class ClusterStatus(msgspec.Struct):
+    nnodes: int
+    world_size: int  # of one replica
+    data_parallel_size: int
+    shape: str
+    nodes: list[NodeStatus]
+
+
+def worker_statuses(ex: MultiprocExecutor) -> list[WorkerStatus]:
+    par = ex.parallel_config
+    return [WorkerStatus(w.rank, par.global_rank(w.rank, ex.dp_rank), w.proc.pid or -1, w.title,
+                         proc_state(w.proc.pid) if w.proc.pid else "not started") for w in ex.workers]
+
+
+def replica_status(ex: MultiprocExecutor) -> ReplicaStatus:
+    rec = ex.rpc_recorder
+    mq = ex.rpc_broadcast_mq
+    ring = mq.status() if mq is not None else {}
+    behind = {int(r): int(n) for r, n in (ring.get("behind") or {}).items()}
+    slowest = max(behind, key=lambda r: behind[r]) if behind and max(behind.values()) > 0 else -1
+    return ReplicaStatus(
+        replica=ex.dp_rank, world_size=ex.world_size, failed=str(ex.failure or "")[:500],
+        calls=[CallStatus(m, round(a, 3), w) for m, a, w in rec.in_flight()],
+        since_reply_s=[None if t is None else round(t, 3) for t in rec.since_last_reply()],
+        ring_chunks=ring.get("chunks", 0), ring_occupied=ring.get("occupied", 0), ring_behind=behind,
+        slowest_reader=slowest, bytes_broadcast=dict(ring.get("bytes") or {}), rpc_failures=rec.failures)
+
+
+encode = msgspec.msgpack.Encoder().encode
+decode_node = msgspec.msgpack.Decoder(NodeStatus).decode
+decode_cluster = msgspec.msgpack.Decoder(ClusterStatus).decode

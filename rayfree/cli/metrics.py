@@ -1,0 +1,126 @@
+"""`rayfree node --metrics-port`: Prometheus metrics, read at scrape time from what the node records anyway.
+
+prometheus_client is an optional extra (`pip install rayfree[metrics]`);
+nothing on the call path touches it: a collector turns the executors'
+records (executor/observe.py), their broadcast queues' counters and the
+heartbeats into metric families when Prometheus asks. The endpoint is plain
+HTTP and read-only: counts and timings, no payloads.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Iterator
+
+from rayfree.executor.observe import LATENCY_BOUNDS
+
+if TYPE_CHECKING:
+    from rayfree.executor.liveness import NodeLiveness
+
+__all__ = ["serve_metrics", "MetricsUnavailable"]
+
+logger = logging.getLogger("rayfree.node")
+
+
+class MetricsUnavailable(RuntimeError):
+    """--metrics-port was given but prometheus_client is not installed."""
+
+
+class _Collector:
+    def __init__(self, liveness: NodeLiveness) -> None:
+        self.liveness = liveness
+
+    def describe(self) -> list:
+        return []  # no registration-time collect (the executors may not exist yet)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        lv = self.liveness
+        node = str(lv.node)
+        lat = HistogramMetricFamily("rayfree_rpc_latency_seconds", "collective_rpc latency, send to last reply",
+                                    labels=["node", "replica", "method"])
+        inflight = GaugeMetricFamily("rayfree_rpc_in_flight", "calls sent whose replies are not all read",
+                                     labels=["node", "replica"])
+        oldest = GaugeMetricFamily("rayfree_rpc_oldest_in_flight_seconds", "age of the oldest call in flight",
+                                   labels=["node", "replica"])
+        failures = CounterMetricFamily("rayfree_rpc_failures", "calls that failed (raised, timed out, cut short)",
+                                       labels=["node", "replica"])
+        sent = CounterMetricFamily("rayfree_broadcast_bytes", "bytes broadcast to the workers, by path",
+                                   labels=["node", "replica", "path"])
+        occupied = GaugeMetricFamily("rayfree_ring_occupied_chunks", "broadcast ring chunks not yet free",
+                                     labels=["node", "replica"])
+        chunks = GaugeMetricFamily("rayfree_ring_chunks", "broadcast ring size in chunks", labels=["node", "replica"])
+        behind = GaugeMetricFamily("rayfree_ring_reader_behind_chunks", "chunks a local reader has not read",
+                                   labels=["node", "replica", "rank"])
+        workers = GaugeMetricFamily("rayfree_workers_alive", "worker processes of this node that are alive",
+                                    labels=["node"])
+        alive = 0
+        for ex in lv.executors():
+            rep = str(ex.dp_rank)
+            alive += sum(1 for w in ex.workers if w.proc.is_alive())
+            if not ex.is_leader:
+                continue
+            rec = ex.rpc_recorder
+            for method, h in list(rec.hist.items()):
+                counts, total = list(h.counts), h.sum
+                buckets, acc = [], 0
+                for bound, c in zip([*map(str, LATENCY_BOUNDS), "+Inf"], counts):
+                    acc += c
+                    buckets.append((bound, acc))
+                lat.add_metric([node, rep, method], buckets, total)
+            calls = rec.in_flight()
+            inflight.add_metric([node, rep], len(calls))
+            oldest.add_metric([node, rep], calls[0][1] if calls else 0.0)
+            failures.add_metric([node, rep], rec.failures)
+            mq = ex.rpc_broadcast_mq
+            st = mq.status() if mq is not None else {}
+            for path, n in (st.get("bytes") or {}).items():
+                sent.add_metric([node, rep, path], n)
+            if st.get("chunks"):
+                occupied.add_metric([node, rep], st["occupied"])
+                chunks.add_metric([node, rep], st["chunks"])
+                for rank, n in st["behind"].items():
+                    behind.add_metric([node, rep, str(rank)], n)
+        workers.add_metric([node], alive)
+        yield from (lat, inflight, oldest, failures, sent, occupied, chunks, behind, workers)
+        yield from self._heartbeats(node)
+
+    def _heartbeats(self, node: str) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
+        from rayfree.cluster.heartbeat import HeartbeatClient, HeartbeatServer
+        lv = self.liveness
+        failed = GaugeMetricFamily("rayfree_cluster_failed", "1 once this node's cluster has failed", labels=["node"])
+        failed.add_metric([node], 1.0 if lv.failure is not None else 0.0)
+        yield failed
+        b = lv.beater
+        if isinstance(b, HeartbeatClient):
+            last = GaugeMetricFamily("rayfree_heartbeat_last_round_trip_seconds",
+                                     "the last heartbeat round trip to node 0", labels=["node"])
+            last.add_metric([node], b.rtt_s or 0.0)
+            rtt = SummaryMetricFamily("rayfree_heartbeat_round_trip_seconds", "heartbeat round trips to node 0",
+                                      labels=["node"])
+            rtt.add_metric([node], b.rtt_count, b.rtt_sum)
+            yield from (last, rtt)
+        elif isinstance(b, HeartbeatServer):
+            age = GaugeMetricFamily("rayfree_heartbeat_age_seconds", "seconds since each node's last heartbeat",
+                                    labels=["node", "peer"])
+            lost = GaugeMetricFamily("rayfree_node_lost", "1 for a node node 0 counts as lost",
+                                     labels=["node", "peer"])
+            for peer, _ip, _ranks, a, gone, _st in b.peer_views():
+                if a is not None:
+                    age.add_metric([node, str(peer)], a)
+                lost.add_metric([node, str(peer)], 1.0 if gone else 0.0)
+            yield from (age, lost)
+
+
+def serve_metrics(port: int, liveness: NodeLiveness, addr: str = "0.0.0.0") -> Any:
+    """Serve /metrics on addr:port from a daemon thread; returns the server (its `shutdown()` stops it)."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        raise MetricsUnavailable("--metrics-port needs prometheus_client: pip install 'rayfree[metrics]'") from None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(liveness))
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    logger.info("metrics for Prometheus at http://%s:%d/metrics", addr, port)
+    return server

@@ -1,0 +1,92 @@
+"""`rayfree status`: ask node 0 what the cluster is doing; a table for people, `--json` for scripts.
+
+Reads the same options as `rayfree node` (master_addr, master_port or
+heartbeat_port, the secret), so on any node, in its container or shell, the
+same environment that started the node is enough.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import msgspec
+
+from rayfree.executor.status import ClusterStatus, NodeStatus
+
+__all__ = ["run_status", "format_status"]
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from rayfree.cluster.config import ConfigError, load_config
+    from rayfree.cluster.heartbeat import query_status
+    from rayfree.executor.status import decode_cluster
+    from rayfree.transport.errors import TransportError
+    try:
+        config = load_config(args, check_local_master=False)  # asked from any node
+    except ConfigError as e:
+        print(f"rayfree status: {e}", file=sys.stderr)
+        return 2
+    par = config.parallel
+    if not par.master_addr:
+        print("rayfree status: give the cluster's node 0: --master-addr (or RAYFREE_MASTER_ADDR)", file=sys.stderr)
+        return 2
+    try:
+        raw = query_status(par.master_addr, config.heartbeat_endpoint_port, args.timeout)
+    except (TimeoutError, TransportError) as e:
+        print(f"rayfree status: {e}", file=sys.stderr)
+        return 1
+    if not raw:
+        print("rayfree status: node 0 answered but has no status to give (still starting?)", file=sys.stderr)
+        return 1
+    status = decode_cluster(raw)
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(status), indent=2))
+    else:
+        print(format_status(status))
+    return 0
+
+
+def _age(s: float | None) -> str:
+    return "-" if s is None else (f"{s * 1000:.0f}ms" if s < 1 else f"{s:.1f}s")
+
+
+def format_status(st: ClusterStatus) -> str:
+    lines = [f"cluster: {st.nnodes} node(s), {st.shape}, {st.world_size} rank(s) per replica"]
+    lines.append(f"{'node':<5}{'ip':<16}{'state':<12}{'heartbeat':<11}{'rtt':<9}{'ranks':<18}replicas")
+    for n in st.nodes:
+        beat = "self" if n.node == 0 else _age(n.heartbeat_age_s)
+        rtt = "-" if n.heartbeat_rtt_ms is None else f"{n.heartbeat_rtt_ms:.2f}ms"
+        lines.append(f"{n.node:<5}{n.ip:<16}{n.state:<12}{beat:<11}{rtt:<9}{str(n.ranks):<18}{n.replicas}")
+    lines.append("")
+    width = max([len(w.title) for n in st.nodes for w in n.workers] + [12]) + 11
+    lines.append(f"{'node':<5}{'rank':<6}{'world':<7}{'pid':>8}  {'process':<{width}}state")
+    for n in st.nodes:
+        for w in n.workers:
+            lines.append(f"{n.node:<5}{w.rank:<6}{w.global_rank:<7}{w.pid:>8}  {'rayfree::' + w.title:<{width}}"
+                         f"{w.state}")
+        if not n.workers:
+            lines.append(f"{n.node:<5}(no worker reported" + (": node lost)" if n.state == "lost" else ")"))
+    for n in st.nodes:
+        for r in n.leads:
+            lines += _replica_lines(n, r)
+    return "\n".join(lines)
+
+
+def _replica_lines(n: NodeStatus, r) -> list[str]:
+    head = f"replica {r.replica} (led by node {n.node})" + (f": FAILED {r.failed}" if r.failed else "")
+    out = ["", head]
+    if r.calls:
+        for c in r.calls:
+            out.append(f"  call in flight: {c.method}, {_age(c.age_s)}, waiting for rank(s) {c.waiting_for}")
+    else:
+        out.append("  no call in flight")
+    out.append("  since last reply: " + ", ".join(f"rank {i} {_age(s)}" for i, s in enumerate(r.since_reply_s)))
+    if r.ring_chunks:
+        slow = (f"; slowest reader rank {r.slowest_reader} ({r.ring_behind[r.slowest_reader]} chunk(s) behind)"
+                if r.slowest_reader >= 0 else "; no reader behind")
+        out.append(f"  broadcast ring: {r.ring_occupied}/{r.ring_chunks} chunks occupied{slow}")
+    if r.bytes_broadcast:
+        out.append("  bytes broadcast: " + ", ".join(f"{k} {v}" for k, v in r.bytes_broadcast.items()))
+    return out
