@@ -58,6 +58,8 @@ class NodeLiveness:
         self._stopped = 0
         self._closed = False
         self.failure: Exception | None = None
+        #: the executors record each call's latency (someone serves metrics); set before they start
+        self.histograms = False
         #: set when the cluster's fate is decided: node 0 said goodbye, or something failed
         self.settled = threading.Event()
         self.beater: HeartbeatServer | HeartbeatClient | None = None
@@ -110,6 +112,7 @@ class NodeLiveness:
     # -- the executors ---------------------------------------------------------------------
 
     def attach(self, ex: MultiprocExecutor) -> None:
+        ex.rpc_recorder.histograms = self.histograms
         with self._lock:
             self._executors.append(weakref.ref(ex))
 

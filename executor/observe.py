@@ -1,8 +1,9 @@
 """What the executor records about its calls, for `rayfree status`, the stall reports and the metrics.
 
-Kept cheap enough for the engine's step (a few attribute stores, one
-`bisect` per call): the calls in flight and their start, each rank's last
-reply, and a latency histogram per method. The reader is another thread
+Kept cheap enough for the engine's step (a few attribute stores per call):
+the calls in flight and their start, and each rank's last reply; the
+latency histogram per method (one `bisect` more) only once someone reads
+it (`histograms`, set when a node serves metrics). The reader is another thread
 (the stall watch, a status query, a metrics scrape); it sees a racy but
 consistent-enough snapshot, which is all a report needs.
 
@@ -67,7 +68,9 @@ class Call:
 class RpcRecorder:
     """The executor's record of its calls. The step's fast path writes `name`, `rank`, `t0` directly."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, histograms: bool = False) -> None:
+        #: record each call's latency (metrics); off, a call costs two clock reads and a few stores
+        self.histograms = histograms
         #: the fast path's call in flight: t0 > 0 while it runs
         self.name = ""
         self.rank = 0
@@ -81,10 +84,11 @@ class RpcRecorder:
         """The fast path's call got its reply."""
         t = _perf()
         self.last_reply[self.rank] = t
-        h = self.hist.get(self.name)
-        if h is None:
-            h = self.hist[self.name] = Histogram()
-        h.observe(t - self.t0)
+        if self.histograms:
+            h = self.hist.get(self.name)
+            if h is None:
+                h = self.hist[self.name] = Histogram()
+            h.observe(t - self.t0)
         self.t0 = 0.0
 
     def begin(self, name: str, ranks: list[int], got: dict[int, Any]) -> Call:
@@ -100,13 +104,13 @@ class RpcRecorder:
             return
         for r in call.got:
             self.last_reply[r] = t
-        if ok:
+        if not ok:
+            self.failures += 1
+        elif self.histograms:
             h = self.hist.get(call.name)
             if h is None:
                 h = self.hist[call.name] = Histogram()
             h.observe(t - call.t0)
-        else:
-            self.failures += 1
 
     def in_flight(self) -> list[tuple[str, float, list[int]]]:
         """(method, age in seconds, ranks whose replies are still awaited), oldest first."""

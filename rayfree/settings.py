@@ -76,6 +76,7 @@ TABLE: dict[str, Setting] = {s.name: s for s in (
     Setting("RAYFREE_WORKER_KWARGS", None, _str, "`rayfree node --worker-kwargs`: a JSON object"),
     Setting("RAYFREE_ENTRY", None, _str, "`rayfree node --entry`: node 0's driver, pkg.mod:func"),
     Setting("RAYFREE_HEADLESS", False, _flag, "`rayfree node --headless`: a follower node"),
+    Setting("RAYFREE_METRICS_PORT", None, _str, "`rayfree node --metrics-port`: serve Prometheus metrics on this port"),
     # the demo's nodes
     Setting("RAYFREE_DEMO_STEPS", 200, int, "steps the demo's driver runs on a node"),
     Setting("RAYFREE_DEMO_T0", None, float, "when the demo started (time.time()), for its wall-time line"),

@@ -119,6 +119,7 @@ def serve_metrics(port: int, liveness: NodeLiveness, addr: str = "0.0.0.0") -> A
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError:
         raise MetricsUnavailable("--metrics-port needs prometheus_client: pip install 'rayfree[metrics]'") from None
+    liveness.histograms = True  # before the executors start: every call is counted
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(liveness))
     server, _thread = start_http_server(port, addr=addr, registry=registry)
