@@ -40,6 +40,8 @@ logger = logging.getLogger("rayfree.cluster")
 _BYE_LINGER_MS = 300
 #: How often a waiting side says what it waits for.
 WAIT_LOG_S = 10.0
+#: A node status bigger than this is not sent (a beat over the sockets' 64 KiB limit would cut the link).
+STATUS_MAX_BYTES = 48 << 10
 
 
 class Beat(msgspec.Struct, tag="beat", array_like=True):
@@ -374,10 +376,15 @@ class HeartbeatClient(_Beater):
         if self.status_fn is None:
             return b""
         try:
-            return self.status_fn()
+            status = self.status_fn()
         except Exception:  # noqa: BLE001 - a status must never stop the heartbeats
             logger.debug("heartbeat: could not build this node's status", exc_info=True)
             return b""
+        if len(status) > STATUS_MAX_BYTES:
+            self._dropped(f"this node's status ({len(status)} bytes, over {STATUS_MAX_BYTES}): node 0 shows "
+                          f"only what its heartbeats say")
+            return b""
+        return status
 
     def _on_message(self, payload: bytes) -> bool:
         """True when the leader said goodbye."""

@@ -112,13 +112,13 @@ class RpcRecorder:
                 h = self.hist[call.name] = Histogram()
             h.observe(t - call.t0)
 
-    def in_flight(self) -> list[tuple[str, float, list[int]]]:
-        """(method, age in seconds, ranks whose replies are still awaited), oldest first."""
+    def in_flight(self) -> list[tuple[str, float, list[int], float]]:
+        """(method, age in seconds, ranks whose replies are still awaited, its start), oldest first."""
         now = _perf()
-        out = [(c.name, now - c.t0, [r for r in c.ranks if r not in c.got]) for c in list(self.calls)]
+        out = [(c.name, now - c.t0, [r for r in c.ranks if r not in c.got], c.t0) for c in list(self.calls)]
         t0, name, rank = self.t0, self.name, self.rank
         if t0:
-            out.append((name, now - t0, [rank]))
+            out.append((name, now - t0, [rank], t0))
         return sorted(out, key=lambda x: -x[1])
 
     def since_last_reply(self) -> list[float | None]:
@@ -134,8 +134,8 @@ class StallWatch:
         self.report_s = report_s
         self.dump_s = dump_s
         self._stop = threading.Event()
-        self._reported: dict[tuple[str, int], float] = {}  # (method, start) -> age at its last report
-        self._dumped: set[tuple[str, int]] = set()
+        self._reported: dict[tuple[str, float], float] = {}  # (method, start) -> age at its last report
+        self._dumped: set[tuple[str, float]] = set()
         self._thread = threading.Thread(target=self._run, daemon=True, name="RayfreeStallWatch")
         self._thread.start()
 
@@ -158,10 +158,10 @@ class StallWatch:
         if not calls:
             self._reported.clear()
             return
-        name, age, waiting = calls[0]
+        name, age, waiting, start = calls[0]
         if age < self.report_s:
             return
-        key = (name, int(time.monotonic() - age))
+        key = (name, start)
         last = self._reported.get(key)
         if last is not None and age - last < self.report_s:
             return

@@ -90,7 +90,7 @@ def replica_status(ex: MultiprocExecutor) -> ReplicaStatus:
     slowest = max(behind, key=lambda r: behind[r]) if behind and max(behind.values()) > 0 else -1
     return ReplicaStatus(
         replica=ex.dp_rank, world_size=ex.world_size, failed=str(ex.failure or "")[:500],
-        calls=[CallStatus(m, round(a, 3), w) for m, a, w in rec.in_flight()],
+        calls=[CallStatus(m, round(a, 3), w) for m, a, w, _ in rec.in_flight()],
         since_reply_s=[None if t is None else round(t, 3) for t in rec.since_last_reply()],
         ring_chunks=ring.get("chunks", 0), ring_occupied=ring.get("occupied", 0), ring_behind=behind,
         slowest_reader=slowest, bytes_broadcast=dict(ring.get("bytes") or {}), rpc_failures=rec.failures)

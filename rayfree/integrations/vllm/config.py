@@ -27,6 +27,11 @@ COLLECTIVE_METHODS = ["execute_model", "sample_tokens", "execute_dummy_batch", "
 #: the model 1185 us at 2 ms vs 1006 us at 20 ms (mp 1005-1254). The spin still adapts (at most 4x the
 #: recent waits); lower the cap to give cores back to other work.
 VLLM_SPIN_US = 20000.0
+#: Stall reports for vLLM (unless RAYFREE_STALL_REPORT_S / RAYFREE_STALL_DUMP_S say otherwise): vLLM warns
+#: about a stuck broadcast after 60 s, and its start-up calls (profiling, compilation, warm-up) legitimately
+#: take minutes on GPUs, so reports start at 60 s and stacks are dumped after 10 minutes.
+VLLM_STALL_REPORT_S = 60.0
+VLLM_STALL_DUMP_S = 600.0
 
 
 def _sizes(par: Any) -> dict[str, Any]:
@@ -42,7 +47,8 @@ def cluster_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> Cl
     if par.nnodes > 1:
         raise ConfigError(f"vLLM's nnodes={par.nnodes}: with rayfree, leave vLLM at one node and give rayfree the "
                           f"nodes (RAYFREE_NNODES, RAYFREE_MASTER_ADDR, and `rayfree node --headless` on the others)")
-    config = load_config([], env=os.environ if env is None else env)
+    env = os.environ if env is None else env
+    config = load_config([], env=env)
     if config.parallel.data_parallel_size > 1:
         raise ConfigError("RAYFREE_DATA_PARALLEL_SIZE > 1: vLLM runs one executor per DP rank; give vLLM its "
                           "data_parallel_size and leave rayfree's at 1")
@@ -50,7 +56,11 @@ def cluster_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> Cl
     scheduler = getattr(vllm_config, "scheduler_config", None)
     config = msgspec.structs.replace(config, parallel=parallel, collective_methods=list(COLLECTIVE_METHODS),
                                      async_scheduling=bool(getattr(scheduler, "async_scheduling", False)),
-                                     spin_us=VLLM_SPIN_US if config.spin_us is None else config.spin_us)
+                                     spin_us=VLLM_SPIN_US if config.spin_us is None else config.spin_us,
+                                     stall_report_s=config.stall_report_s if "RAYFREE_STALL_REPORT_S" in env
+                                     else VLLM_STALL_REPORT_S,
+                                     stall_dump_s=config.stall_dump_s if "RAYFREE_STALL_DUMP_S" in env
+                                     else VLLM_STALL_DUMP_S)
     return config.validate(check_local_master=True)
 
 
