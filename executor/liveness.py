@@ -109,6 +109,11 @@ class NodeLiveness:
         else:
             self._fail_soon(LeaderLost(self.node, f"it stopped after a failure: {reason}"))
 
+    def verdict_s(self) -> float:
+        """How long the heartbeats take at most to call a node whose processes died lost (0: one node)."""
+        b = self.beater
+        return 0.0 if b is None else b.suspect_window + b.interval + 0.3
+
     # -- the executors ---------------------------------------------------------------------
 
     def attach(self, ex: MultiprocExecutor) -> None:

@@ -45,6 +45,15 @@ logger = logging.getLogger("rayfree.executor")
 _perf = time.perf_counter
 
 
+_PEER_GONE = ("connection", "peer", "broken pipe", "timed out", "timeout")
+
+
+def _peer_gone(message: str) -> bool:
+    """Does a collective's error read like its peer went away (gloo/NCCL connection errors)?"""
+    m = message.lower()
+    return any(s in m for s in _PEER_GONE)
+
+
 class MultiprocExecutor(Executor):
     """See the module docstring. `monitor_workers=False` leaves watching the workers to the caller.
 
@@ -182,6 +191,15 @@ class MultiprocExecutor(Executor):
         """A collective step raised on rank `w.rank`: its peers may be stuck in a collective, so stop them all."""
         if self.shutting_down or self.is_failed:
             return
+        lv = self.liveness
+        if lv is not None and lv.verdict_s() and _peer_gone(msg.message):
+            # A rank on another node that died shows up here first, as a collective's connection error; the
+            # heartbeats name that node within their suspect window, and that is the cause to report.
+            logger.info("%s: %s in %s looks like a lost peer; waiting up to %.1fs for the heartbeats' verdict",
+                        w.describe(), msg.error_type, msg.method, lv.verdict_s())
+            lv.settled.wait(lv.verdict_s())
+            if self.shutting_down or self.is_failed:
+                return
         logger.error("%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type,
                      msg.method)
         self._fast_stop = True

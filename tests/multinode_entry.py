@@ -69,13 +69,30 @@ def check(ex) -> int:
 
 def hang(ex) -> int:
     """A call every rank is busy in; the test takes a node away; report how and when the call failed."""
+    fut = ex.collective_rpc(nap, args=(120.0,), non_block=True)
+    return _until_lost(ex, lambda: fut.result(timeout=100))
+
+
+def step_until_lost(ex) -> int:
+    """Toy engine steps (PP send/recv between the nodes) until the test takes a node away: the peers' gloo
+    calls fail first, and the executor must still name the lost node as the cause."""
+    from rayfree.cli.toy_engine import make_batch
+
+    def steps() -> None:
+        for s in range(1_000_000):
+            ex.execute_model(make_batch(s))
+    for s in range(5):
+        ex.execute_model(make_batch(s))
+    return _until_lost(ex, steps)
+
+
+def _until_lost(ex, pending) -> int:
     from rayfree.executor import ExecutorError
     fired = []
     ex.register_failure_callback(lambda: fired.append(time.monotonic()))
-    fut = ex.collective_rpc(nap, args=(120.0,), non_block=True)
     say("PENDING", t=time.monotonic())
     try:
-        fut.result(timeout=100)
+        pending()
         error, kind = "", ""
     except ExecutorError as e:
         error, kind = str(e), type(e.__cause__ or e).__name__

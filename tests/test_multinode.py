@@ -63,15 +63,18 @@ def test_two_nodes_full_executor_equals_the_single_process_model(use_netns) -> N
 
 @needs_root
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("how", ["killed", "link-cut"])
+@pytest.mark.parametrize("how", ["killed", "link-cut", "killed-mid-step"])
 def test_a_lost_follower_fails_the_pending_call_naming_the_node(how: str) -> None:
+    """killed-mid-step: the leader's ranks are in gloo send/recv with the lost node's, and fail first with a
+    connection error; the cause reported must still be the lost node."""
+    entry = "step_until_lost" if how == "killed-mid-step" else "hang"
     with SimulatedCluster(2) as sim:
         nodes = Nodes(sim, **FAST)
-        lead = nodes.start(0, RAYFREE_ENTRY="tests.multinode_entry:hang")
+        lead = nodes.start(0, RAYFREE_ENTRY=f"tests.multinode_entry:{entry}")
         follow = nodes.start(1)
         lead.result("PENDING", 150)
         t_lost = time.monotonic()
-        if how == "killed":
+        if how.startswith("killed"):
             sim.nodes[1].kill(signal.SIGKILL)
         else:
             sim.nodes[1].set_link(False)
