@@ -111,7 +111,7 @@ class MQRig:
         self.bq.enqueue(STOP)
         for p in self.procs:
             p.join(30)
-        self.bq.close()
+        self.bq.close(flush_timeout=0)  # the readers have read STOP and left: no CLOSE to confirm
         self.rq.close()
 
 
@@ -304,44 +304,50 @@ def _floor_sub(port: str, idx: int, conn) -> None:
     ctx.destroy(linger=0)
 
 
-def zmq_floor(obj, n_sub: int, iters: int) -> float:
+class FloorRig:
     """Raw pyzmq zero-copy XPUB/SUB round trip of the payload's bytes to `n_sub` subscribers, then a small
     reply from one: what the remote path costs with neither pickle nor security."""
-    import zmq
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.XPUB)
-    pub.setsockopt(zmq.XPUB_NODROP, 1)
-    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
-    pub.bind("tcp://127.0.0.1:*")
-    pull = ctx.socket(zmq.PULL)
-    pull.bind("tcp://127.0.0.1:*")
-    port = pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
-    spawn = mp.get_context("spawn")
-    procs, conns = [], []
-    for i in range(n_sub):
-        a, b = spawn.Pipe()
-        p = spawn.Process(target=_floor_sub, args=(port, i, b), daemon=True)
-        p.start()
-        if i == 0:
-            a.send(pull.getsockopt_string(zmq.LAST_ENDPOINT))
-        procs.append(p)
-        conns.append(a)
-    for c in conns:
-        c.recv()
-    for _ in range(n_sub):
-        pub.recv()  # every subscription arrived
-    payload = memoryview((ctypes_buffer(obj)))
-    ts = []
-    for i in range(iters + max(3, iters // 10)):
+
+    def __init__(self, n_sub: int) -> None:
+        import zmq
+        self.ctx = ctx = zmq.Context()
+        self.pub = pub = ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not only the first
+        pub.bind("tcp://127.0.0.1:*")
+        self.pull = pull = ctx.socket(zmq.PULL)
+        pull.bind("tcp://127.0.0.1:*")
+        port = pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+        spawn = mp.get_context("spawn")
+        self.procs, conns = [], []
+        for i in range(n_sub):
+            a, b = spawn.Pipe()
+            p = spawn.Process(target=_floor_sub, args=(port, i, b), daemon=True)
+            p.start()
+            if i == 0:
+                a.send(pull.getsockopt_string(zmq.LAST_ENDPOINT))
+            self.procs.append(p)
+            conns.append(a)
+        for c in conns:
+            c.recv()
+        for _ in range(n_sub):
+            pub.recv()  # every subscription arrived
+        self._obj = self._payload = None
+
+    def round_trip(self, obj) -> float:
+        if obj is not self._obj:
+            self._obj, self._payload = obj, memoryview(ctypes_buffer(obj))
+        payload = self._payload
         t0 = time.perf_counter()
-        pub.send(payload, copy=len(payload) < 65536)
-        pull.recv()
-        ts.append(time.perf_counter() - t0)
-    pub.send(b"q")
-    for p in procs:
-        p.join(10)
-    ctx.destroy(linger=0)
-    return statistics.median(ts[max(3, iters // 10):])
+        self.pub.send(payload, copy=len(payload) < 65536)
+        self.pull.recv()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.pub.send(b"q")
+        for p in self.procs:
+            p.join(10)
+        self.ctx.destroy(linger=0)
 
 
 def ctypes_buffer(obj):
@@ -369,33 +375,41 @@ def seal_open_ms(obj) -> tuple[float, float]:
     return best_s * 1e3, best_o * 1e3
 
 
-def remote_table(loads, readers: list[int], iters_of) -> None:
-    """Sealed (the default), insecure and the raw floor, same run, for each reader count and payload."""
+def remote_table(loads, readers: list[int], iters_of, rounds: int = 5) -> None:
+    """Sealed (the default), insecure and the raw floor for each reader count and payload: all three rigs up
+    at once (idle ones block), measured in alternating rounds; each figure is the median of the rounds' p50s,
+    so drift on a busy machine hits the three alike."""
     from rayfree.transport import security
     sealed_policy = security.current()
-    print("remote paths (TCP loopback): round trip = broadcast to N readers + a reply from reader 0, p50 us")
+    print(f"remote paths (TCP loopback): round trip = broadcast to N readers + a reply from reader 0, us; the "
+          f"median over {rounds} alternating rounds of each rig's p50")
     hdr = (f"{'N':>3} {'payload':>8} {'sealed':>10} {'insecure':>10} {'zmq floor':>10} {'insec/floor':>11} "
-           f"{'sealed-insec':>12} {'seal+open':>10}")
+           f"{'sealed-insec':>12} {'seal+open':>10} {'sealed/insec':>12}")
     print(hdr)
     print("-" * len(hdr))
     for n in readers:
-        res = {}
-        for mode in ("sealed", "insecure"):
-            security.use(sealed_policy if mode == "sealed" else security.Policy(None, True))
+        rigs: dict = {}
+        try:
+            rigs["sealed"] = MQRig(0, n)  # made under the bench's secret
+            security.use(security.Policy(None, True))
             try:
-                rig = MQRig(0, n)
-                try:
-                    res[mode] = {name: pct(measure(rig, obj, iters_of(name)), 0.5) for name, obj, _ in loads}
-                finally:
-                    rig.close()
+                rigs["insecure"] = MQRig(0, n)
             finally:
                 security.use(sealed_policy)
-        for name, obj, _ in loads:
-            floor = zmq_floor(obj, n, iters_of(name))
-            so = seal_open_ms(obj)
-            s, i = res["sealed"][name], res["insecure"][name]
-            print(f"{n:>3} {name:>8} {s * 1e6:>10.1f} {i * 1e6:>10.1f} {floor * 1e6:>10.1f} {i / floor:>11.2f} "
-                  f"{(s - i) * 1e6:>12.1f} {(so[0] + so[1]) * 1e3:>10.1f}", flush=True)
+            rigs["floor"] = FloorRig(n)
+            for name, obj, _ in loads:
+                per: dict[str, list[float]] = {k: [] for k in rigs}
+                for _ in range(rounds):
+                    for k, rig in rigs.items():
+                        per[k].append(pct(measure(rig, obj, iters_of(name)), 0.5))
+                med = {k: statistics.median(v) for k, v in per.items()}
+                so = seal_open_ms(obj)
+                s, i, f = med["sealed"], med["insecure"], med["floor"]
+                print(f"{n:>3} {name:>8} {s * 1e6:>10.1f} {i * 1e6:>10.1f} {f * 1e6:>10.1f} {i / f:>11.2f} "
+                      f"{(s - i) * 1e6:>12.1f} {(so[0] + so[1]) * 1e3:>10.1f} {s / i:>12.2f}", flush=True)
+        finally:
+            for rig in rigs.values():
+                rig.close()
 
 
 def fence_cost_ns(n: int = 200_000) -> float:
