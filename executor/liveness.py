@@ -58,6 +58,9 @@ class NodeLiveness:
         self._stopped = 0
         self._closed = False
         self.failure: Exception | None = None
+        #: set when the operator stops this node (SIGTERM, Ctrl-C): its stop is a clean one for the cluster,
+        #: even if it cut a call short (what the other nodes are told, e.g. "SIGTERM on node 0")
+        self.stop_requested = ""
         #: the executors record each call's latency (someone serves metrics); set before they start
         self.histograms = False
         #: set when the cluster's fate is decided: node 0 said goodbye, or something failed
@@ -149,6 +152,8 @@ class NodeLiveness:
 
     def stopped(self, ex: MultiprocExecutor, failure: Exception | None, reason: str) -> None:
         """Executor `ex` is shutting down (before its workers stop); tell whoever must know."""
+        if self.stop_requested and (failure is None or not isinstance(failure, (NodeLost, LeaderLost))):
+            failure, reason = None, ""  # stopped on purpose: the others stop cleanly too
         if failure is not None or reason:
             why = reason or str(failure).split("\n")[0]
             with self._lock:
@@ -164,7 +169,8 @@ class NodeLiveness:
             self._stopped += 1
             last = self._stopped >= len(self._executors)
         if last:
-            self._close(Bye(self.node, True, "shut down"))
+            self._close(Bye(self.node, True, f"stopped on request ({self.stop_requested})" if self.stop_requested
+                            else "shut down"))
 
     def _close(self, bye: Bye) -> None:
         with self._lock:

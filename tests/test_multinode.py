@@ -96,6 +96,22 @@ def test_a_lost_follower_fails_the_pending_call_naming_the_node(how: str) -> Non
 
 
 @pytest.mark.timeout(180)
+def test_sigterm_to_node_0_mid_run_stops_every_node_cleanly() -> None:
+    """What `docker compose stop` or Ctrl-C does: an operator's stop, even mid-step, is a clean stop for the
+    cluster; the follower is told so and exits 0 instead of reporting its leader failed."""
+    with SimulatedCluster(2) as sim:
+        nodes = Nodes(sim, **FAST, RAYFREE_DEMO_STEPS="1000000")
+        lead = nodes.start(0)
+        follow = nodes.start(1)
+        lead.expect(r"step 50/", 120)
+        lead.p.send_signal(signal.SIGTERM)
+        assert lead.wait(60) == 0, lead.text()[-3000:]
+        assert follow.wait(30) == 0, follow.text()[-3000:]
+        assert_nothing_left(sim, [lead, follow])
+    assert "stopped on request (SIGTERM on node 0)" in follow.text(), follow.text()[-2000:]
+
+
+@pytest.mark.timeout(180)
 def test_a_follower_stops_when_its_leader_is_killed() -> None:
     with SimulatedCluster(2) as sim:
         nodes = Nodes(sim, **FAST)

@@ -197,7 +197,11 @@ def run_node(args: argparse.Namespace) -> int:
     logger.info("node %d/%d (%s%s): %d rank(s) from %d, master %s:%d, worker %s", par.node_rank, par.nnodes, role,
                 dp, par.local_ranks, par.global_start_rank, par.master_addr, par.master_port, worker)
 
+    lives: list[Any] = []  # this node's liveness, once made
+
     def on_signal(signum: int, frame: Any) -> None:
+        for lv in lives:  # an operator's stop: the other nodes stop cleanly too
+            lv.stop_requested = f"{signal.Signals(signum).name} on node {par.node_rank}"
         raise _StopRequested(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -206,13 +210,14 @@ def run_node(args: argparse.Namespace) -> int:
     reps: NodeReplicas | None = None
     metrics: list[Any] = []
 
-    def serve(liveness: Any) -> None:
+    def on_liveness(liveness: Any) -> None:
+        lives.append(liveness)
         if port is not None:
             from .metrics import serve_metrics
             metrics.append(serve_metrics(port, liveness))
 
     try:
-        reps = NodeReplicas(config, worker, kwargs, on_liveness=serve)
+        reps = NodeReplicas(config, worker, kwargs, on_liveness=on_liveness)
         if entry is not None:
             return _lead(reps, entry)
         logger.info("node %d: %d worker(s) ready; serving the leader until it stops", par.node_rank, par.local_ranks)
