@@ -7,7 +7,8 @@
 3. the project's image from the Dockerfile and the wheelhouse (`make wheelhouse`), no index;
 4. run 1: the CPU profile's two nodes (head-cpu, follower-cpu) on their compose network; the head must
    report every output equal and both containers exit 0;
-5. run 2: the same with a long run, and the follower container killed (`docker kill`) mid-run: the head
+5. run 2: the same with a long run: `rayfree status --json` in the follower's container must show both
+   nodes and all four ranks; then the follower container is killed (`docker kill`) mid-run: the head
    must fail naming node 1 within the heartbeat timeout and exit non-zero;
 6. remove every container, network and image it made (also when a step fails).
 
@@ -214,7 +215,8 @@ class Check:
             if time.monotonic() > deadline or self._exited(head):
                 raise CheckFailed(f"run 2: the head never became ready:\n{_indent(self.logs(head))}")
             time.sleep(0.5)
-        time.sleep(2.0)  # a few hundred steps into the run
+        self._status(follower)
+        time.sleep(1.0)  # a few hundred steps into the run
         t_kill = time.time()
         run("docker", "kill", follower)
         code = self.wait_exit(head, 60)
@@ -232,6 +234,23 @@ class Check:
                               f"{HEARTBEAT_TIMEOUT_S}s)")
         say(f"run 2 passed: the head named node 1 lost {after:.2f}s after `docker kill` (heartbeat timeout "
             f"{HEARTBEAT_TIMEOUT_S:.0f}s) and exited {code}")
+
+    @staticmethod
+    def _status(cid: str) -> dict:
+        """`rayfree status --json` inside a node's container (its environment and the compose secret)."""
+        import json
+        r = run("docker", "exec", cid, "rayfree", "status", "--json", "--timeout", "10", check=False, timeout=60)
+        if r.returncode != 0:
+            raise CheckFailed(f"run 2: `rayfree status` in the follower's container exited {r.returncode}: "
+                              f"{r.stderr.strip()}")
+        st = json.loads(r.stdout)
+        workers = sorted((n["node"], w["rank"]) for n in st["nodes"] for w in n["workers"])
+        if [n["node"] for n in st["nodes"]] != [0, 1] or workers != [(0, 0), (0, 1), (1, 2), (1, 3)]:
+            raise CheckFailed(f"run 2: `rayfree status` does not show both nodes and all four ranks: {r.stdout}")
+        say("run 2: `rayfree status` in the follower's container shows " + "; ".join(
+            f"node {n['node']} {n['ip']} {n['state']} ranks {n['ranks']} pids "
+            f"{[w['pid'] for w in n['workers']]}" for n in st["nodes"]))
+        return st
 
     @staticmethod
     def _exited(cid: str) -> bool:
