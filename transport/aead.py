@@ -11,7 +11,8 @@ Wire format of a sealed message: frame 0 is the header
 `MAGIC | u64 seq | u32 n | u64 length[n] | 16-byte tag`, frames 1..n the
 ciphertexts of the message's frames, one GCM stream over all of them. A
 message under 64 KiB in all travels as one frame: the header (with
-MAGIC_ONE), then the ciphertext of its frames joined.
+MAGIC_ONE, no tag), then the ciphertext of its frames joined, then the tag
+(AES-GCM's own output, so neither side reassembles it).
 The key is per queue (HMAC of the cluster's data key and the queue id), the
 nonce is the sequence number, and the header is authenticated data. A reader
 accepts exactly the next sequence number: a message forged, tampered,
@@ -40,8 +41,9 @@ from .pool import BufferPool
 __all__ = ["Sealer", "Opener", "queue_key", "admission_token", "MAGIC"]
 
 MAGIC = b"RFA1"
-MAGIC_ONE = b"RFA0"
+MAGIC_ONE = b"RFA2"
 _HEAD = struct.Struct("<4sQI")
+_HEAD_ONE1 = struct.Struct("<4sQIQ")  # a one-frame message of one frame: the commonest, packed in one call
 _TAG = 16
 _SMALL = 1 << 16  # frames below this get a plain bytearray; bigger ones a warm pooled buffer
 # A message smaller than this in all is sealed in one call over its joined frames (~1 us, where setting up a
@@ -82,13 +84,16 @@ class Sealer:
         """[header, ciphertext of each frame]; big ciphertexts are views of reused buffers (see `give_back`)."""
         seq = self.seq
         self.seq += 1
+        if len(frames) == 1 and type(frames[0]) is bytes and len(frames[0]) < _ONE_SHOT:  # the step's message
+            data = frames[0]
+            head = _HEAD_ONE1.pack(MAGIC_ONE, seq, 1, len(data))
+            return [head + self._aead.encrypt(_nonce(seq), data, self._qid + head)]
         views = [f if isinstance(f, memoryview) else memoryview(f) for f in frames]
         lengths = [v.nbytes for v in views]
         head = _header(seq, lengths)
-        if sum(lengths) < _ONE_SHOT:  # one frame: header, tag, ciphertext
+        if sum(lengths) < _ONE_SHOT:  # one frame: header, ciphertext, tag
             head = MAGIC_ONE + head[4:]
-            ct = self._aead.encrypt(_nonce(seq), b"".join(views), self._qid + head)
-            return [head + ct[-_TAG:] + ct[:-_TAG]]
+            return [head + self._aead.encrypt(_nonce(seq), b"".join(views), self._qid + head)]
         enc = Cipher(self._alg, modes.GCM(_nonce(seq))).encryptor()
         enc.authenticate_additional_data(self._qid + head)
         out: list = [None]
@@ -130,10 +135,11 @@ class Opener:
         if not parts:
             raise BadFrame("an empty message")
         first = parts[0]
-        if len(first) < _HEAD.size + _TAG or first[:4] not in (MAGIC, MAGIC_ONE):
+        magic = bytes(first[:4])
+        if magic == MAGIC_ONE and len(first) >= _HEAD.size + _TAG:
+            return self._open_one(first, len(parts))
+        if len(first) < _HEAD.size + _TAG or magic != MAGIC:
             raise BadFrame("not a sealed rayfree message (wrong magic or length)")
-        if first[:4] == MAGIC_ONE:
-            return self._open_one(bytes(first), len(parts))
         head = bytes(first)
         _, seq, n = _HEAD.unpack_from(head)
         if n != len(parts) - 1 or len(head) != _HEAD.size + 8 * n + _TAG:
@@ -166,22 +172,26 @@ class Opener:
             raise BadFrame(f"a sealed message out of order: sequence {seq}, expected {self.expect} "
                            f"(replayed, reordered, or lost)")
 
-    def _open_one(self, msg: bytes, nparts: int) -> list:
-        """A one-frame sealed message: header, tag, then the ciphertext of every frame joined."""
+    def _open_one(self, msg, nparts: int) -> list:
+        """A one-frame sealed message: header, the ciphertext of every frame joined, tag."""
         _, seq, n = _HEAD.unpack_from(msg)
         hlen = _HEAD.size + 8 * n
-        if nparts != 1 or len(msg) < hlen + _TAG:
+        size = len(msg)
+        if nparts != 1 or size < hlen + _TAG:
             raise BadFrame("a one-frame sealed message that is not one frame, or is truncated")
         lengths = struct.unpack_from(f"<{n}Q", msg, _HEAD.size)
-        if sum(lengths) != len(msg) - hlen - _TAG:
+        if sum(lengths) != size - hlen - _TAG:
             raise BadFrame("a sealed message whose length does not match its header (truncated?)")
         self._check_order(seq)
+        mv = msg if isinstance(msg, memoryview) else memoryview(msg)
         try:
-            pt = self._aead.decrypt(_nonce(seq), msg[hlen + _TAG:] + msg[hlen: hlen + _TAG], self._qid + msg[:hlen])
+            pt = self._aead.decrypt(_nonce(seq), mv[hlen:], self._qid + bytes(mv[:hlen]))
         except InvalidTag:
             raise _forged() from None
         self.expect = seq + 1
-        view = memoryview(bytearray(pt))  # writable, like every buffer a reader gets
+        if n == 1:
+            return [pt]  # one frame: a pickle stream (or a control or raw message), read, never written to
+        view = memoryview(bytearray(pt))  # writable, like every out-of-band buffer a reader gets
         out, off = [], 0
         for ln in lengths:
             out.append(view[off: off + ln])
