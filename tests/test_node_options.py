@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from rayfree.cli.node import NodeUsageError, add_node_arguments, plan
+from rayfree.cli.node import NodeUsageError, add_node_arguments, metrics_port, plan
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -62,3 +62,19 @@ def test_an_unknown_node_key_in_the_file_is_named(tmp_path) -> None:
     f.write_text('[node]\nworkr = "a:B"\n')
     with pytest.raises(NodeUsageError, match="workr"):
         plan(parse("--config", str(f)), env={})
+
+
+@pytest.mark.parametrize("argv, env, want", [
+    ((), {}, None),
+    (("--metrics-port", "9400"), {}, 9400),
+    ((), {"RAYFREE_METRICS_PORT": "9401"}, 9401),
+    (("--metrics-port", "9402"), {"RAYFREE_METRICS_PORT": "9401"}, 9402),
+])
+def test_the_metrics_port_comes_from_the_flag_or_the_environment(argv, env, want) -> None:
+    assert metrics_port(parse(*argv), env=env) == want
+
+
+@pytest.mark.parametrize("value", ["http", "0", "70000"])
+def test_a_metrics_port_that_is_not_a_port_is_refused(value) -> None:
+    with pytest.raises(NodeUsageError, match=f"--metrics-port '{value}' is not a TCP port"):
+        metrics_port(parse("--metrics-port", value), env={})

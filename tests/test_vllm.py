@@ -165,3 +165,17 @@ def test_a_killed_follower_node_fails_the_engine_within_the_heartbeat_timeout(mo
     assert r["error"] == "EngineDeadError", r
     assert took < HB_TIMEOUT + SLACK, f"vLLM's engine failed {took:.2f}s after node 1 was killed"
     print(f"\nfollower node SIGKILLed while generating: vLLM's EngineDeadError after {took:.2f} s")
+
+
+def test_stall_reports_for_vllm_start_later_unless_the_environment_says_otherwise() -> None:
+    """vLLM's start-up calls (profiling, compilation, warm-up) take minutes on GPUs: reports from 60 s, stacks
+    from 10 minutes; RAYFREE_STALL_REPORT_S / RAYFREE_STALL_DUMP_S still win."""
+    from types import SimpleNamespace
+
+    from rayfree.integrations.vllm.config import VLLM_STALL_DUMP_S, VLLM_STALL_REPORT_S, cluster_config
+    par = SimpleNamespace(nnodes=1, tensor_parallel_size=2, pipeline_parallel_size=1)
+    vllm_config = SimpleNamespace(parallel_config=par, scheduler_config=SimpleNamespace(async_scheduling=False))
+    c = cluster_config(vllm_config, env={})
+    assert (c.stall_report_s, c.stall_dump_s) == (VLLM_STALL_REPORT_S, VLLM_STALL_DUMP_S) == (60.0, 600.0)
+    c = cluster_config(vllm_config, env={"RAYFREE_STALL_REPORT_S": "5", "RAYFREE_STALL_DUMP_S": "9"})
+    assert (c.stall_report_s, c.stall_dump_s) == (5.0, 9.0)
