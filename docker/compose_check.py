@@ -278,11 +278,11 @@ def _indent(text: str) -> str:
 
 def _stamp(line: str) -> float:
     """The time of a `docker logs -t` line (RFC 3339, nanoseconds) as a Unix time."""
-    from datetime import datetime
+    from datetime import datetime, timezone
     ts = line.split(" ", 1)[0]
     head, _, frac = ts.rstrip("Z").partition(".")
-    return datetime.strptime(head, "%Y-%m-%dT%H:%M:%S").replace(
-        tzinfo=__import__("datetime").timezone.utc).timestamp() + float("0." + (frac or "0"))
+    return datetime.strptime(head, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp() \
+        + float("0." + (frac or "0"))
 
 
 def main() -> int:

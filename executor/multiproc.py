@@ -244,14 +244,12 @@ class MultiprocExecutor(Executor):
                     try:
                         self._fast_send((method, args, kwargs, unique_reply_rank), timeout)
                     except BaseException as e:
-                        rec.t0 = 0.0
-                        rec.failures += 1
+                        rec.failed_fast()
                         raise map_failure(self, e, method, "sending it", timeout)
                     try:
                         value = recv() if end is None else recv(max(0.0, end - time.monotonic()))
                     except BaseException as e:
-                        rec.t0 = 0.0
-                        rec.failures += 1
+                        rec.failed_fast()
                         raise map_failure(self, e, method, "waiting for its replies", timeout, [unique_reply_rank])
                     rec.done_fast()
                     t = type(value)

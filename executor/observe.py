@@ -85,11 +85,19 @@ class RpcRecorder:
         t = _perf()
         self.last_reply[self.rank] = t
         if self.histograms:
-            h = self.hist.get(self.name)
-            if h is None:
-                h = self.hist[self.name] = Histogram()
-            h.observe(t - self.t0)
+            self._observe(self.name, t - self.t0)
         self.t0 = 0.0
+
+    def failed_fast(self) -> None:
+        """The fast path's call failed (raised, timed out, cut short)."""
+        self.t0 = 0.0
+        self.failures += 1
+
+    def _observe(self, name: str, seconds: float) -> None:
+        h = self.hist.get(name)
+        if h is None:
+            h = self.hist[name] = Histogram()
+        h.observe(seconds)
 
     def begin(self, name: str, ranks: list[int], got: dict[int, Any]) -> Call:
         call = Call(name, ranks, got)
@@ -107,10 +115,7 @@ class RpcRecorder:
         if not ok:
             self.failures += 1
         elif self.histograms:
-            h = self.hist.get(call.name)
-            if h is None:
-                h = self.hist[call.name] = Histogram()
-            h.observe(t - call.t0)
+            self._observe(call.name, t - call.t0)
 
     def in_flight(self) -> list[tuple[str, float, list[int], float]]:
         """(method, age in seconds, ranks whose replies are still awaited, its start), oldest first."""
