@@ -6,6 +6,7 @@ test against a running 2-node cluster is in test_multinode.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -31,6 +32,24 @@ PACKAGES = ("transport", "cluster", "worker", "executor", "rayfree")
 
 def tcp_writer(n_reader: int = 1) -> MessageQueue:
     return MessageQueue(n_reader, 0, connect_ip="127.0.0.1", max_chunk_bytes=1 << 16, max_chunks=8)
+
+
+@contextlib.contextmanager
+def sealed_reader(w: MessageQueue, n: int):
+    """A remote reader of `w` collecting `n` messages in its own process, attached and ready; yields (its
+    pipe, the queue id, the cluster secret, the writer's publisher, the writer's sealer, the process); joins it
+    at the end."""
+    p, conn = procs.spawn(procs.reader_collect, w.export_handle().to_bytes(), 0, n)
+    try:
+        assert procs.recv(conn)[0] == "attached"
+        w.wait_until_ready(timeout=60)
+        yield (conn, bytes.fromhex(w.export_handle().queue_id), security.process_secret(), w._w.remote.sock,
+               w._w.remote.sealer, p)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
 
 
 # -- signed handles -------------------------------------------------------------------------
@@ -189,29 +208,19 @@ def test_the_slot_parser_survives_10000_corrupt_slots() -> None:
 def test_a_remote_reader_skips_10000_garbage_messages_and_loses_no_good_one() -> None:
     rng = random.Random(99)
     n_good, n_bad = 300, 10_000
-    with tcp_writer() as w:
-        p, conn = procs.spawn(procs.reader_collect, w.export_handle().to_bytes(), 0, n_good)
-        try:
-            assert procs.recv(conn)[0] == "attached"
-            w.wait_until_ready(timeout=60)
-            sock = w._w.remote.sock
-            bad_per_good = n_bad // n_good + 1
-            sent_bad = 0
-            for i in range(n_good):
-                for _ in range(bad_per_good if sent_bad < n_bad else 0):
-                    frames = [rng.randbytes(rng.randrange(0, 40)) for _ in range(rng.randrange(1, 4))]
-                    if frames[0][:1] == b"\x01":  # a valid RAW message is not garbage
-                        frames[0] = b"\x02" + frames[0][1:]
-                    frames[0] = frames[0].replace(b".", b"/")  # no STOP opcode: it cannot be a valid pickle
-                    sock.send_multipart(frames)
-                    sent_bad += 1
-                w.enqueue(("good", i), timeout=30)
-            kind, got, bad = procs.recv(conn, timeout=90)
-        finally:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+    with tcp_writer() as w, sealed_reader(w, n_good) as (conn, _, _, sock, _, p):
+        bad_per_good = n_bad // n_good + 1
+        sent_bad = 0
+        for i in range(n_good):
+            for _ in range(bad_per_good if sent_bad < n_bad else 0):
+                frames = [rng.randbytes(rng.randrange(0, 40)) for _ in range(rng.randrange(1, 4))]
+                if frames[0][:1] == b"\x01":  # a valid RAW message is not garbage
+                    frames[0] = b"\x02" + frames[0][1:]
+                frames[0] = frames[0].replace(b".", b"/")  # no STOP opcode: it cannot be a valid pickle
+                sock.send_multipart(frames)
+                sent_bad += 1
+            w.enqueue(("good", i), timeout=30)
+        kind, got, bad = procs.recv(conn, timeout=90)
     assert kind == "done" and got == [("good", i) for i in range(n_good)]
     assert bad == sent_bad >= n_bad, (bad, sent_bad)
     assert p.exitcode == 0
@@ -274,7 +283,6 @@ def test_the_heartbeat_endpoint_drops_10000_malformed_messages_and_keeps_answeri
 
 
 # -- the sealed data path (aead.py) ---------------------------------------------------------------
-
 class _Boom:
     """Unpickling this runs code (writes a file): a forged message must never get that far."""
 
@@ -295,42 +303,29 @@ def test_forged_tampered_truncated_replayed_reordered_and_foreign_messages_are_r
     from rayfree.transport.aead import Sealer, queue_key
     boom = str(tmp_path / "unpickled")
     payload = [pickle.dumps(_Boom(boom), 5)]
-    with tcp_writer() as w:
-        p, conn = procs.spawn(procs.reader_collect, w.export_handle().to_bytes(), 0, 6)
-        try:
-            assert procs.recv(conn)[0] == "attached"
-            w.wait_until_ready(timeout=60)
-            qid = bytes.fromhex(w.export_handle().queue_id)
-            secret = security.process_secret()
-            sock, real = w._w.remote.sock, w._w.remote.sealer
+    with tcp_writer() as w, sealed_reader(w, 6) as (conn, qid, secret, sock, real, _):
+        def forged(seq: int, key_secret=secret, queue_id=qid) -> list:
+            s = Sealer(queue_key(key_secret.derive(b"queue-aead"), queue_id), queue_id)
+            s.seq = seq
+            return [bytes(f) for f in s.seal(payload)]
 
-            def forged(seq: int, key_secret=secret, queue_id=qid) -> list:
-                s = Sealer(queue_key(key_secret.derive(b"queue-aead"), queue_id), queue_id)
-                s.seq = seq
-                return [bytes(f) for f in s.seal(payload)]
-
-            other = ClusterSecret(os.urandom(32), "another cluster")
-            replay = None
-            for i in range(6):
-                nxt = real.seq  # the sequence number the reader expects next
-                tampered = forged(nxt)
-                tampered[-1] = tampered[-1][:-1] + bytes([tampered[-1][-1] ^ 1])
-                truncated = forged(nxt)
-                truncated[-1] = truncated[-1][:-1]
-                attacks = [tampered, truncated, forged(nxt + 1), forged(nxt, queue_id=os.urandom(16)),
-                           forged(nxt, key_secret=other)]
-                if replay is not None:
-                    attacks.append(replay)
-                for frames in attacks:
-                    sock.send_multipart(frames)
-                replay = forged(nxt - 1) if nxt else None  # a copy of the last genuine message's slot
-                w.enqueue(("good", i), timeout=30)
-            kind, got, bad = procs.recv(conn, timeout=90)
-        finally:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        other = ClusterSecret(os.urandom(32), "another cluster")
+        replay = None
+        for i in range(6):
+            nxt = real.seq  # the sequence number the reader expects next
+            tampered = forged(nxt)
+            tampered[-1] = tampered[-1][:-1] + bytes([tampered[-1][-1] ^ 1])
+            truncated = forged(nxt)
+            truncated[-1] = truncated[-1][:-1]
+            attacks = [tampered, truncated, forged(nxt + 1), forged(nxt, queue_id=os.urandom(16)),
+                       forged(nxt, key_secret=other)]
+            if replay is not None:
+                attacks.append(replay)
+            for frames in attacks:
+                sock.send_multipart(frames)
+            replay = forged(nxt - 1) if nxt else None  # a copy of the last genuine message's slot
+            w.enqueue(("good", i), timeout=30)
+        kind, got, bad = procs.recv(conn, timeout=90)
     assert kind == "done" and got == [("good", i) for i in range(6)], (kind, got)
     assert bad == 5 * 6 + 5, bad
     assert not os.path.exists(boom), "a forged message was unpickled"
@@ -381,3 +376,77 @@ def test_a_subscriber_without_the_token_gets_nothing_and_cannot_stall_the_writer
     assert kind == "done" and len(got) == 3000 and got[-1][1] == 2999
     assert received == 0, f"outsiders received {received} bytes"
     assert took < 30
+
+
+@pytest.mark.timeout(120)
+def test_segments_forged_tampered_truncated_replayed_reordered_or_foreign_are_refused_unread(tmp_path) -> None:
+    """Messages of SEG_MIN bytes or more travel as separately sealed segments. Before each genuine segment of
+    three such messages arrive segments that are tampered, truncated, out of order, replayed, of another queue
+    and of another cluster (their heads carry a pickle that would write a file). Every one is skipped, no file
+    appears, and the three messages arrive whole."""
+    import pickle
+
+    from rayfree.transport import serde
+    from rayfree.transport.aead import SEG_MIN, Sealer, queue_key
+    boom = str(tmp_path / "unpickled")
+    import numpy as np
+    size = 2 * SEG_MIN + 12345  # numpy, not torch: the reader sends what it got back over a pipe, by value
+    goods = [serde.Serializer().dumps(("good", i, np.full(size, i + 1, dtype=np.uint8))) for i in range(3)]
+    with tcp_writer() as w, sealed_reader(w, 3) as (conn, qid, secret, sock, real, _):
+        other = ClusterSecret(os.urandom(32), "another cluster")
+
+        def forged(first_seq: int, frames: list, key_secret=secret, queue_id=qid) -> list[bytes]:
+            """The segments of a message whose head is a file-writing pickle, from sequence `first_seq`."""
+            s = Sealer(queue_key(key_secret.derive(b"queue-aead"), queue_id), queue_id)
+            s.seq = first_seq
+            _, segments = s.segments([pickle.dumps(_Boom(boom), 5)] + frames[1:])
+            return [bytes(x) for x in segments]
+
+        attacks, last = 0, None
+        for good in goods:
+            _, segments = real.segments(good)
+            for k, seg in enumerate(segments):
+                seg = bytes(seg)
+                seq = real.seq - 1  # this segment's
+                mine = forged(seq - k, good)
+                tampered = seg[:-1] + bytes([seg[-1] ^ 1])
+                batch = [tampered, seg[:-1], forged(seq - k, good, queue_id=os.urandom(16))[k],
+                         forged(seq - k, good, key_secret=other)[k]]
+                if k + 1 < len(mine):
+                    batch.append(mine[k + 1])  # the next segment, too early
+                if last is not None:
+                    batch.append(last)  # the segment before, again
+                for frame in batch:
+                    sock.send(frame)
+                attacks += len(batch)
+                sock.send(seg)
+                last = seg
+        kind, got, bad = procs.recv(conn, timeout=90)
+    assert kind == "done", got
+    assert [(g[0], g[1], g[2].shape[0], bool((g[2] == i + 1).all())) for i, g in enumerate(got)] == \
+        [("good", i, size, True) for i in range(3)]
+    assert bad == attacks, (bad, attacks)
+    assert not os.path.exists(boom), "a forged segment's message was unpickled"
+
+
+@pytest.mark.timeout(60)
+def test_a_segmented_message_its_writer_gave_up_on_is_dropped_and_the_next_arrives() -> None:
+    """The writer sends two segments of a message, then gives up on it (a timeout on the third, which it takes
+    back). The reader never hands on the unfinished message; the next messages arrive."""
+    import numpy as np
+
+    from rayfree.transport import serde
+    from rayfree.transport.aead import SEG_MIN
+    with tcp_writer() as w, sealed_reader(w, 3) as (conn, _, _, sock, real, _):
+        w.enqueue(("before", 0), timeout=30)
+        _, segments = real.segments(serde.Serializer().dumps(("cut short", memoryview(bytearray(3 * SEG_MIN)))))
+        sock.send(bytes(next(segments)))
+        sock.send(bytes(next(segments)))
+        next(segments)
+        real.seq -= 1  # what SocketSender does with a segment it could not send
+        w.enqueue(("after", 1), timeout=30)
+        w.enqueue(("after", 2, np.zeros(2 * SEG_MIN, dtype=np.uint8)), timeout=30)  # segmented, whole
+        kind, got, bad = procs.recv(conn, timeout=60)
+    assert kind == "done", got
+    assert [g[:2] for g in got] == [("before", 0), ("after", 1), ("after", 2)] and got[2][2].shape[0] == 2 * SEG_MIN
+    assert bad == 0

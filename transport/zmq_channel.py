@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import zmq
 
 from rayfree import settings
 
 from . import serde
-from .aead import Opener, Sealer
+from .aead import SEG_MIN, Opener, Sealer
 from .channel import Receiver, Sender
 from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout
 from .sockets import translate
@@ -72,6 +72,10 @@ class SocketSender(Sender):
         if self.sealer is not None:
             if self._in_flight:
                 self._recycle()
+            if len(frames) > 1 or len(frames[0]) >= SEG_MIN:
+                segmented = self.sealer.segments(frames)
+                if segmented is not None:
+                    return self._send_segments(*segmented, deadline, on_wait)
             frames = self.sealer.seal(frames)
         if len(frames) == 1 and len(frames[0]) < ZERO_COPY_MIN:  # the common small message: one call
             try:
@@ -113,6 +117,27 @@ class SocketSender(Sender):
             else:
                 sock.send(f, (flags if i == 0 else 0) | more, copy=True)
         return zmq.MessageTracker(*tracked) if tracked else None
+
+    def _send_segments(self, buf: bytearray, segments: Iterator[memoryview], deadline: float | None,
+                       on_wait: Callable[[], None] | None) -> None:
+        """A big sealed message, one ZeroMQ message per segment, each sent as soon as it is sealed (aead.py)."""
+        trackers = []
+        try:
+            for seg in segments:
+                try:
+                    tracker = self._put([seg], zmq.NOBLOCK)
+                except zmq.Again:
+                    tracker = self._send_waiting([seg], deadline, on_wait)
+                if tracker is not None:
+                    trackers.append(tracker)
+        except BaseException as e:
+            self.sealer.seq -= 1  # the segment not sent: the readers must not see a gap (they drop the rest)
+            if isinstance(e, zmq.ZMQError) and not isinstance(e, zmq.Again):
+                raise translate(e, f"enqueue to {self.path} readers") from e
+            raise
+        finally:
+            # the buffer is reused only once ZeroMQ is done with every segment that went out
+            self._in_flight.append((zmq.MessageTracker(*trackers), [None, buf]))
 
     def _recycle(self) -> None:
         done = [x for x in self._in_flight if x[0].done]
@@ -296,6 +321,10 @@ class SocketReceiver(Receiver):
             return self._recv(deadline, indefinite, what)
 
     def _recv(self, deadline: float | None, indefinite: bool, what: str) -> list:
+        return self._rest(self._recv_frame(deadline, indefinite, what), what, deadline)
+
+    def _recv_frame(self, deadline: float | None, indefinite: bool, what: str) -> zmq.Frame:
+        """The first frame of the next ZeroMQ message, waiting in slices (shutdown, deadline, a log line)."""
         sock = self.sock
         t0 = _perf()
         next_log = t0 + self.log_interval
@@ -312,7 +341,7 @@ class SocketReceiver(Receiver):
                 sock.setsockopt(zmq.RCVTIMEO, ms)
                 self._rcvtimeo = ms
             try:
-                frame = sock.recv(copy=False)
+                return sock.recv(copy=False)
             except zmq.Again:
                 now = _perf()
                 if now >= next_log:
@@ -322,9 +351,8 @@ class SocketReceiver(Receiver):
                 continue
             except zmq.ZMQError as e:
                 raise translate(e, what) from e
-            return self._rest(frame, what)
 
-    def _rest(self, frame: zmq.Frame, what: str) -> list:
+    def _parts(self, frame: zmq.Frame, what: str) -> list:
         parts: list = [frame.buffer]
         try:
             while frame.more:
@@ -332,7 +360,18 @@ class SocketReceiver(Receiver):
                 parts.append(frame.buffer)
         except zmq.ZMQError as e:
             raise translate(e, what) from e
-        return parts if self.opener is None else self.opener.open(parts)
+        return parts
+
+    def _rest(self, frame: zmq.Frame, what: str, deadline: float | None = None) -> list:
+        """The message that begins with `frame`, opened if the queue is sealed (a segmented one: every segment)."""
+        parts = self._parts(frame, what)
+        opener = self.opener
+        if opener is None:
+            return parts
+        out = opener.open(parts)
+        while out is None:  # the next segment is on its way (or already here)
+            out = opener.open(self._parts(self._recv_frame(deadline, True, what), what))
+        return out
 
     @staticmethod
     def decode(parts: list) -> Any:
