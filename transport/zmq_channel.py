@@ -302,8 +302,13 @@ class SocketReceiver(Receiver):
                     frame = self.sock.recv(copy=False)
             except zmq.Again:
                 return self.decode(self.recv_frames(None, indefinite, what))
-            if not frame.more and self.opener is None:
+            if not frame.more:  # the common small message, with the least work
                 buf = frame.buffer
+                opener = self.opener
+                if opener is not None:
+                    buf = opener.open_one(buf)
+                    if buf is None:  # not the common kind: the general path judges it
+                        return self.decode(self._rest(frame, what))
                 if buf[:1] == RAW:
                     return bytes(buf[1:])
                 if buf[:4] != CTRL:
@@ -311,6 +316,7 @@ class SocketReceiver(Receiver):
                         return _loads(buf)
                     except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad frame
                         raise BadFrame(f"could not decode a 1-frame message: {type(e).__name__}: {e}") from e
+                return self.decode([buf])
             return self.decode(self._rest(frame, what))
         deadline = None if timeout is None else _perf() + timeout
         return self.decode(self.recv_frames(deadline, indefinite, what))
