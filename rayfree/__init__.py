@@ -46,6 +46,7 @@ _EXPORTS = {
     "QueueTimeout": "rayfree.transport.errors",
     "QueueShutdown": "rayfree.transport.errors",
     "QueueClosed": "rayfree.transport.errors",
+    "QueueBroken": "rayfree.transport.errors",
     "MessageTooLarge": "rayfree.transport.errors",
     "HandleError": "rayfree.transport.errors",
     "SocketError": "rayfree.transport.sockets",
@@ -69,6 +70,7 @@ __all__ = [
     "NodeReplicas",
     "NotLeaderError",
     "ParallelConfig",
+    "QueueBroken",
     "QueueClosed",
     "QueueShutdown",
     "QueueTimeout",
@@ -93,8 +95,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from rayfree.executor.replicas import NodeReplicas
     from rayfree.executor.future import FutureWrapper
     from rayfree.executor.multiproc import MultiprocExecutor
-    from rayfree.transport.errors import (HandleError, MessageTooLarge, QueueClosed, QueueShutdown, QueueTimeout,
-                                          TransportError)
+    from rayfree.transport.errors import (HandleError, MessageTooLarge, QueueBroken, QueueClosed, QueueShutdown,
+                                          QueueTimeout, TransportError)
     from rayfree.transport.handle import Handle
     from rayfree.transport.sockets import SocketError
     from rayfree.transport.message_queue import MessageQueue

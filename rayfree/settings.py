@@ -58,6 +58,9 @@ TABLE: dict[str, Setting] = {s.name: s for s in (
     Setting("RAYFREE_WAIT_LOG_INTERVAL_S", 60.0, float, "a blocked queue call says so in the log this often"),
     Setting("RAYFREE_CLOSE_FLUSH_S", 5.0, float,
             "a closed writer keeps its remote publisher up to this long for readers to confirm CLOSE"),
+    Setting("RAYFREE_LINK_GRACE_S", 10.0, float,
+            "a remote reader whose TCP connection to the writer dropped raises QueueBroken once it has waited "
+            "this long for a message since"),
     Setting("RAYFREE_HOST_IP", None, _str,
             "this node's address for cluster traffic (unset: the interface that routes to master_addr)"),
     Setting("RAYFREE_SECRET_FILE", None, _str,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import threading
 import time
 from typing import Iterator
@@ -490,6 +492,38 @@ def test_use_before_handshake_is_refused() -> None:
             w.enqueue("too early")
     finally:
         w.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None, reason="cutting a TCP connection takes root and ss")
+def test_a_remote_reader_whose_link_drops_raises_queue_broken_instead_of_waiting_forever() -> None:
+    """`ss -K` cuts the reader's TCP connection to the writer, as a network fault would. ZeroMQ reconnects, but
+    what was sent meanwhile is lost and the writer does not take the reader back; the reader says so with
+    QueueBroken once RAYFREE_LINK_GRACE_S (1 s here) has passed, instead of waiting out its 60 s timeout."""
+    w = MessageQueue(1, 0, connect_ip="127.0.0.1")
+    p, conn = procs.spawn(procs.reader_echo, w.export_handle().to_bytes(), 0, env={"RAYFREE_LINK_GRACE_S": "1"})
+    try:
+        assert procs.recv(conn)[0] == "attached"
+        w.wait_until_ready(timeout=60)
+        assert procs.recv(conn)[0] == "ready"
+        w.enqueue("before", timeout=10)
+        assert procs.recv(conn) == ("msg", procs.digest("before"))
+        port = w.export_handle().remote_endpoint.rsplit(":", 1)[1]
+        cut = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True,
+                             text=True, timeout=10)
+        assert cut.returncode == 0 and f":{port}" in cut.stdout, (cut.stdout, cut.stderr)
+        t0 = time.monotonic()
+        w.enqueue("after", timeout=10)  # to no one: the reconnected reader is not admitted again
+        kind, detail = procs.recv(conn, timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        w.close(flush_timeout=0)
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+    assert kind == "error" and "QueueBroken" in detail and "dropped" in detail, detail
+    assert took < 15, took
 
 
 def test_ipv6_remote_reader() -> None:

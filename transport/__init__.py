@@ -9,8 +9,8 @@ if __name__ != "rayfree.transport":  # the repository's folder imported as a top
                       f"(pip install -e . puts it there)")
 
 
-from .errors import (BadFrame, HandleError, MessageTooLarge, QueueClosed, QueueShutdown, QueueTimeout,
-                     SegmentNotFound, ShmSpaceError, TransportError)
+from .errors import (BadFrame, HandleError, MessageTooLarge, QueueBroken, QueueClosed, QueueShutdown,
+                     QueueTimeout, SegmentNotFound, ShmSpaceError, TransportError)
 from .handle import Handle
 from .message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, MessageQueue
 from .net import get_ip, get_open_port
@@ -20,6 +20,6 @@ from .sockets import SocketError
 __all__ = [
     "MessageQueue", "Handle", "ShmRingBuffer", "get_ip", "get_open_port", "SocketError",
     "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS",
-    "TransportError", "QueueTimeout", "QueueShutdown", "QueueClosed", "MessageTooLarge",
+    "TransportError", "QueueTimeout", "QueueShutdown", "QueueClosed", "QueueBroken", "MessageTooLarge",
     "HandleError", "ShmSpaceError", "SegmentNotFound", "BadFrame",
 ]

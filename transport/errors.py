@@ -23,6 +23,11 @@ class QueueClosed(TransportError, EOFError):
     """The writer closed the queue: no more messages will arrive."""
 
 
+class QueueBroken(TransportError, ConnectionError):
+    """A remote reader's connection to the writer dropped: what was sent meanwhile is lost, and the writer does
+    not take the reconnected reader back, so the queue cannot go on."""
+
+
 class MessageTooLarge(TransportError, ValueError):
     """The message exceeds the queue's `max_message_bytes`; nothing was sent."""
 

@@ -49,6 +49,7 @@ class QueueReader:
                     hello += b":" + admission_token(secret.derive(b"queue-admit"), qid, rank)
                 sub = make_subscriber(handle.remote_endpoint, hello, maxmsgsize=limit)
                 self.sock = SocketReceiver(sub, "tcp", HELLO_PREFIX + hello, opener)
+                self._endpoint = handle.remote_endpoint
         except BaseException:
             self.close()
             raise
@@ -70,6 +71,8 @@ class QueueReader:
                                f"wait_until_ready()?") from None
         if len(parts) != 1 or parts[0] != READY:
             raise BadFrame(f"{what}: expected READY, got {len(parts)} frame(s) starting {bytes(parts[0][:16])!r}")
+        if not self.is_local:
+            self.sock.watch_link(self._endpoint)
 
     def fast_dequeue(self) -> Any:
         """The `dequeue` for this reader's path (bound into the facade once the queue is ready)."""

@@ -23,7 +23,7 @@ from rayfree import settings
 from . import serde
 from .aead import SEG_MIN, Opener, Sealer
 from .channel import Receiver, Sender
-from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout
+from .errors import BadFrame, QueueBroken, QueueClosed, QueueShutdown, QueueTimeout
 from .sockets import translate
 from .waiting import Waiters
 
@@ -274,6 +274,11 @@ class SocketReceiver(Receiver):
         self.bad_frames = 0
         self._bad_logged_at = 0.0
         self.log_interval = settings.get("RAYFREE_WAIT_LOG_INTERVAL_S")
+        #: after the handshake, a remote reader watches its TCP link (watch_link)
+        self._monitor: zmq.Socket | None = None
+        self._link_check_at = 0.0
+        self._lost_at: float | None = None
+        self._grace = 0.0
 
     def recv(self, timeout: float | None, indefinite: bool, what: str = "dequeue") -> Any:
         """The next good message as an object; one that cannot be parsed is reported and skipped
@@ -350,6 +355,8 @@ class SocketReceiver(Receiver):
                 return sock.recv(copy=False)
             except zmq.Again:
                 now = _perf()
+                if self._monitor is not None and now >= self._link_check_at:
+                    self._check_link(now, what)
                 if now >= next_log:
                     if not indefinite:
                         logger.info("%s: still waiting after %.0fs", what, now - t0)
@@ -393,6 +400,37 @@ class SocketReceiver(Receiver):
         except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad frame
             raise BadFrame(f"could not decode a {len(parts)}-frame message: {type(e).__name__}: {e}") from e
 
+    def watch_link(self, endpoint: str) -> None:
+        """A remote reader, once READY: notice when its TCP connection to the writer drops.
+
+        ZeroMQ reconnects by itself, but the writer admits each reader once (aead.py), and what was sent
+        while the link was down is gone either way; so a reader that lost its link and then waits
+        RAYFREE_LINK_GRACE_S for a message raises QueueBroken instead of waiting forever. The check runs
+        only while the reader waits (every SLICE_MS at most), never on a message's path; the grace lets
+        the cluster's heartbeats name a lost node first.
+        """
+        self._grace = settings.get("RAYFREE_LINK_GRACE_S")
+        self._endpoint = endpoint
+        self._monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def _check_link(self, now: float, what: str) -> None:
+        self._link_check_at = now + SLICE_MS / 1000
+        mon = self._monitor
+        try:
+            while mon.poll(0):
+                mon.recv_multipart(zmq.NOBLOCK)  # the only event it reports is EVENT_DISCONNECTED
+                if self._lost_at is None:
+                    self._lost_at = now
+                    logger.warning("%s: the TCP connection to the writer (%s) dropped; messages sent meanwhile are "
+                                   "lost, and the writer does not take this reader back", what, self._endpoint)
+        except zmq.ZMQError:
+            return
+        if self._lost_at is not None and now - self._lost_at >= self._grace:
+            raise QueueBroken(f"{what}: this reader's TCP connection to the writer ({self._endpoint}) dropped "
+                              f"{now - self._lost_at:.1f}s ago and no message has come since: what was sent "
+                              f"meanwhile is lost and the writer does not take a reconnected reader back. Check "
+                              f"the network between this node and the writer's, then restart the cluster.")
+
     def ack_close(self) -> None:
         """Tell the writer this reader has read its CLOSE (by dropping the hello topic)."""
         topic, self.hello_topic = self.hello_topic, None
@@ -406,4 +444,11 @@ class SocketReceiver(Receiver):
         self.shutdown_requested = True  # a blocked receive sees it within SLICE_MS
 
     def close(self) -> None:
+        if self._monitor is not None:
+            try:
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
+            self._monitor = None
         self.sock.close(linger=0)
