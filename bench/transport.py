@@ -17,6 +17,7 @@ import argparse
 import multiprocessing as mp
 import os
 import pickle
+import resource
 import statistics
 import sys
 import time
@@ -383,10 +384,25 @@ def seal_open_ms(obj) -> tuple[float, float]:
     return best_s * 1e3, best_o * 1e3
 
 
+def _cpu_per_message(rig, obj, iters: int) -> tuple[float, list[float], float]:
+    """One measured round of `rig`: its p50, and the CPU (user + system) each message cost the writer's process
+    (this one: the idle rigs in it use none) and each reader, in seconds."""
+    pids = rig.pids()
+    warm = max(3, iters // 10)
+    for _ in range(warm):
+        rig.round_trip(obj)
+    r0, c0 = resource.getrusage(resource.RUSAGE_SELF), [cpu_seconds(p) for p in pids]
+    ts = [rig.round_trip(obj) for _ in range(iters)]
+    r1, c1 = resource.getrusage(resource.RUSAGE_SELF), [cpu_seconds(p) for p in pids]
+    writer = (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / iters
+    return pct(ts, 0.5), [(b - a) / iters for a, b in zip(c0, c1)], writer
+
+
 def remote_table(loads, readers: list[int], iters_of, rounds: int = 5) -> None:
     """Sealed (the default), insecure and the raw floor for each reader count and payload: all three rigs up
     at once (idle ones block), measured in alternating rounds; each figure is the median of the rounds' p50s,
-    so drift on a busy machine hits the three alike."""
+    so drift on a busy machine hits the three alike. Then what sealing cost in CPU per message: the writer's
+    process (one seal whatever the number of readers) and each reader (one open)."""
     from rayfree.transport import security
     sealed_policy = security.current()
     print(f"remote paths (TCP loopback): round trip = broadcast to N readers + a reply from reader 0, us; the "
@@ -395,6 +411,7 @@ def remote_table(loads, readers: list[int], iters_of, rounds: int = 5) -> None:
            f"{'sealed-insec':>12} {'seal+open':>10} {'sealed/insec':>12}")
     print(hdr)
     print("-" * len(hdr))
+    cpu_rows = []
     for n in readers:
         rigs: dict = {}
         try:
@@ -407,17 +424,36 @@ def remote_table(loads, readers: list[int], iters_of, rounds: int = 5) -> None:
             rigs["floor"] = FloorRig(n)
             for name, obj, _ in loads:
                 per: dict[str, list[float]] = {k: [] for k in rigs}
+                cpu: dict[str, list] = {"sealed": [], "insecure": []}
                 for _ in range(rounds):
                     for k, rig in rigs.items():
-                        per[k].append(pct(measure(rig, obj, iters_of(name)), 0.5))
+                        if k in cpu:
+                            p50, reader_cpu, writer_cpu = _cpu_per_message(rig, obj, iters_of(name))
+                            cpu[k].append((writer_cpu, sum(reader_cpu) / n))
+                        else:
+                            p50 = pct(measure(rig, obj, iters_of(name)), 0.5)
+                        per[k].append(p50)
                 med = {k: statistics.median(v) for k, v in per.items()}
                 so = seal_open_ms(obj)
                 s, i, f = med["sealed"], med["insecure"], med["floor"]
                 print(f"{n:>3} {name:>8} {s * 1e6:>10.1f} {i * 1e6:>10.1f} {f * 1e6:>10.1f} {i / f:>11.2f} "
                       f"{(s - i) * 1e6:>12.1f} {(so[0] + so[1]) * 1e3:>10.1f} {s / i:>12.2f}", flush=True)
+                w = {k: statistics.median(x[0] for x in v) for k, v in cpu.items()}
+                r = {k: statistics.median(x[1] for x in v) for k, v in cpu.items()}
+                cpu_rows.append((n, name, w["sealed"], w["insecure"], r["sealed"], r["insecure"], so))
         finally:
             for rig in rigs.values():
                 rig.close()
+    print()
+    print("CPU per message, us (user + system, every thread; median over the rounds): the writer's process "
+          "(getrusage), and a reader's (the mean of the N; /proc's clock ticks, so coarse)")
+    hdr = (f"{'N':>3} {'payload':>8} {'writer sealed':>13} {'insecure':>9} {'extra':>8} {'seal':>8} "
+           f"{'reader sealed':>13} {'insecure':>9} {'extra':>8} {'open':>8}")
+    print(hdr)
+    print("-" * len(hdr))
+    for n, name, ws, wi, rs, ri, so in cpu_rows:
+        print(f"{n:>3} {name:>8} {ws * 1e6:>13.1f} {wi * 1e6:>9.1f} {(ws - wi) * 1e6:>8.1f} {so[0] * 1e3:>8.1f} "
+              f"{rs * 1e6:>13.1f} {ri * 1e6:>9.1f} {(rs - ri) * 1e6:>8.1f} {so[1] * 1e3:>8.1f}", flush=True)
 
 
 def fence_cost_ns(n: int = 200_000) -> float:

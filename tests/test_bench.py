@@ -42,5 +42,11 @@ def test_transport_bench_runs_and_measures_the_fences() -> None:
     fence = re.search(r"fence: (\d+) ns per fence; local N=1 tiny round trip p50 ([\d.]+) us with aarch64's "
                       r"fences \(8 a round trip\), ([\d.]+) us with this CPU's", out.stdout)
     assert fence and float(fence.group(2)) > 0 and float(fence.group(3)) > 0, out.stdout
-    remote = re.findall(r"^\s+1\s+tiny\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", out.stdout, re.M)
+    times, _, cpu = out.stdout.partition("CPU per message")
+    remote = re.findall(r"^\s+1\s+tiny\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", times, re.M)
     assert len(remote) == 1 and all(float(x) > 0 for x in remote[0]), out.stdout  # sealed, insecure, floor
+    # writer sealed, insecure, extra, seal; reader sealed, insecure, extra, open (the extras may be negative)
+    row = re.findall(r"^\s+1\s+tiny" + r"\s+(-?[\d.]+)" * 8 + r"\s*$", cpu, re.M)
+    assert len(row) == 1, out.stdout
+    w_sealed, w_insecure, _, seal, _, _, _, open_ = map(float, row[0])
+    assert w_sealed > 0 and w_insecure > 0 and seal > 0 and open_ > 0, out.stdout

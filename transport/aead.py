@@ -20,8 +20,9 @@ segments of at most SEG_SIZE (1 MiB), each sealed on its own
 as it is sealed: the I/O thread can send segment k while the writer seals
 k+1, and the reader open k while k+1 arrives, where cores allow. On this
 2-core machine what shows is the other effect: one 32 MiB ZeroMQ message
-costs 26-30 ms to a reader here, 32 sealed messages of 1 MiB 13-16 ms
-(bench/transport.py; where the single message loses it is not pinned down).
+costs 22-28 ms to a reader here, 32 sealed messages of 1 MiB 15-20 ms
+(bench/transport.py): ZeroMQ mallocs each received message, and glibc
+maps 32 MiB or more afresh every time (8,193 page faults a message).
 
 The head segment `MAGIC_SEG | u64 seq | u32 segments | u32 n | u32 segment size | u64
 length[n]` says how the message's frames are laid out (each at a 64-byte
