@@ -12,10 +12,10 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from rayfree.transport import QueueClosed, QueueShutdown, QueueTimeout, TransportError
+from rayfree.transport import QueueBroken, QueueClosed, QueueShutdown, QueueTimeout, TransportError
 from rayfree.worker.messages import RemoteError, is_special
 
-from .errors import RpcTimeout, WorkerError
+from .errors import ExecutorFailed, RpcTimeout, WorkerError
 from .future import WaitExpired
 
 if TYPE_CHECKING:
@@ -46,6 +46,10 @@ def _mapped(ex: MultiprocExecutor, e: BaseException, name: str, where: str, time
         busy = [r for r in late if ex._owed[r] > 1]
         return RpcTimeout(f"RPC {name} timed out after {timeout}s: rank(s) {late} have not replied"
                           + (f" (ranks {busy} are still busy with earlier calls that timed out)" if busy else ""))
+    if isinstance(e, QueueBroken):  # a reply queue's TCP link dropped: say so, it is the cause
+        failed = ExecutorFailed(f"RPC {name} failed: {e}")
+        failed.__cause__ = e
+        return failed
     if isinstance(e, (TransportError, QueueShutdown, QueueClosed, IndexError)):
         return ex._cut_short(name)
     if isinstance(e, Exception):

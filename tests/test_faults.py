@@ -7,6 +7,7 @@ memory) and `tcp` (force_remote: every queue is a CURVE-secured TCP socket on lo
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -424,3 +425,29 @@ def test_a_leader_alone_fails_within_its_join_timeout() -> None:
         MultiprocExecutor(c, ECHO, {"distributed": True})
     took = time.monotonic() - t0
     assert took < 4 + 6, f"a 4 s join timeout ended after {took:.1f}s"
+
+
+# -- a TCP link that drops ----------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None, reason="cutting a TCP connection takes root and ss")
+def test_a_reply_link_that_drops_fails_the_call_naming_the_dropped_connection(monkeypatch) -> None:
+    """TCP queues (force_remote): `ss -K` cuts the executor's connection to rank 1's reply queue. The next call
+    that waits for rank 1's reply fails once RAYFREE_LINK_GRACE_S (1 s here) has passed, with an ExecutorFailed
+    that says the connection dropped, instead of hanging (the call has no timeout) or blaming a shutdown."""
+    monkeypatch.setenv("RAYFREE_LINK_GRACE_S", "1")  # read by the executor's reply readers
+    ex = MultiprocExecutor(cfg("tcp"), ECHO)
+    try:
+        assert ex.collective_rpc("echo", args=(1,), timeout=30) == [1, 1]
+        port = ex.response_mqs[1].handle.remote_endpoint.rsplit(":", 1)[1]
+        cut = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True,
+                             text=True, timeout=10)
+        assert cut.returncode == 0 and f":{port}" in cut.stdout, (cut.stdout, cut.stderr)
+        t0 = time.monotonic()
+        with pytest.raises(ExecutorFailed, match="connection to the writer .* dropped") as err:
+            ex.collective_rpc("echo", args=(2,), unique_reply_rank=1)
+        took = time.monotonic() - t0
+    finally:
+        ex.shutdown()
+    assert type(err.value.__cause__).__name__ == "QueueBroken"
+    assert took < 15, took
