@@ -23,7 +23,7 @@ from rayfree import settings
 from . import serde
 from .aead import SEG_MIN, Opener, Sealer
 from .channel import Receiver, Sender
-from .errors import BadFrame, QueueBroken, QueueClosed, QueueShutdown, QueueTimeout
+from .errors import BadFrame, QueueBroken, QueueClosed, QueueShutdown, QueueTimeout, TransportError
 from .sockets import translate
 from .waiting import Waiters
 
@@ -42,6 +42,10 @@ ZERO_COPY_MIN = 64 << 10
 
 _perf = time.perf_counter
 _loads = serde.loads
+#: What a send raises only before ZeroMQ took the message: then its sequence number is taken back. Anything else
+#: (a KeyboardInterrupt just after ZeroMQ took it) keeps the number spent: a gap the readers report beats a GCM
+#: nonce used twice.
+_NOT_SENT = (QueueTimeout, QueueShutdown, zmq.ZMQError)
 
 
 class SocketSender(Sender):
@@ -90,7 +94,7 @@ class SocketSender(Sender):
         except zmq.Again:  # a reader is a full HWM behind: nothing was sent (ZeroMQ takes a message whole)
             try:
                 tracker = self._send_waiting(frames, deadline, on_wait)
-            except BaseException:
+            except _NOT_SENT:
                 if self.sealer is not None:
                     self.sealer.seq -= 1  # not sent: the readers must not see a gap
                 raise
@@ -130,9 +134,9 @@ class SocketSender(Sender):
                     tracker = self._send_waiting([seg], deadline, on_wait)
                 if tracker is not None:
                     trackers.append(tracker)
-        except BaseException as e:
+        except _NOT_SENT as e:
             self.sealer.seq -= 1  # the segment not sent: the readers must not see a gap (they drop the rest)
-            if isinstance(e, zmq.ZMQError) and not isinstance(e, zmq.Again):
+            if isinstance(e, zmq.ZMQError) and not isinstance(e, TransportError):
                 raise translate(e, f"enqueue to {self.path} readers") from e
             raise
         finally:
