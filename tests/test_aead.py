@@ -78,3 +78,17 @@ def test_the_plan_carries_every_byte_once_in_segments_of_at_most_seg_size(length
     for o, n in zip(offs, lengths):  # each frame's bytes lie inside the segments
         inside = sum(max(0, min(e, o + n) - max(b, o)) for b, e in covered)
         assert inside == n
+
+
+def test_a_forged_head_is_refused_before_its_layout_is_used() -> None:
+    """A head claiming a 1 TiB frame in 1-byte segments (a layout that would take the reader's memory): refused
+    as forged by its tag, before any plan is made or any buffer taken."""
+    import struct
+
+    from rayfree.transport.aead import MAGIC_SEG
+    from rayfree.transport.errors import BadFrame
+    opener = Opener(os.urandom(32), os.urandom(16))
+    head = struct.pack("<4sQIIIQ", MAGIC_SEG, 0, 1 << 30, 1, 1, 1 << 40)
+    with pytest.raises(BadFrame, match="fails authentication"):
+        opener.open([memoryview(head + b"\0" + os.urandom(16))])
+    assert opener.pool.misses == 0 and opener.expect == 0

@@ -319,17 +319,18 @@ class Opener:
         if not 0 < n <= _MAX_FRAMES or not 0 < seg <= _SEG_BOUND or len(mv) < hl + _TAG:
             raise BadFrame("a segmented message whose head is malformed")
         self._check_order(seq)
-        lengths = struct.unpack_from(f"<{n}Q", mv, _SEG_HEAD.size)
-        offs, size, segs = plan(lengths, seg)
-        if len(segs) != nseg or len(mv) != hl + segs[0][1] - segs[0][0] + _TAG:
-            raise BadFrame("a segmented message whose head does not match its layout (truncated?)")
-        view, addr = self.pool.take(size + _ALIGN - 1)
-        view = view[-addr % _ALIGN:]  # frame offsets are 64-byte aligned in memory too
-        b, e = segs[0][0], segs[0][1]
-        try:
-            self._aead.decrypt_into(_nonce(seq), mv[hl:], self._qid + bytes(mv[:hl]), view[b:e])
+        try:  # first the tag: nothing in the head (the layout, the buffer's size) is used before it passed
+            first = self._aead.decrypt(_nonce(seq), mv[hl:], self._qid + bytes(mv[:hl]))
         except InvalidTag:
             raise _forged() from None
+        lengths = struct.unpack_from(f"<{n}Q", mv, _SEG_HEAD.size)
+        offs, size, segs = plan(lengths, seg)
+        b, e = segs[0][0], segs[0][1]
+        if len(segs) != nseg or len(first) != e - b:
+            raise BadFrame("a segmented message whose head does not match its layout")
+        view, addr = self.pool.take(size + _ALIGN - 1)
+        view = view[-addr % _ALIGN:]  # frame offsets are 64-byte aligned in memory too
+        view[b:e] = first  # the head usually carries only the small frames (the pickle stream)
         self.expect = seq + 1
         if self._partial is not None:
             self._drop_partial()
