@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import shutil
 import signal
+import subprocess
 import traceback
 from typing import Any
 
@@ -186,3 +188,15 @@ def recv(conn, timeout: float = 60.0) -> Any:
     if not conn.poll(timeout):
         raise TimeoutError(f"no message from the child within {timeout}s")
     return conn.recv()
+
+
+#: `cut_tcp` needs root and iproute2's ss (with the kernel's socket-destroy support)
+CAN_CUT_TCP = os.geteuid() == 0 and shutil.which("ss") is not None
+
+
+def cut_tcp(port: str | int) -> None:
+    """Abort every loopback TCP connection to `port` (`ss -K`), as a network fault would: the connecting side
+    gets an error and ZeroMQ reconnects."""
+    cut = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True, text=True,
+                         timeout=10)
+    assert cut.returncode == 0 and f":{port}" in cut.stdout, (cut.stdout, cut.stderr)

@@ -7,7 +7,6 @@ memory) and `tcp` (force_remote: every queue is a CURVE-secured TCP socket on lo
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from rayfree.executor import ExecutorFailed, MultiprocExecutor, RpcTimeout, WorkerDied, WorkerError
 from rayfree.procs import is_alive, stat_fields
 from rayfree.transport.segments import creator_alive, creator_pid, entries
+from tests import procs
 
 ECHO = "tests.workers:EchoWorker"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -430,7 +430,7 @@ def test_a_leader_alone_fails_within_its_join_timeout() -> None:
 # -- a TCP link that drops ----------------------------------------------------------------------
 
 @pytest.mark.timeout(120)
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ss") is None, reason="cutting a TCP connection takes root and ss")
+@pytest.mark.skipif(not procs.CAN_CUT_TCP, reason="cutting a TCP connection takes root and ss")
 def test_a_reply_link_that_drops_fails_the_call_naming_the_dropped_connection(monkeypatch) -> None:
     """TCP queues (force_remote): `ss -K` cuts the executor's connection to rank 1's reply queue. The next call
     that waits for rank 1's reply fails once RAYFREE_LINK_GRACE_S (1 s here) has passed, with an ExecutorFailed
@@ -440,9 +440,7 @@ def test_a_reply_link_that_drops_fails_the_call_naming_the_dropped_connection(mo
     try:
         assert ex.collective_rpc("echo", args=(1,), timeout=30) == [1, 1]
         port = ex.response_mqs[1].handle.remote_endpoint.rsplit(":", 1)[1]
-        cut = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"], capture_output=True,
-                             text=True, timeout=10)
-        assert cut.returncode == 0 and f":{port}" in cut.stdout, (cut.stdout, cut.stderr)
+        procs.cut_tcp(port)
         t0 = time.monotonic()
         with pytest.raises(ExecutorFailed, match="connection to the writer .* dropped") as err:
             ex.collective_rpc("echo", args=(2,), unique_reply_rank=1)

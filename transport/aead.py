@@ -187,10 +187,10 @@ class Sealer:
         size = head_len + _SEG_CONT.size * (len(segs) - 1) + sum(e - b for b, e, _, _ in segs) + _TAG * len(segs)
         buf = self._buffer(size)
         flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
-        return buf, self._seal_segments(buf, flat, lengths, offs, segs, seg)
+        return buf, self._seal_segments(buf, flat, lengths, offs, segs, seg, head_len)
 
     def _seal_segments(self, buf: bytearray, flat: list[memoryview], lengths: list[int], offs: list[int],
-                       segs: list[tuple[int, int, int, int]], seg: int) -> Iterator[memoryview]:
+                       segs: list[tuple[int, int, int, int]], seg: int, head_len: int) -> Iterator[memoryview]:
         out = memoryview(buf)
         aead, qid = self._aead, self._qid
         pos = 0
@@ -198,7 +198,7 @@ class Sealer:
             seq = self.seq
             self.seq += 1
             if k == 0:
-                hl = _SEG_HEAD.size + 8 * len(lengths)
+                hl = head_len
                 _SEG_HEAD.pack_into(buf, pos, MAGIC_SEG, seq, len(segs), len(lengths), seg)
                 struct.pack_into(f"<{len(lengths)}Q", buf, pos + _SEG_HEAD.size, *lengths)
             else:

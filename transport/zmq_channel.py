@@ -77,9 +77,12 @@ class SocketSender(Sender):
             if self._in_flight:
                 self._recycle()
             if len(frames) > 1 or len(frames[0]) >= SEG_MIN:
-                segmented = self.sealer.segments(frames)
-                if segmented is not None:
-                    return self._send_segments(*segmented, deadline, on_wait)
+                if sizes is None:
+                    sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
+                if sum(sizes) >= SEG_MIN:  # (below it, `segments` would only measure the frames seal() measures)
+                    segmented = self.sealer.segments(frames)
+                    if segmented is not None:
+                        return self._send_segments(*segmented, deadline, on_wait)
             frames = self.sealer.seal(frames)
         if len(frames) == 1 and len(frames[0]) < ZERO_COPY_MIN:  # the common small message: one call
             try:
