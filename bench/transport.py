@@ -384,6 +384,23 @@ def seal_open_ms(obj) -> tuple[float, float]:
     return best_s * 1e3, best_o * 1e3
 
 
+def run_seconds(pid: int) -> float:
+    """The CPU time every thread of process `pid` has run so far, to the nanosecond (/proc's schedstat; the
+    clock ticks of /proc/PID/stat are 10 ms, as long as a whole round of small messages)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            pass  # a thread that just ended
+    return total / 1e9
+
+
 def _cpu_per_message(rig, obj, iters: int) -> tuple[float, list[float], float]:
     """One measured round of `rig`: its p50, and the CPU (user + system) each message cost the writer's process
     (this one: the idle rigs in it use none) and each reader, in seconds."""
@@ -391,9 +408,9 @@ def _cpu_per_message(rig, obj, iters: int) -> tuple[float, list[float], float]:
     warm = max(3, iters // 10)
     for _ in range(warm):
         rig.round_trip(obj)
-    r0, c0 = resource.getrusage(resource.RUSAGE_SELF), [cpu_seconds(p) for p in pids]
+    r0, c0 = resource.getrusage(resource.RUSAGE_SELF), [run_seconds(p) for p in pids]
     ts = [rig.round_trip(obj) for _ in range(iters)]
-    r1, c1 = resource.getrusage(resource.RUSAGE_SELF), [cpu_seconds(p) for p in pids]
+    r1, c1 = resource.getrusage(resource.RUSAGE_SELF), [run_seconds(p) for p in pids]
     writer = (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) / iters
     return pct(ts, 0.5), [(b - a) / iters for a, b in zip(c0, c1)], writer
 
@@ -446,7 +463,7 @@ def remote_table(loads, readers: list[int], iters_of, rounds: int = 5) -> None:
                 rig.close()
     print()
     print("CPU per message, us (user + system, every thread; median over the rounds): the writer's process "
-          "(getrusage), and a reader's (the mean of the N; /proc's clock ticks, so coarse)")
+          "(getrusage), and a reader's (the mean of the N; /proc's schedstat, every thread)")
     hdr = (f"{'N':>3} {'payload':>8} {'writer sealed':>13} {'insecure':>9} {'extra':>8} {'seal':>8} "
            f"{'reader sealed':>13} {'insecure':>9} {'extra':>8} {'open':>8}")
     print(hdr)

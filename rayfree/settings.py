@@ -61,6 +61,9 @@ TABLE: dict[str, Setting] = {s.name: s for s in (
     Setting("RAYFREE_LINK_GRACE_S", 10.0, float,
             "a remote reader whose TCP connection to the writer dropped raises QueueBroken once it has waited "
             "this long for a message since"),
+    Setting("RAYFREE_HEAP_TUNE", True, _flag,
+            "1: a process with a remote reader sets glibc's mmap and trim thresholds to 32 and 64 MiB (where glibc's "
+            "own rule ends), so what ZeroMQ receives lands in warm memory; 0: glibc's defaults"),
     Setting("RAYFREE_HOST_IP", None, _str,
             "this node's address for cluster traffic (unset: the interface that routes to master_addr)"),
     Setting("RAYFREE_SECRET_FILE", None, _str,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import security
+from . import heap, security
 from .aead import Opener, admission_token, queue_key
 from .errors import BadFrame, QueueTimeout
 from .handle import Handle
@@ -41,6 +41,7 @@ class QueueReader:
                 sub = make_subscriber(handle.local_endpoint, hello, maxmsgsize=limit)
                 self.sock = self.shm.overflow = SocketReceiver(sub, "ipc")
             else:
+                heap.keep_received_memory_warm()
                 opener = None
                 secret = security.process_secret()
                 if secret is not None:  # a sealed queue: open every message, show the admission token
