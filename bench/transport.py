@@ -531,6 +531,8 @@ def main() -> None:
     ap.add_argument("--configs", default="local1,local2,local4,remote1", help="comma-separated subset")
     ap.add_argument("--no-paced", action="store_true", help="skip the paced case")
     ap.add_argument("--no-fence-ab", action="store_true", help="skip the fence cost measurement")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the sealed/insecure/floor table "
+                    "(more: steadier ratios on a machine whose speed drifts)")
     ap.add_argument("--remote-readers", default="1,4", help="reader counts of the sealed/insecure/floor table "
                     "('' to skip it)")
     args = ap.parse_args()
@@ -599,7 +601,7 @@ def main() -> None:
         print()
         remote_loads = [(name, obj, it) for name, obj, it in loads if name != "64KiB"]
         remote_table(remote_loads, readers, lambda name: {"tiny": 1000, "4MiB": 40, "32MiB": 10}.get(name, 40)
-                     if not args.quick else 10)
+                     if not args.quick else 10, max(1, args.rounds))
     if args.no_paced:
         return
     # Paced: an engine's decode loop, one message every 5 ms.
