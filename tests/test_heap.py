@@ -62,7 +62,7 @@ def _run(**env: str) -> dict:
 @pytest.mark.timeout(200)
 def test_a_remote_reader_keeps_received_memory_warm_and_the_setting_or_the_users_tuning_turns_it_off() -> None:
     on = _run()
-    assert on == {"applied": True, "mmapped": 0, "kept": on["kept"]}, on
+    assert on["applied"] is True and on["mmapped"] == 0, f"the 24 MiB block was mmapped: {on}"
     assert on["kept"] >= 24 << 20, f"the freed 24 MiB block went back to the kernel: {on}"
     # glibc's defaults, as the process had them: the block is mmapped and unmapped again
     off = _run(RAYFREE_HEAP_TUNE="0")
