@@ -74,5 +74,6 @@ def _apply() -> bool:
         logger.debug("mallopt(M_MMAP_THRESHOLD) refused; glibc's heap thresholds left as they are")
         return False
     if not mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD):
-        logger.debug("mallopt(M_TRIM_THRESHOLD) refused")
+        logger.debug("mallopt(M_TRIM_THRESHOLD) refused; only the mmap threshold is set")
+        return False
     return True
