@@ -21,7 +21,7 @@ import msgspec
 
 from rayfree.transport.net import is_local_address, local_addresses
 
-__all__ = ["ParallelConfig", "ClusterConfig", "ConfigError", "load_config", "add_config_arguments"]
+__all__ = ["ParallelConfig", "ClusterConfig", "ConfigError", "load_config", "add_config_arguments", "require_config"]
 
 
 class ConfigError(ValueError):
@@ -145,6 +145,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def validate(self, check_local_master: bool = False) -> ParallelConfig:
         """Raise ConfigError on the first inconsistency; return self."""
+        _check_types(self)
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
                      "data_parallel_size", "decode_context_parallel_size", "nnodes"):
             v = getattr(self, name)
@@ -217,6 +218,12 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         default_factory=lambda: ["execute_model", "sample_tokens", "compile_or_warm_up_model"])
 
     def validate(self, check_local_master: bool = False) -> ClusterConfig:
+        """Raise ConfigError on the first wrong or inconsistent value (naming the field and the value); return
+        self. The executors call it before anything else runs."""
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ConfigError(f"parallel={self.parallel!r}: must be a rayfree.ParallelConfig, e.g. "
+                              f"ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=2))")
+        _check_types(self)
         self.parallel.validate(check_local_master)
         for name in ("join_timeout_s", "ready_timeout_s", "shutdown_grace_s", "shutdown_term_s",
                      "heartbeat_interval_s", "heartbeat_timeout_s", "stall_report_s"):
@@ -264,6 +271,33 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @classmethod
     def from_file(cls, path: str) -> ClusterConfig:
         return cls.from_dict(_read_file(path))
+
+
+_WORDS = {"<class 'int'>": "a whole number", "<class 'float'>": "a number", "<class 'str'>": "a string",
+          "<class 'bool'>": "True or False", "float | None": "a number or None", "int | None": "a whole number or None",
+          "str | None": "a string or None", "list[str]": "a list of strings"}
+
+
+def _check_types(cfg: msgspec.Struct) -> None:
+    """Every field holds a value of its declared type (a Struct's constructor checks nothing): `"2"`, 2.5,
+    None or True for a size is refused here, by name, before anything multiplies it."""
+    for f in msgspec.structs.fields(cfg):
+        if f.name == "parallel":
+            continue
+        value = getattr(cfg, f.name)
+        try:
+            msgspec.convert(value, f.type, strict=True)
+        except msgspec.ValidationError as e:
+            what = _WORDS.get(str(f.type).replace("typing.", ""), str(e).split(", got")[0].replace("Expected ", ""))
+            raise ConfigError(f"{f.name}={value!r}: must be {what} ({type(value).__name__} given)") from None
+
+
+def require_config(config: Any) -> ClusterConfig:
+    """`config` if it is a valid ClusterConfig; else TypeError (not one) or ConfigError (a field is wrong)."""
+    if not isinstance(config, ClusterConfig):
+        hint = " (ClusterConfig.from_dict(...) takes a dict)" if isinstance(config, Mapping) else ""
+        raise TypeError(f"config must be a rayfree.ClusterConfig, got {type(config).__name__}{hint}")
+    return config.validate()
 
 
 _PARALLEL_FIELDS = {f for f in ParallelConfig.__struct_fields__}

@@ -92,6 +92,10 @@ class _Peer:
         self.status = b""
 
 
+#: how long a leader that failed keeps answering followers that have not beaten yet with its goodbye
+TELL_LATE_S = 3.0
+
+
 class _Beater:
     """A thread that owns one socket (ZeroMQ sockets are not thread-safe) until `close()`."""
 
@@ -216,6 +220,8 @@ class HeartbeatServer(_Beater):
                     self._on_message(sock, frames, me, seq)
                 self._check()
             self._say_bye(sock)
+            if self._bye is not None and not self._bye.clean:
+                self._tell_latecomers(sock, poller, monitor, poll_ms)
         finally:
             self._close(sock, monitor, _BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
 
@@ -289,6 +295,27 @@ class HeartbeatServer(_Beater):
     def all_done(self, nodes: list[int]) -> bool:
         """Have these nodes all reported `done`?"""
         return all(self.peers[k].done for k in nodes)
+
+    def _tell_latecomers(self, sock: zmq.Socket, poller: zmq.Poller, monitor: zmq.Socket, poll_ms: int) -> None:
+        """After a failure (often at start-up), followers that have not beaten yet would only learn of it at
+        their join timeout: answer their first beat with the goodbye, for up to TELL_LATE_S."""
+        assert self._bye is not None
+        waiting = {k for k, p in self.peers.items() if p.identity is None and not p.gone}
+        until = time.monotonic() + TELL_LATE_S
+        while waiting and time.monotonic() < until:
+            for frames in self._receive(poller, monitor, sock, poll_ms):
+                if len(frames) != 2:
+                    continue
+                try:
+                    msg = _decode(frames[1])
+                except msgspec.DecodeError:
+                    continue
+                if isinstance(msg, Beat) and msg.node_rank in waiting:
+                    waiting.discard(msg.node_rank)
+                    try:
+                        sock.send_multipart([frames[0], _encode(self._bye)], zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
 
     def _say_bye(self, sock: zmq.Socket) -> None:
         if self._bye is None:

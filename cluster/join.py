@@ -5,8 +5,12 @@ first registers in the TCPStore (hosted by rank 0) with a one-line description
 of the cluster it thinks it is in (world size and parallel shape), so a rank
 that never comes is named, and nodes started with different sizes (`--tp 2`
 on one, `--tp 4` on the other) are told so, with what each one has, instead of
-"rank 1 never joined". The whole join, store connection included, ends
-within `timeout_s`. Rank 0 hosts the store, so when it sees a disagreement it
+"rank 1 never joined". Each entry also carries the node's address and its
+cluster secret's fingerprint, so two nodes whose secret files differ are told
+that, by address, on both sides. The whole join, store connection included,
+ends within `timeout_s`: TCPStore's own connect retries past the timeout it
+is given, so a rank first waits, in its own loop, until the store's port
+accepts a connection. Rank 0 hosts the store, so when it sees a disagreement it
 keeps the store open a little longer (`TELL_S`) for ranks still on their way,
 who would otherwise only learn that the rendezvous is gone.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import socket
 import time
 
 import torch.distributed as dist
@@ -40,20 +45,41 @@ def shape_of(par: ParallelConfig) -> str:
             f"dp={par.data_parallel_size} nnodes={par.nnodes}")
 
 
+def _wait_for_port(host: str, port: int, deadline: float) -> bool:
+    """Until `deadline`: does host:port accept a TCP connection? (Our bound, where TCPStore's is not kept.)"""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            with socket.create_connection((host, port), timeout=min(1.0, left)):
+                return True
+        except OSError:
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
 def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, shape: str = "", node: int = -1):
     """The TCPStore of the world at host:port, once every rank has registered; JoinError otherwise."""
+    from rayfree.transport import get_ip
+    from rayfree.transport.security import fingerprint
     t0 = time.monotonic()
     deadline = t0 + timeout_s
+    if rank != 0 and not _wait_for_port(host, port, deadline):
+        raise JoinError(f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s "
+                        f"(join_timeout_s): node 0 never started it, or master_addr/master_port is wrong or "
+                        f"unreachable from here")
     try:
+        left = max(1.0, deadline - time.monotonic())
         store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
-                              timeout=datetime.timedelta(seconds=max(1.0, timeout_s)), wait_for_workers=False)
+                              timeout=datetime.timedelta(seconds=left), wait_for_workers=False)
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError/...
         if rank == 0:
             raise JoinError(f"rank 0 could not host the rendezvous at {host}:{port}: {e}. Is the port free and "
                             f"the address one of this node's?") from e
         raise JoinError(f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s: "
                         f"rank 0 never started it, or master_addr/master_port is wrong or unreachable") from e
-    me = f"{rank}|{world_size}|{node}|{shape}"
+    ip = host if rank == 0 else get_ip(peer=host)
+    me = f"{rank}|{world_size}|{node}|{ip}|{fingerprint()}|{shape}"
     keys = [f"rayfree/join/{r}" for r in range(world_size)]
     missing = [r for r in range(world_size) if r != rank]
     try:
@@ -87,6 +113,11 @@ def _check_agreement(store, seen: int, me: str, rank: int, deadline: float) -> i
     count = int(store.add("rayfree/arrivals", 0))
     for i in range(seen + 1, count + 1):
         other = store.get(f"rayfree/arrival/{i}").decode()
+        if _fields(other)[4] != _fields(me)[4]:
+            err = JoinError(_secrets_differ(me, other))
+            if rank == 0:
+                _tell_late_ranks(store, err, deadline)
+            raise err
         if _world_and_shape(other) != _world_and_shape(me):
             err = JoinError(f"the nodes disagree on the cluster's shape: {_describe(me)} but "
                             f"{_describe(other)}; start every node with the same sizes (--tp, --pp, --dp, "
@@ -114,12 +145,33 @@ def _tell_late_ranks(store, err: JoinError, deadline: float) -> None:
         return
 
 
+def _fields(entry: str) -> list[str]:
+    """rank, world size, node, address, secret fingerprint, shape."""
+    return entry.split("|", 5)
+
+
 def _world_and_shape(entry: str) -> tuple[str, str]:
-    _, world, _, shape = entry.split("|", 3)
-    return world, shape
+    f = _fields(entry)
+    return f[1], f[5]
+
+
+def _secrets_differ(a: str, b: str) -> str:
+    """The same line on both nodes: the node that is not node 0 (or the later one) 'uses a different secret'."""
+    fa, fb = _fields(a), _fields(b)
+    ref, odd = sorted((fa, fb), key=lambda f: (int(f[2]), int(f[0])))
+
+    def name(f: list[str]) -> str:
+        return f"node {f[2]} ({f[3]})" if f[2] != "-1" else f"rank {f[0]} ({f[3]})"
+
+    def kind(f: list[str]) -> str:
+        return "no cluster secret (--insecure)" if f[4] == "none" else f"secret {f[4]}"
+
+    return (f"{name(odd)} uses a different cluster secret than {name(ref)} (fingerprints: {kind(odd)} vs "
+            f"{kind(ref)}): give every node the same secret file (--secret-file / RAYFREE_SECRET_FILE; "
+            f"`rayfree keygen FILE` once, then copy that file to each node)")
 
 
 def _describe(entry: str) -> str:
-    rank, world, node, shape = entry.split("|", 3)
+    rank, world, node, _ip, _fp, shape = _fields(entry)
     where = f" on node {node}" if node != "-1" else ""
     return f"rank {rank}{where} has world size {world} ({shape or 'shape unknown'})"

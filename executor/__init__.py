@@ -12,7 +12,7 @@ if __name__ != "rayfree.executor":  # the repository's folder imported as a top-
 
 
 from .abstract import Executor, FailureCallback, UniProcExecutor
-from .errors import (ExecutorError, ExecutorFailed, LeaderLost, NodeLost, NotLeaderError, ReplicaFailed, RpcTimeout,
+from .errors import (ExecutorError, ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost, NotLeaderError, ReplicaFailed, RpcTimeout,
                      StartupTimeout, WorkerDied, WorkerError, WorkerStartupError)
 from .future import FutureWrapper
 from .multiproc import MultiprocExecutor
@@ -20,6 +20,6 @@ from .replicas import NodeReplicas
 from .workers import WorkerGroup
 
 __all__ = ["Executor", "FailureCallback", "UniProcExecutor", "MultiprocExecutor", "FutureWrapper",
-           "ExecutorError", "ExecutorFailed", "NotLeaderError", "RpcTimeout", "WorkerDied", "WorkerError",
+           "ExecutorError", "ExecutorFailed", "FatalWorkerError", "NotLeaderError", "RpcTimeout", "WorkerDied", "WorkerError",
            "NodeLost", "LeaderLost", "ReplicaFailed", "WorkerStartupError", "StartupTimeout", "WorkerGroup",
            "NodeReplicas"]

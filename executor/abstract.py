@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, Callable
 
-from rayfree.cluster.config import ClusterConfig
+from rayfree.cluster.config import ClusterConfig, require_config
 from rayfree.transport import get_open_port
 from rayfree.worker.messages import RemoteError
 from rayfree.worker.proc import resolve_worker_cls
@@ -26,9 +26,14 @@ class Executor(ABC):
 
     def __init__(self, config: ClusterConfig, worker_cls: type | str, worker_kwargs: dict[str, Any] | None = None
                  ) -> None:
-        if not isinstance(config, ClusterConfig):
-            raise TypeError(f"config must be a rayfree.ClusterConfig, got {type(config).__name__}")
-        config.validate()
+        """Build the executor and start its worker(s).
+
+        Args:
+            config: the cluster's shape and timeouts (checked first: a wrong value is a `ConfigError` naming it).
+            worker_cls: the worker class (a `rayfree.WorkerBase` subclass), or its import path ``"pkg.mod:Class"``.
+            worker_kwargs: keyword arguments for the worker's constructor.
+        """
+        require_config(config)
         self.config = config
         self.parallel_config = config.parallel
         self.worker_cls = worker_cls

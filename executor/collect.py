@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from rayfree.transport import QueueBroken, QueueClosed, QueueShutdown, QueueTimeout, TransportError
 from rayfree.worker.messages import RemoteError, is_special
 
-from .errors import ExecutorFailed, RpcTimeout, WorkerError
+from .errors import FatalWorkerError, RpcTimeout, WorkerError, failed_as
 from .future import WaitExpired
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def _mapped(ex: MultiprocExecutor, e: BaseException, name: str, where: str, time
         return RpcTimeout(f"RPC {name} timed out after {timeout}s: rank(s) {late} have not replied"
                           + (f" (ranks {busy} are still busy with earlier calls that timed out)" if busy else ""))
     if isinstance(e, QueueBroken):  # a reply queue's TCP link dropped: say so, it is the cause
-        failed = ExecutorFailed(f"RPC {name} failed: {e}")
+        failed = failed_as(None, f"RPC {name} failed: {e}")
         failed.__cause__ = e
         return failed
     if isinstance(e, (TransportError, QueueShutdown, QueueClosed, IndexError)):
@@ -66,14 +66,19 @@ def unreadable_reply(rank: int, e: Exception) -> RemoteError:
                        "(raised while unpickling the reply in the calling process)")
 
 
-def unwrap_error(r: RemoteError, name: str) -> WorkerError:
+def unwrap_error(r: RemoteError, name: str, fatal: bool = False) -> WorkerError:
+    """The caller's error for a rank's exception; in a collective step (`fatal`) that also failed the executor,
+    a FatalWorkerError, whichever of the reply and the rank's fatal report came first."""
+    if fatal:
+        return FatalWorkerError(r.rank, r.error_type, r.message, r.traceback, name,
+                                note="a collective step: the executor has stopped every worker")
     return WorkerError(r.rank, r.error_type, r.message, r.traceback, name)
 
 
-def unwrap(value: Any, name: str) -> Any:
+def unwrap(value: Any, name: str, fatal: bool = False) -> Any:
     """A RemoteError reply becomes the caller's WorkerError; a Boxed one gives back its value."""
     if type(value) is RemoteError:
-        raise unwrap_error(value, name)
+        raise unwrap_error(value, name, fatal)
     return value.value
 
 
@@ -125,9 +130,10 @@ class Collector:
                 raise map_failure(ex, e, self.name, "waiting for its replies", self.timeout)
         # Every expected reply is read (so none is left for the next call) before a failure is raised.
         values = [self.got[r] for r in self.ranks]
+        fatal = self.name in ex.config.collective_methods
         for i, value in enumerate(values):
             if is_special(value):
-                values[i] = unwrap(value, self.name)
+                values[i] = unwrap(value, self.name, fatal)
         return values[0] if self.single else values
 
     def _read(self, rank: int, end: float | None) -> Any:

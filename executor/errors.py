@@ -1,13 +1,27 @@
-"""What `collective_rpc` and the executor raise; each names the rank(s) concerned."""
+"""What `collective_rpc` and the executor raise; each names the rank(s) concerned.
+
+Why the executor failed has a class of its own (`WorkerDied`, `NodeLost`,
+`LeaderLost`, `ReplicaFailed`, `FatalWorkerError`), and each is also an
+`ExecutorFailed`: a caller may catch the cause by name, or every failure at
+once. `failed_as` is the one rule that turns the failure into what a pending
+or later call raises: the same class, with the call named in the message.
+"""
 
 from __future__ import annotations
 
 __all__ = ["ExecutorError", "WorkerError", "WorkerDied", "RpcTimeout", "ExecutorFailed", "NotLeaderError",
-           "NodeLost", "LeaderLost", "ReplicaFailed", "WorkerStartupError", "StartupTimeout"]
+           "NodeLost", "LeaderLost", "ReplicaFailed", "WorkerStartupError", "StartupTimeout", "FatalWorkerError",
+           "failed_as"]
 
 
 class ExecutorError(RuntimeError):
     """Base of the executor's errors."""
+
+
+class ExecutorFailed(ExecutorError):
+    """The executor failed (a worker died, a node was lost, ...) or was shut down; it takes no more calls.
+
+    The failure's own class is kept: `except NodeLost` and `except ExecutorFailed` both catch a lost node."""
 
 
 class WorkerError(ExecutorError):
@@ -24,7 +38,12 @@ class WorkerError(ExecutorError):
         self.remote_traceback = remote_traceback
 
 
-class WorkerDied(ExecutorError):
+class FatalWorkerError(WorkerError, ExecutorFailed):
+    """A rank raised in a collective step (`collective_methods`): its peers may be stuck with it, so the
+    executor failed and stopped every worker. A `WorkerError` (rank, type, traceback) and an `ExecutorFailed`."""
+
+
+class WorkerDied(ExecutorFailed):
     """A worker process exited while the executor was running."""
 
     def __init__(self, rank: int, how: str, pid: int | None = None, title: str = "") -> None:
@@ -39,15 +58,11 @@ class RpcTimeout(ExecutorError, TimeoutError):
     """The RPC's deadline passed; the message lists the ranks that did not reply."""
 
 
-class ExecutorFailed(ExecutorError):
-    """The executor failed earlier (a worker died) or was shut down; it takes no more calls."""
-
-
 class NotLeaderError(ExecutorError):
     """collective_rpc on a follower node: only the leader (node_rank_within_dp 0) broadcasts."""
 
 
-class NodeLost(ExecutorError):
+class NodeLost(ExecutorFailed):
     """A follower node fell silent (killed, crashed, or its link cut), or stopped while the leader ran."""
 
     def __init__(self, node_rank: int, ranks: list[int], ip: str, why: str, replicas: list[int] | None = None
@@ -60,7 +75,7 @@ class NodeLost(ExecutorError):
         self.replicas = replicas or []
 
 
-class LeaderLost(ExecutorError):
+class LeaderLost(ExecutorFailed):
     """On a follower: the leader node fell silent, or stopped because something failed."""
 
     def __init__(self, node_rank: int, why: str) -> None:
@@ -68,7 +83,7 @@ class LeaderLost(ExecutorError):
         self.node_rank = node_rank
 
 
-class ReplicaFailed(ExecutorError):
+class ReplicaFailed(ExecutorFailed):
     """Another DP replica on this node failed: the replicas share collectives, so this one stops too."""
 
     def __init__(self, dp_rank: int, why: str) -> None:
@@ -92,3 +107,18 @@ class StartupTimeout(WorkerStartupError, TimeoutError):
     def __init__(self, message: str, ranks: list[int]) -> None:
         super().__init__(message, ranks[0] if ranks else None)
         self.ranks = ranks
+
+
+def failed_as(failure: BaseException | None, message: str) -> ExecutorFailed:
+    """What a call raises once the executor has failed with `failure` (None: it was shut down): an error of
+    the failure's own class when that is an `ExecutorFailed` (so `except NodeLost` works on every pending and
+    later call), else a plain `ExecutorFailed`; its message is `message`, its cause the failure itself."""
+    if failure is None:
+        e = ExecutorFailed(message)
+        e.__suppress_context__ = True  # the queue's own error says nothing more
+        return e
+    cls = type(failure) if isinstance(failure, ExecutorFailed) else ExecutorFailed
+    out = cls.__new__(cls, message)  # the failure's attributes (rank, node_rank, ...) without its __init__
+    out.__dict__.update(getattr(failure, "__dict__", {}))
+    out.__cause__ = failure
+    return out

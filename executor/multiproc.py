@@ -18,6 +18,7 @@ first, so the other side stops too instead of waiting for a timeout.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -26,13 +27,16 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from rayfree.transport import MessageQueue, QueueClosed, QueueShutdown, get_ip, get_open_port
+from rayfree.cluster.config import ClusterConfig, ConfigError, require_config
+from rayfree.transport import MessageQueue, QueueClosed, QueueShutdown, get_ip, get_open_port, security
 from rayfree.transport.security import require_secret
+from rayfree.worker.proc import check_worker_path
 from rayfree.worker.messages import Boxed, Fatal, RemoteError
 
 from .abstract import Executor
 from .collect import Collector, map_failure, unwrap
-from .errors import ExecutorFailed, NotLeaderError, WorkerDied, WorkerError
+from .errors import (ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost, NotLeaderError, WorkerDied,
+                     WorkerStartupError, failed_as)
 from .future import FutureWrapper, WaitExpired
 from .liveness import NodeLiveness
 from .observe import RpcRecorder, StallWatch
@@ -55,7 +59,7 @@ def _peer_gone(message: str) -> bool:
 
 
 class MultiprocExecutor(Executor):
-    """See the module docstring. `monitor_workers=False` leaves watching the workers to the caller.
+    """One worker process per rank of this node; on the leader, every call broadcast to every rank.
 
     Calls from several threads are serialized (send and receive together), so no thread is ever handed
     another's reply; a future's `result()` may be read from any thread.
@@ -63,8 +67,32 @@ class MultiprocExecutor(Executor):
 
     supports_pp: bool = True
 
-    def __init__(self, config, worker_cls, worker_kwargs=None, monitor_workers: bool = True,
-                 liveness: NodeLiveness | None = None) -> None:
+    def __init__(self, config: ClusterConfig, worker_cls: type | str, worker_kwargs: dict[str, Any] | None = None,
+                 monitor_workers: bool = True, liveness: NodeLiveness | None = None, *,
+                 secret: bytes | str | os.PathLike[str] | None = None) -> None:
+        """Start one worker process per rank of this node and, on the leader, the queues that reach every rank.
+
+        Returns once every worker is ready; a worker that fails or hangs at start-up is named and nothing is
+        left running.
+
+        Args:
+            config: the cluster's shape and timeouts. Checked before anything starts: a wrong value is a
+                `ConfigError` naming the field and the value (a dict instead of a ClusterConfig: TypeError).
+            worker_cls: the worker class (a `rayfree.WorkerBase` subclass), or its import path
+                ``"pkg.mod:Class"``. A path importable in this process is checked here (a wrong one is refused
+                before any worker starts); one only the workers can import is resolved by them.
+            worker_kwargs: keyword arguments for the worker's constructor (picklable).
+            monitor_workers: watch the worker processes, so that one dying fails every call within a second;
+                False leaves that to the caller.
+            liveness: the node's heartbeats and failure policy, shared by the DP replicas of one node
+                (`NodeReplicas` passes it); None: this executor makes its own.
+            secret: the cluster secret, for a cluster of several nodes: its bytes (or a key file's text) or
+                the path of its file (`rayfree keygen FILE`). It becomes this process's secret, handed to every
+                worker. None: ``RAYFREE_SECRET_FILE``, else the compose secret ``/run/secrets/rayfree_secret``.
+        """
+        require_config(config)  # before anything below multiplies a size or builds a thread
+        if secret is not None:
+            security.use(security.Policy(security.secret_from(secret), security.current().insecure))
         self.monitor_workers = monitor_workers
         #: shared by the DP replicas of one node (executor/replicas.py); else this executor makes its own
         self.liveness = liveness
@@ -106,6 +134,11 @@ class MultiprocExecutor(Executor):
         worker_cls = self.worker_cls if isinstance(self.worker_cls, str) else cloudpickle.dumps(self.worker_cls)
         success = False
         try:
+            if isinstance(self.worker_cls, str):
+                try:
+                    check_worker_path(self.worker_cls)  # one error here, not one traceback per worker
+                except ConfigError as e:
+                    raise WorkerStartupError(f"{e} (refused before starting any worker)") from None
             if par.nnodes > 1:
                 require_secret(f"a cluster of {par.nnodes} nodes")  # before anything starts
             if self.liveness is None:
@@ -125,6 +158,8 @@ class MultiprocExecutor(Executor):
             self.group = WorkerGroup(self.config, worker_cls, self.worker_kwargs,
                                      list(range(start, start + self.local_world_size)), distributed_init_method,
                                      handle, attach_replies=self.is_leader)
+            if self.is_failed:  # failed while spawning (another node, a replica): `_fail` found no group to wake
+                self.group.abort()
             self.group.wait_ready(self.config.ready_timeout_s)
             if self.monitor_workers:
                 on_death = weakref.WeakMethod(self._on_worker_death)  # the monitor must not keep us alive
@@ -148,8 +183,16 @@ class MultiprocExecutor(Executor):
             success = True
         except BaseException as e:
             self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            if self._failure is not None and not isinstance(e, KeyboardInterrupt):
-                raise self._failure from e  # a node left during start-up: that, not its fallout, is the cause
+            lv = self.liveness
+            if (self._failure is None and lv is not None and lv.verdict_s() and isinstance(e, Exception)
+                    and _peer_gone(str(e))):
+                # A rank's rendezvous or handshake broke because another node went away: the heartbeats' verdict
+                # (that node, or the leader's own failure) is the cause to report, and it comes within this window.
+                lv.settled.wait(lv.verdict_s())
+            failure = self._failure or (lv.failure if lv is not None and isinstance(lv.failure, (NodeLost, LeaderLost))
+                                        else None)
+            if failure is not None and not isinstance(e, KeyboardInterrupt):
+                raise failure from e  # a node left during start-up: that, not its fallout, is the cause
             raise
         finally:
             if not success:
@@ -160,9 +203,14 @@ class MultiprocExecutor(Executor):
         """This node's worker processes (`.rank`, `.proc`)."""
         return self.group.workers if self.group is not None else []
 
-    def get_response_mqs(self) -> list[MessageQueue]:
-        """Every rank's reply queue, by rank (vLLM's accessor)."""
-        return list(self.response_mqs)
+    def get_response_mqs(self, unique_reply_rank: int = -1) -> list[MessageQueue]:
+        """The reply queues, by rank (vLLM's accessor): every rank's (-1), or the one of `unique_reply_rank`."""
+        if unique_reply_rank == -1:
+            return list(self.response_mqs)
+        if not isinstance(unique_reply_rank, int) or not 0 <= unique_reply_rank < len(self.response_mqs):
+            raise ValueError(f"unique_reply_rank={unique_reply_rank!r} is not a rank with a reply queue here "
+                             f"(0..{len(self.response_mqs) - 1}, or -1 for all)")
+        return [self.response_mqs[unique_reply_rank]]
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
@@ -203,8 +251,8 @@ class MultiprocExecutor(Executor):
         logger.error("%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type,
                      msg.method)
         self._fast_stop = True
-        self._fail(WorkerError(msg.rank, msg.error_type, msg.message, msg.traceback, msg.method,
-                               note="a collective step: the executor has stopped every worker"))
+        self._fail(FatalWorkerError(msg.rank, msg.error_type, msg.message, msg.traceback, msg.method,
+                                    note="a collective step: the executor has stopped every worker"))
 
     def _fail(self, error: Exception) -> None:
         """Mark failed, wake every pending call with `error`, shut down, fire the callback once."""
@@ -221,7 +269,11 @@ class MultiprocExecutor(Executor):
         if self._started:
             self.shutdown()
         elif self.group is not None:
-            self.group.terminate()  # start-up: the starting thread sees them go, raises, and shuts down
+            # Start-up: the starting thread stops waiting for READY, raises this failure and shuts down (a
+            # worker blocked in native code, say a rendezvous, does not hear SIGTERM: the staged close kills it).
+            self._fast_stop = True
+            self.group.abort()
+            self.group.terminate()
         self._fire_failure_callback()
 
     # -- RPC -----------------------------------------------------------------------------
@@ -253,7 +305,9 @@ class MultiprocExecutor(Executor):
                         raise map_failure(self, e, method, "waiting for its replies", timeout, [unique_reply_rank])
                     rec.done_fast()
                     t = type(value)
-                    return unwrap(value, method) if t is RemoteError or t is Boxed else value
+                    if t is RemoteError or t is Boxed:
+                        return unwrap(value, method, method in self.config.collective_methods)
+                    return value
         connector = kv_output_aggregator if kv_output_aggregator is not None else ec_output_aggregator
         if connector is not None:
             if kv_output_aggregator is not None and ec_output_aggregator is not None:
@@ -353,18 +407,13 @@ class MultiprocExecutor(Executor):
         if self._failure is None and not self.shutting_down:
             self._failure_known.wait(1.0)  # a worker that just left closed its queue first: wait for its name
         if self._failure is not None:
-            e = ExecutorFailed(f"RPC {name} failed: {self._failure}")
-            e.__cause__ = self._failure
-            return e
-        e = ExecutorFailed(f"RPC {name} was cut short: the executor was shut down")
-        e.__suppress_context__ = True  # the queue's own error says nothing more
-        return e
+            return failed_as(self._failure, f"RPC {name} failed: {self._failure}")
+        return failed_as(None, f"RPC {name} was cut short: the executor was shut down")
 
     def _raise_failed(self) -> None:
         if self._failure is not None:
-            raise ExecutorFailed(f"the executor failed earlier and takes no more calls: {self._failure}") \
-                from self._failure
-        raise ExecutorFailed("the executor was shut down")
+            raise failed_as(self._failure, f"the executor failed earlier and takes no more calls: {self._failure}")
+        raise failed_as(None, "the executor was shut down")
 
     # -- shutdown ------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
 
@@ -135,7 +136,7 @@ class StallWatch:
     """A thread that reports calls waiting longer than `report_s` (see the module docstring)."""
 
     def __init__(self, ex: MultiprocExecutor, report_s: float, dump_s: float | None) -> None:
-        self.ex = ex
+        self._ex = weakref.ref(ex)  # the watch must not keep its executor alive
         self.report_s = report_s
         self.dump_s = dump_s
         self._stop = threading.Event()
@@ -150,13 +151,14 @@ class StallWatch:
     def _run(self) -> None:
         tick = min(1.0, self.report_s / 2)
         while not self._stop.wait(tick):
-            ex = self.ex
-            if ex.shutting_down or ex.is_failed:
+            ex = self._ex()
+            if ex is None or ex.shutting_down or ex.is_failed:
                 return
             try:
                 self._look(ex)
             except Exception:  # noqa: BLE001 - a report must never take the executor down
                 logger.debug("stall watch: could not look", exc_info=True)
+            del ex  # not held while waiting for the next tick
 
     def _look(self, ex: MultiprocExecutor) -> None:
         calls = ex.rpc_recorder.in_flight()

@@ -30,12 +30,20 @@ _WAKE_S = 0.5
 
 
 class NodeReplicas:
-    """Start the executors of every DP replica on this node (see the module docstring); raise the first
-    start-up failure after stopping the rest."""
+    """The executors of every DP replica this node runs, started together and sharing one liveness (their ranks
+    share collectives, so one failing stops them all); the first start-up failure is raised after the rest are
+    stopped."""
 
     def __init__(self, config: ClusterConfig, worker_cls: Any, worker_kwargs: dict[str, Any] | None = None,
                  on_liveness: Callable[[NodeLiveness], None] | None = None) -> None:
-        """`on_liveness` sees the node's liveness before any executor starts (to serve metrics from it)."""
+        """Start this node's replicas; returns once every one is ready.
+
+        Args:
+            config: the cluster's shape and timeouts (each replica gets it with its own `data_parallel_rank`).
+            worker_cls: the worker class, or its import path ``"pkg.mod:Class"``.
+            worker_kwargs: keyword arguments for the worker's constructor (picklable).
+            on_liveness: called with the node's liveness before any executor starts (to serve metrics from it).
+        """
         par = config.parallel
         self.config = config
         self.dp_ranks = par.node_replicas

@@ -38,7 +38,7 @@ from rayfree.worker.titles import title_for
 
 from .errors import StartupTimeout, WorkerStartupError
 
-__all__ = ["WorkerGroup", "WorkerHandle", "exit_description", "start_context"]
+__all__ = ["WorkerGroup", "WorkerHandle", "ExitedProcess", "StartupAborted", "exit_description", "start_context"]
 
 logger = logging.getLogger("rayfree.executor")
 
@@ -63,6 +63,9 @@ def start_context() -> Any:
     return multiprocessing.get_context(method)
 
 
+#: how long a worker that reported its start-up failure is given to exit, so its exit code can be named
+_STARTUP_EXIT_WAIT_S = 2.0
+
 #: One group spawns at a time in a process: a node running several DP replicas starts their executors from
 #: threads, and starting processes (the environment below, multiprocessing's spawn preparation and its
 #: resource tracker) is not safe to interleave.
@@ -83,12 +86,32 @@ def _worker_env() -> Iterator[None]:
             os.environ.pop("OMP_NUM_THREADS", None)
 
 
+class StartupAborted(Exception):
+    """`abort()` was called while the group waited for its workers (the executor failed meanwhile)."""
+
+
+class ExitedProcess:
+    """What is kept of a worker process once the group released it (`Process.close()` frees its pipe and
+    sentinel descriptors, after which the process object refuses every question)."""
+
+    def __init__(self, proc: BaseProcess) -> None:
+        self.pid = proc.pid
+        self.exitcode = proc.exitcode
+        self.name = proc.name
+
+    def is_alive(self) -> bool:
+        return False
+
+    def join(self, timeout: float | None = None) -> None:
+        return None
+
+
 @dataclass
 class WorkerHandle:
     """One worker process as its parent sees it."""
 
     rank: int
-    proc: BaseProcess
+    proc: BaseProcess | ExitedProcess
     #: the status pipe (READY, then Fatal); None once closed
     ready_pipe: Connection | None
     death_writer: Connection | None
@@ -118,6 +141,8 @@ class WorkerGroup:
         self.workers: list[WorkerHandle] = []
         self._monitor_wake: tuple[Connection, Connection] | None = None
         self._closed = False
+        self._abort = multiprocessing.Pipe(duplex=False)  # closing the writer wakes wait_ready
+        self._monitor_thread: threading.Thread | None = None
         self._spawn(worker_cls, worker_kwargs, distributed_init_method, broadcast_handle)
 
     # -- start-up -------------------------------------------------------------------------
@@ -158,10 +183,13 @@ class WorkerGroup:
         (after dumping their stacks to their stderr). The status pipes stay open for later reports."""
         pending = {w.ready_pipe: w for w in self.workers if w.ready_pipe is not None}
         deadline = None if timeout is None else time.monotonic() + timeout
+        abort_r = self._abort[0]
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            sentinels = {w.proc.sentinel: w for w in pending.values()}
-            ready = multiprocessing.connection.wait([*pending, *sentinels], timeout=left)
+            sentinels = {w.proc.sentinel: w for w in pending.values()}  # type: ignore[union-attr]
+            ready = multiprocessing.connection.wait([*pending, *sentinels, abort_r], timeout=left)
+            if abort_r in ready:
+                raise StartupAborted("the executor failed while its workers were starting")
             if not ready:
                 late = sorted(w.rank for w in pending.values())
                 self.dump_stacks([w for w in pending.values()])
@@ -176,6 +204,11 @@ class WorkerGroup:
                     continue  # its message (if any) is read through the pipe
                 if obj in pending:
                     self._on_ready_message(pending.pop(obj))
+
+    def abort(self) -> None:
+        """Wake `wait_ready` (any thread): it raises StartupAborted, and its caller shuts the group down."""
+        with contextlib.suppress(OSError):
+            self._abort[1].close()
 
     def _died_before_ready(self, w: WorkerHandle) -> None:
         w.proc.join(1)
@@ -194,8 +227,9 @@ class WorkerGroup:
             return
         if isinstance(msg, StartupFailed):
             self._close_status(w)
-            raise WorkerStartupError(f"{w.describe()} failed to start: {msg.error_type}: {msg.message}", msg.rank,
-                                     msg.traceback)
+            w.proc.join(_STARTUP_EXIT_WAIT_S)  # it leaves right after its report: name its exit too
+            raise WorkerStartupError(f"{w.describe()} failed to start ({exit_description(w.proc.exitcode)}): "
+                                     f"{msg.error_type}: {msg.message}", msg.rank, msg.traceback)
         if not isinstance(msg, Ready):
             self._close_status(w)
             raise WorkerStartupError(f"{w.describe()} sent {type(msg).__name__} before READY", w.rank)
@@ -280,7 +314,8 @@ class WorkerGroup:
                     if not self._closed:
                         on_death(w)
 
-        threading.Thread(target=monitor, daemon=True, name="RayfreeWorkerMonitor").start()
+        self._monitor_thread = threading.Thread(target=monitor, daemon=True, name="RayfreeWorkerMonitor")
+        self._monitor_thread.start()
 
     def dump_stacks(self, workers: list[WorkerHandle] | None = None) -> None:
         """Have each live worker print every thread's stack to its stderr (faulthandler on SIGUSR1)."""
@@ -314,10 +349,17 @@ class WorkerGroup:
             if w.death_writer is not None:
                 w.death_writer.close()
             w.death_writer = None
-        _terminate([w.proc for w in self.workers], grace_s, term_s)
+        _terminate([w.proc for w in self.workers], grace_s, term_s)  # type: ignore[misc]
+        t = self._monitor_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(2.0)  # it waits on the processes' sentinels, which close() below releases
         for w in self.workers:
             self._close_status(w)
             self._remove_leftovers(w)
+            if isinstance(w.proc, BaseProcess) and not w.proc.is_alive():
+                exited = ExitedProcess(w.proc)
+                w.proc.close()  # its sentinel and pipe descriptors go now, not at a later garbage collection
+                w.proc = exited
         for w in self.workers:
             for mq in (w.response_mq, *w.peer_response_mqs):
                 if mq is not None:
@@ -325,6 +367,8 @@ class WorkerGroup:
             w.response_mq, w.peer_response_mqs = None, []
         if self._monitor_wake is not None:
             self._monitor_wake[0].close()
+        for end in self._abort:
+            end.close()
 
 
 def _terminate(procs: list[BaseProcess], grace_s: float, term_s: float) -> None:

@@ -50,53 +50,38 @@ _EXPORTS = {
     "MessageTooLarge": "rayfree.transport.errors",
     "HandleError": "rayfree.transport.errors",
     "SocketError": "rayfree.transport.sockets",
+    "SegmentNotFound": "rayfree.transport.errors",
+    "ShmSpaceError": "rayfree.transport.errors",
+    "SecretError": "rayfree.transport.security",
+    "FatalWorkerError": "rayfree.executor.errors",
+    # a worker's groups (tensor, pipeline, data, expert parallel, ...), each with cpu_group / device_group
+    "Group": "rayfree.cluster.group",
+    "get_world_group": "rayfree.cluster.parallel_state",
+    "get_tp_group": "rayfree.cluster.parallel_state",
+    "get_pp_group": "rayfree.cluster.parallel_state",
+    "get_dp_group": "rayfree.cluster.parallel_state",
+    "get_ep_group": "rayfree.cluster.parallel_state",
+    "get_pcp_group": "rayfree.cluster.parallel_state",
+    "get_dcp_group": "rayfree.cluster.parallel_state",
 }
 
-__all__ = [
-    "ClusterConfig",
-    "ConfigError",
-    "Executor",
-    "ExecutorError",
-    "ExecutorFailed",
-    "FailureCallback",
-    "FutureWrapper",
-    "Handle",
-    "HandleError",
-    "LeaderLost",
-    "MessageQueue",
-    "MessageTooLarge",
-    "MultiprocExecutor",
-    "NodeLost",
-    "NodeReplicas",
-    "NotLeaderError",
-    "ParallelConfig",
-    "QueueBroken",
-    "QueueClosed",
-    "QueueShutdown",
-    "QueueTimeout",
-    "ReplicaFailed",
-    "RpcTimeout",
-    "SocketError",
-    "StartupTimeout",
-    "TransportError",
-    "UniProcExecutor",
-    "WorkerBase",
-    "WorkerDied",
-    "WorkerError",
-    "WorkerStartupError",
-]
+__all__ = sorted(_EXPORTS)  # one list: the table above
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
+    from rayfree.cluster.group import Group
+    from rayfree.cluster.parallel_state import (get_dcp_group, get_dp_group, get_ep_group, get_pcp_group,
+                                                get_pp_group, get_tp_group, get_world_group)
     from rayfree.executor.abstract import Executor, FailureCallback, UniProcExecutor
-    from rayfree.executor.errors import (ExecutorError, ExecutorFailed, LeaderLost, NodeLost, NotLeaderError,
+    from rayfree.executor.errors import (ExecutorError, ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost, NotLeaderError,
                                          ReplicaFailed, RpcTimeout, StartupTimeout, WorkerDied, WorkerError,
                                          WorkerStartupError)
     from rayfree.executor.replicas import NodeReplicas
     from rayfree.executor.future import FutureWrapper
     from rayfree.executor.multiproc import MultiprocExecutor
     from rayfree.transport.errors import (HandleError, MessageTooLarge, QueueBroken, QueueClosed, QueueShutdown,
-                                          QueueTimeout, TransportError)
+                                          QueueTimeout, SegmentNotFound, ShmSpaceError, TransportError)
+    from rayfree.transport.security import SecretError
     from rayfree.transport.handle import Handle
     from rayfree.transport.sockets import SocketError
     from rayfree.transport.message_queue import MessageQueue

@@ -87,24 +87,30 @@ def step_until_lost(ex) -> int:
 
 
 def _until_lost(ex, pending) -> int:
-    from rayfree.executor import ExecutorError
+    from rayfree import ExecutorError, ExecutorFailed, NodeLost
     fired = []
     ex.register_failure_callback(lambda: fired.append(time.monotonic()))
     say("PENDING", t=time.monotonic())
+    error = kind = ""
     try:
         pending()
-        error, kind = "", ""
+    except NodeLost as e:  # by the name the README gives it
+        error, kind = str(e), "NodeLost" + ("+ExecutorFailed" if isinstance(e, ExecutorFailed) else "")
     except ExecutorError as e:
-        error, kind = str(e), type(e.__cause__ or e).__name__
+        error, kind = str(e), type(e).__name__
     t_fail = time.monotonic()
+    later_kind = ""
     try:
         ex.collective_rpc("check_health", timeout=10)
         later = "a later call succeeded"
+    except NodeLost as e:
+        later, later_kind = str(e), "NodeLost"
     except ExecutorError as e:
-        later = str(e)
+        later, later_kind = str(e), type(e).__name__
     t_later = time.monotonic() - t_fail
     ex.wait_done(60)
-    say("RESULT", t_fail=t_fail, error=error, kind=kind, later=later, later_s=t_later, callbacks=len(fired))
+    say("RESULT", t_fail=t_fail, error=error, kind=kind, later=later, later_kind=later_kind, later_s=t_later,
+        callbacks=len(fired))
     return 0
 
 

@@ -38,7 +38,7 @@ def test_each_problem_is_reported_with_its_fix() -> None:
         port = held.getsockname()[1]
         r = doctor("--master-port", str(port), env={"GLOO_SOCKET_IFNAME": "no-such-if0"})
     assert r.returncode == 1
-    assert "FAIL" in line(r.stdout, "ports") and f"[{port}" in line(r.stdout, "ports")
+    assert "FAIL" in line(r.stdout, "ports") and f"in use on 127.0.0.1: {port}" in line(r.stdout, "ports")
     assert "FAIL" in line(r.stdout, "socket ifname") and "no-such-if0" in r.stdout
     assert r.stdout.count("fix:") >= 2
     r = doctor("--quick", "--nnodes", "2", "--tp", "2", "--master-addr", "192.0.2.254")

@@ -235,14 +235,14 @@ def test_a_worker_dying_in_the_engines_step_fails_it_with_the_death_as_cause() -
 @pytest.mark.timeout(60)
 def test_shutdown_reaches_sigkill_for_a_worker_that_ignores_sigterm() -> None:
     ex = MultiprocExecutor(cfg(tp=1, shutdown_grace_s=0.5, shutdown_term_s=0.5), ECHO)
-    proc = ex.workers[0].proc
+    worker = ex.workers[0]
     pending = ex.collective_rpc("hang_ignoring_sigterm", non_block=True)
     with pytest.raises(concurrent.futures.TimeoutError):
         pending.result(timeout=0.3)  # it is stuck in there, ignoring SIGTERM
     t0 = time.monotonic()
     ex.shutdown()
     took = time.monotonic() - t0
-    assert proc.exitcode == -signal.SIGKILL, f"exit {proc.exitcode}"
+    assert worker.proc.exitcode == -signal.SIGKILL, f"exit {worker.proc.exitcode}"
     assert 1.0 <= took < 5.0
     with pytest.raises(ExecutorFailed):
         pending.result(timeout=5)
@@ -251,7 +251,7 @@ def test_shutdown_reaches_sigkill_for_a_worker_that_ignores_sigterm() -> None:
 
 @pytest.mark.timeout(120)
 def test_startup_failure_in_load_model_names_the_rank_and_leaves_nothing() -> None:
-    with pytest.raises(WorkerStartupError, match=r"worker rank 1 \(pid \d+, rayfree::Worker_TP1\) failed to start: RuntimeError") as info:
+    with pytest.raises(WorkerStartupError, match=r"worker rank 1 \(pid \d+, rayfree::Worker_TP1\) failed to start \(exit code 1\): RuntimeError") as info:
         MultiprocExecutor(cfg(), ECHO, {"fail_load_on": [1]})
     assert "cannot load the model on rank 1" in str(info.value)
     assert "load_model" in info.value.remote_traceback
@@ -271,7 +271,7 @@ def test_workers_that_are_not_ready_in_time_are_named() -> None:
 def test_bad_worker_class_paths_are_clear() -> None:
     with pytest.raises(WorkerStartupError, match="has no 'Nope'"):
         MultiprocExecutor(cfg(tp=1), "tests.workers:Nope")
-    with pytest.raises(WorkerStartupError, match="package.module:Name"):
+    with pytest.raises(WorkerStartupError, match="package.module:Class"):
         MultiprocExecutor(cfg(tp=1), "tests.workers.EchoWorker")
 
 

@@ -587,3 +587,22 @@ def test_a_writer_waiting_for_a_wrap_marker_to_be_read_is_woken() -> None:
         assert time.monotonic() - t0 < 2.0, "the writer was not woken when its chunk came free"
         t.join(10)
         assert got == [b"b" * (250 << 10)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("timeout", [0, 0.0, -1.0])
+def test_a_read_with_no_time_left_still_takes_a_message_that_has_arrived(path: str, timeout: float) -> None:
+    """vLLM's readers poll with timeout 0: a message already there is read, on the socket path as on shm."""
+    with pair(path) as (w, r):
+        with pytest.raises(QueueTimeout):
+            r.dequeue(timeout=timeout)  # nothing there yet
+        w.enqueue({"n": 1})
+        deadline = time.monotonic() + 10
+        while True:  # it has arrived once the reader can see it; bounded by the deadline
+            try:
+                got = r.dequeue(timeout=timeout)
+                break
+            except QueueTimeout:
+                assert time.monotonic() < deadline, "the message never became readable with timeout 0"
+                time.sleep(0.01)
+        assert got == {"n": 1}

@@ -57,6 +57,18 @@ class MessageQueue:
                  max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS,
                  connect_ip: str | None = None, *, max_message_bytes: int | None = None,
                  spin_us: float | None = None) -> None:
+        """The writer's side (readers attach with `create_from_handle`).
+
+        Args:
+            n_reader: how many readers every message goes to.
+            n_local_reader: how many of them read the shared-memory ring (same node); the rest read over TCP.
+            local_reader_ranks: the reader ranks that are local (default: 0..n_local_reader-1).
+            max_chunk_bytes: the size of one ring chunk; a message takes as many consecutive chunks as it needs.
+            max_chunks: chunks in the ring (its size in /dev/shm is max_chunk_bytes x max_chunks).
+            connect_ip: the address remote readers connect to (this node's on the cluster network).
+            max_message_bytes: refuse bigger messages with `MessageTooLarge` (None: no limit).
+            spin_us: how long a waiting call may spin before it parks, in microseconds (None: RAYFREE_SPIN_US).
+        """
         if not isinstance(n_reader, int) or n_reader < 1:
             raise ValueError(f"n_reader must be an int >= 1, got {n_reader!r}")
         if not isinstance(n_local_reader, int) or not 0 <= n_local_reader <= n_reader:

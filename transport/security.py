@@ -37,7 +37,7 @@ from rayfree import settings
 
 from .errors import HandleError, TransportError
 
-__all__ = ["ClusterSecret", "InsecureTransport", "Policy", "resolve", "use", "current", "load_secret", "write_secret",
+__all__ = ["ClusterSecret", "InsecureTransport", "SecretError", "secret_from", "fingerprint", "Policy", "resolve", "use", "current", "load_secret", "write_secret",
            "process_secret", "insecure", "seal", "unseal", "check_fresh", "require_secret", "SECRET_FILE_ENV",
            "INSECURE_ENV", "DOCKER_SECRET"]
 
@@ -56,13 +56,23 @@ class InsecureTransport(TransportError):
     """A TCP socket was needed, but there is no cluster secret and --insecure was not given."""
 
 
+class SecretError(TransportError):
+    """The cluster secret given cannot be used (a file missing, unreadable or too short); the message names it
+    and the fix."""
+
+
+def _fix(path: str) -> str:
+    return (f"make one with `rayfree keygen {path}` on one node and copy that file to every node (or point "
+            f"--secret-file / {SECRET_FILE_ENV} at the file you copied)")
+
+
 class ClusterSecret:
     """The shared secret and what is derived from it. Never logged, never put in argv."""
 
     def __init__(self, raw: bytes, source: str = "memory") -> None:
         if len(raw) < _MIN_BYTES:
-            raise ValueError(f"the cluster secret from {source} has {len(raw)} bytes; it needs at least {_MIN_BYTES}: "
-                             f"make one with `rayfree keygen`")
+            raise SecretError(f"the cluster secret from {source} has {len(raw)} bytes; it needs at least {_MIN_BYTES}: "
+                              + (_fix(source) if source != "memory" else "make one with `rayfree keygen FILE`"))
         self._raw = raw
         self.source = source
         self.server_public, self.server_secret = self._curve_pair(b"curve-server")
@@ -78,6 +88,12 @@ class ClusterSecret:
 
     def mac(self, data: bytes) -> bytes:
         return hmac.new(self._mac_key, data, hashlib.sha256).digest()
+
+    @property
+    def fingerprint(self) -> str:
+        """A short public tag of the secret (one-way, a label of its own): nodes compare it to tell a copied-
+        wrong secret file from an attack. It proves nothing; it only helps name the mistake."""
+        return self.derive(b"fingerprint").hex()[:12]
 
     def __repr__(self) -> str:
         return f"ClusterSecret(from {self.source})"
@@ -96,15 +112,39 @@ def _read(path: str) -> ClusterSecret:
         with open(path, "rb") as f:
             text = f.read().strip()
     except OSError as e:
-        raise TransportError(f"cannot read the cluster secret {path}: {e.strerror}") from None
+        raise SecretError(f"cannot read the cluster secret {path}: {e.strerror}; {_fix(path)}") from None
+    secret = _parse(text, path)  # a file that cannot be used is refused before anything is said about its mode
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO) and not path.startswith("/run/secrets/"):
         logger.warning("cluster secret %s is readable by others (mode %o): chmod 600 it", path,
                        stat.S_IMODE(st.st_mode))
+    return secret
+
+
+def _parse(text: bytes, source: str) -> ClusterSecret:
+    """A key file's text (hex, as `rayfree keygen` writes it) or raw bytes."""
     try:
         raw = bytes.fromhex(text.decode())
     except (ValueError, UnicodeDecodeError):
         raw = text
-    return ClusterSecret(raw, path)
+    return ClusterSecret(raw, source)
+
+
+def secret_from(secret: bytes | str | os.PathLike[str] | ClusterSecret) -> ClusterSecret:
+    """The secret an engine gives from Python: its bytes (or a key file's text), a path to its file, or one
+    already loaded. SecretError when it cannot be used."""
+    if isinstance(secret, ClusterSecret):
+        return secret
+    if isinstance(secret, (bytes, bytearray, memoryview)):
+        return _parse(bytes(secret).strip(), "memory")
+    if isinstance(secret, (str, os.PathLike)):
+        return _read(os.fspath(secret))
+    raise TypeError(f"secret must be bytes, a path or a ClusterSecret, got {type(secret).__name__}")
+
+
+def fingerprint() -> str:
+    """This process's secret's fingerprint ('none' without a secret)."""
+    s = process_secret()
+    return "none" if s is None else s.fingerprint
 
 
 def load_secret(path: str | None = None, env: Any = None) -> ClusterSecret | None:
@@ -230,7 +270,9 @@ def unseal(data: bytes, what: str = "handle") -> tuple[bytes, bytes | None]:
         raise HandleError(f"refused a {what}: its signature envelope is corrupt ({e})") from None
     want = s.mac(_signed_bytes(sealed.payload, sealed.nonce, sealed.issued))
     if not hmac.compare_digest(want, sealed.mac):
-        raise HandleError(f"refused a forged {what}: its signature does not match this cluster's secret")
+        raise HandleError(f"refused a {what} signed with another secret: most likely the sending node's cluster "
+                          f"secret file differs from this node's (copy the same file to every node); if every node "
+                          f"has the same file, someone else sent it")
     max_age = settings.get(MAX_AGE_ENV)
     age = time.time() - sealed.issued
     if abs(age) > max_age:

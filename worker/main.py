@@ -164,10 +164,12 @@ def worker_main(**kwargs: Any) -> None:
             logger.debug("worker rank %d shutting down (%s)", rank, type(e).__name__)
         else:
             err = RemoteError.of(rank, e)
-            logger.error("worker rank %d %s: %s: %s\n%s", rank, "failed" if ready else "failed to start",
-                         err.error_type, err.message, err.traceback)
-            if not ready:
-                _send(status, StartupFailed(rank, err.error_type, err.message, err.traceback))
+            # A start-up failure delivered to the parent is reported there, once for the node (not once per
+            # worker); only one that could not be delivered is logged here.
+            told = not ready and _send(status, StartupFailed(rank, err.error_type, err.message, err.traceback))
+            (logger.debug if told else logger.error)("worker rank %d %s: %s: %s\n%s", rank,
+                                                     "failed" if ready else "failed to start", err.error_type,
+                                                     err.message, err.traceback)
             code = 1
     finally:
         lifeline.exiting.set()
@@ -188,10 +190,12 @@ def worker_main(**kwargs: Any) -> None:
         sys.exit(code)
 
 
-def _send(pipe: Connection | None, msg: Any) -> None:
+def _send(pipe: Connection | None, msg: Any) -> bool:
+    """Did `msg` reach the parent's end of the status pipe?"""
     if pipe is None:
-        return
+        return False
     try:
         pipe.send_bytes(encode(msg))
     except OSError:
-        pass
+        return False
+    return True

@@ -27,7 +27,7 @@ from rayfree.transport import Handle, MessageQueue, TransportError
 from .messages import Boxed, RemoteError
 from .titles import set_title, title_for
 
-__all__ = ["WorkerProc", "FatalRpc", "resolve_worker_cls", "worker_info", "destroy_distributed"]
+__all__ = ["WorkerProc", "FatalRpc", "resolve_worker_cls", "check_worker_path", "worker_info", "destroy_distributed"]
 
 logger = logging.getLogger("rayfree.worker")
 
@@ -54,6 +54,34 @@ def resolve_worker_cls(worker_cls: type | str | bytes) -> type:
     if not isinstance(worker_cls, type):
         raise TypeError(f"worker class must be a class or 'pkg.mod:Class', got {worker_cls!r}")
     return worker_cls
+
+
+def check_worker_path(spec: str) -> None:
+    """Refuse a worker class path that is wrong here, before any worker is spawned (ConfigError).
+
+    Only a definite answer counts: the path's form, or its module importing here without the name. A module
+    this process cannot import at all (it exists only where the workers run) is left to the workers."""
+    import importlib.util
+    from rayfree.cluster.config import ConfigError
+    mod, sep, name = spec.partition(":")
+    if not sep or not mod or not name:
+        raise ConfigError(f"worker class {spec!r}: write it as 'package.module:Class'")
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):  # a parent package is missing here
+        found = False
+    if not found:
+        logger.debug("worker class %s: %s is not importable here; the workers resolve it", spec, mod)
+        return
+    try:
+        cls = resolve_worker_cls(spec)
+    except ValueError as e:
+        if "has no" in str(e):
+            raise ConfigError(str(e)) from None
+        logger.debug("worker class %s: not importable here (%s); the workers resolve it", spec, e)
+        return
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
 
 
 class WorkerProc:

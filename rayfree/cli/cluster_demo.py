@@ -95,7 +95,8 @@ def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, tim
         how = ("own network namespace, IP and /dev/shm each" if sim.mode == "netns"
                else "loopback, shared /dev/shm, ranks forced remote (not root)")
         print(f"  nodes: {', '.join(f'node {n.index} = {n.ip}' for n in sim.nodes)} ({how})")
-        print(f"  security: CURVE-authenticated, encrypted TCP; signed handles (cluster secret {secret})")
+        print(f"  security: queues sealed with AES-256-GCM, heartbeats over CURVE, signed handles (cluster secret "
+              f"{secret})")
         print("  starting `rayfree node` on each node (spawn, torch, gloo world, model, queues) ...", flush=True)
         master = sim.nodes[0].ip
         port = 29500 if sim.mode == "netns" else get_open_port("127.0.0.1")

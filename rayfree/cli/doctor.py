@@ -112,18 +112,59 @@ def check_ports(config: ClusterConfig) -> Check:
     from rayfree.transport.net import is_local_address
     if not is_local_address(par.master_addr):
         return Check("ports", "warn", f"not checked: {par.master_addr} is not an address of this machine")
-    busy = []
+    busy, ours = [], []
     for port in (par.master_port, config.heartbeat_endpoint_port):
         with socket.socket(socket.AF_INET6 if ":" in par.master_addr else socket.AF_INET) as s:
             try:
                 s.bind((par.master_addr, port))
             except OSError:
-                busy.append(port)
+                owner = listener_of(port)
+                (ours if owner is not None and _is_rayfree_node(owner[1]) else busy).append((port, owner))
+    if ours and not busy:
+        pids = sorted({o[0] for _, o in ours if o})
+        return Check("ports", "ok", f"{par.master_port} (rendezvous) and {config.heartbeat_endpoint_port} "
+                     f"(heartbeats) are held by this node's running rayfree node (pid {', '.join(map(str, pids))})")
     if busy:
-        return Check("ports", "FAIL", f"port(s) {busy} on {par.master_addr} are in use",
+        held = "; ".join(f"{p} by pid {o[0]} ({o[1][:60]})" if o else f"{p}" for p, o in busy)
+        return Check("ports", "FAIL", f"port(s) in use on {par.master_addr}: {held}",
                      "stop whatever holds them (another rayfree leader?) or change master_port / heartbeat_port")
     return Check("ports", "ok", f"{par.master_port} (rendezvous) and {config.heartbeat_endpoint_port} (heartbeats) "
                  f"are free")
+
+
+def listener_of(port: int) -> tuple[int, str] | None:
+    """(pid, command line) of the process listening on TCP `port` here, from /proc; None if unknown."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{cols[9]}]")
+    if not inodes:
+        return None
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        return int(pid), f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+    return None
+
+
+def _is_rayfree_node(cmdline: str) -> bool:
+    """A `rayfree node` (or an engine running rayfree's executor: its workers hold the rendezvous port)."""
+    return "rayfree" in cmdline
 
 
 def check_ifnames(ip: str) -> Check:
@@ -170,16 +211,21 @@ def check_stale(fix: bool, ask: bool) -> Check:
     return Check("stale segments", "warn", detail, "run `rayfree doctor --fix` to remove them")
 
 
-def check_security(config: ClusterConfig) -> Check:
+def check_security(config: ClusterConfig, secret_error: Exception | None = None) -> Check:
     from rayfree.transport.errors import TransportError
     from rayfree.transport.security import INSECURE_ENV, insecure, process_secret
+    if secret_error is not None:  # --secret-file / RAYFREE_SECRET_FILE named a file that cannot be used
+        return Check("security", "FAIL", str(secret_error).split("; ")[0],
+                     str(secret_error).split("; ", 1)[1] if "; " in str(secret_error) else "")
     try:
         secret = process_secret()
     except (TransportError, ValueError) as e:
-        return Check("security", "FAIL", str(e), "fix the secret file, or make a new one with `rayfree keygen FILE`")
+        text = str(e)
+        return Check("security", "FAIL", text.split("; ")[0], text.split("; ", 1)[1] if "; " in text else
+                     "make a new one with `rayfree keygen FILE` and copy it to every node")
     if secret is not None:
-        return Check("security", "ok", f"cluster secret from {secret.source}: TCP is CURVE-authenticated and "
-                     f"encrypted, handles are signed")
+        return Check("security", "ok", f"cluster secret from {secret.source} (fingerprint {secret.fingerprint}): "
+                     f"the queues are sealed with AES-256-GCM, the heartbeats use CURVE, handles are signed")
     if config.parallel.nnodes == 1:
         return Check("security", "ok", "one node: no TCP socket, no secret needed")
     if insecure():
@@ -191,8 +237,9 @@ def check_security(config: ClusterConfig) -> Check:
                  "trusted network)")
 
 
-def diagnose(config: ClusterConfig, quick: bool = False, fix: bool = False, ask: bool = False) -> list[Check]:
-    checks = [check_security(config), check_shm(config)]
+def diagnose(config: ClusterConfig, quick: bool = False, fix: bool = False, ask: bool = False,
+             secret_error: Exception | None = None) -> list[Check]:
+    checks = [check_security(config, secret_error), check_shm(config)]
     ip_check, ip = check_ip(config)
     checks += [ip_check, check_master(config, quick)]
     if not quick:
@@ -220,11 +267,15 @@ def run_doctor(args: argparse.Namespace) -> int:
                 if par.node_rank in nodes else ""
             print(f"    replica {r}: node(s) {nodes}, world ranks {par.global_rank(0, r)}.."
                   f"{par.global_rank(par.world_size - 1, r)}{here}")
-    checks = diagnose(config, quick=args.quick, fix=args.fix, ask=not args.quick and sys.stdin.isatty())
+    secret_error = getattr(args, "secret_error", None)
+    checks = diagnose(config, quick=args.quick, fix=args.fix, ask=not args.quick and sys.stdin.isatty(),
+                      secret_error=secret_error)
     for c in checks:
         print(f"  [{c.status:^4}] {c.name:<15} {c.detail}")
         if c.fix and c.status != "ok":
             print(f"  {'':6} {'':<15} fix: {c.fix}")
     failed = [c for c in checks if c.status == "FAIL"]
     print(f"  {len(failed)} problem(s)" if failed else "  nothing blocks a run")
+    if secret_error is not None:
+        return 2  # a usage error, as `rayfree node` reports it
     return 1 if failed else 0

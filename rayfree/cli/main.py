@@ -86,18 +86,24 @@ def main(argv: list[str] | None = None) -> int:
             return run_engine_demo(args.tp, pp, args.steps, args.dp)
         from .cluster_demo import run_cluster_demo
         return run_cluster_demo(nodes, args.tp, pp, args.steps, args.dp)
+    if args.command in ("node", "doctor", "status"):
+        from rayfree.transport.security import SecretError
+        from .node import apply_security_arguments
+        try:
+            apply_security_arguments(args)
+        except SecretError as e:
+            if args.command != "doctor":  # the doctor reports it among its other checks
+                print(f"rayfree {args.command}: {e}", file=sys.stderr)
+                return 2
+            args.secret_error = e
     if args.command == "node":
         from .node import run_node
         return run_node(args)
     if args.command == "doctor":
         from .doctor import run_doctor
-        from .node import apply_security_arguments
-        apply_security_arguments(args)
         return run_doctor(args)
     if args.command == "status":
-        from .node import apply_security_arguments
         from .status import run_status
-        apply_security_arguments(args)
         return run_status(args)
     if args.command == "keygen":
         from rayfree.transport.security import write_secret

@@ -137,6 +137,19 @@ def metrics_port(args: argparse.Namespace, env: dict[str, str] | Any = None) -> 
     return port
 
 
+def _check_port_free(port: int) -> None:
+    """The metrics port is ours to bind, before any worker starts (not an OSError once the cluster is up)."""
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds it
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError as e:
+            raise NodeUsageError(f"--metrics-port {port} (RAYFREE_METRICS_PORT): port {port} cannot be used here "
+                                 f"({e.strerror}): another process holds it; pick a free port or stop that "
+                                 f"process") from None
+
+
 def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[ClusterConfig, str, dict, str | None]:
     """Config, worker class, worker kwargs and entry point of this node; NodeUsageError when they cannot work."""
     env = os.environ if env is None else env
@@ -183,11 +196,13 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
 
 def run_node(args: argparse.Namespace) -> int:
     logs.configure()
-    apply_security_arguments(args)
     try:
+        apply_security_arguments(args)
         config, worker, kwargs, entry_spec = plan(args)
         entry = _load_entry(entry_spec) if entry_spec else None
         port = metrics_port(args)
+        if port is not None:
+            _check_port_free(port)
     except (NodeUsageError, ConfigError, TransportError) as e:
         print(f"rayfree node: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -231,7 +246,8 @@ def run_node(args: argparse.Namespace) -> int:
         logger.warning("node %d: %s received; stopping", par.node_rank, e)
         return 0
     except ExecutorError as e:
-        logger.error("node %d: %s", par.node_rank, e)
+        text = str(e)  # LeaderLost names this node already
+        logger.error("%s", text if text.startswith(f"node {par.node_rank}:") else f"node {par.node_rank}: {text}")
         return EXIT_FAILED
     except Exception as e:  # noqa: BLE001 - start-up errors: print them plainly, not as a crash
         logger.error("node %d: %s: %s", par.node_rank, type(e).__name__, e)

@@ -5,7 +5,7 @@ name or callable, futures for `non_block`, the step on the output rank (with
 vLLM's KV / EC connector aggregators), health checks, and a failure callback
 into the engine-dead path. What it adds is rayfree's: a worker or node lost
 fails the engine within a second (a node: within the heartbeat timeout)
-instead of vLLM's RPC timeout; nodes talk over authenticated, encrypted TCP;
+instead of vLLM's RPC timeout; queues between nodes are sealed (AES-256-GCM) and heartbeats use CURVE;
 a stopped head stops its followers.
 """
 
