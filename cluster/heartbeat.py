@@ -93,7 +93,7 @@ class _Peer:
 
 
 #: how long a leader that failed keeps answering followers that have not beaten yet with its goodbye
-TELL_LATE_S = 3.0
+TELL_LATE_S = 2.0
 
 
 class _Beater:

@@ -49,13 +49,15 @@ logger = logging.getLogger("rayfree.executor")
 _perf = time.perf_counter
 
 
-_PEER_GONE = ("connection", "peer", "broken pipe", "timed out", "timeout")
+_PEER_GONE = ("connection", "peer", "broken pipe")
+_TIMED_OUT = ("timed out", "timeout")
 
 
-def _peer_gone(message: str) -> bool:
-    """Does a collective's error read like its peer went away (gloo/NCCL connection errors)?"""
+def _peer_gone(message: str, timeouts: bool = True) -> bool:
+    """Does a collective's error read like its peer went away (gloo/NCCL connection errors; with `timeouts`,
+    also a collective that timed out waiting for it)?"""
     m = message.lower()
-    return any(s in m for s in _PEER_GONE)
+    return any(s in m for s in _PEER_GONE) or (timeouts and any(s in m for s in _TIMED_OUT))
 
 
 class MultiprocExecutor(Executor):
@@ -185,7 +187,7 @@ class MultiprocExecutor(Executor):
             self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             lv = self.liveness
             if (self._failure is None and lv is not None and lv.verdict_s() and isinstance(e, Exception)
-                    and _peer_gone(str(e))):
+                    and _peer_gone(str(e), timeouts=False)):
                 # A rank's rendezvous or handshake broke because another node went away: the heartbeats' verdict
                 # (that node, or the leader's own failure) is the cause to report, and it comes within this window.
                 lv.settled.wait(lv.verdict_s())
