@@ -12,14 +12,14 @@ if __name__ != "rayfree.executor":  # the repository's folder imported as a top-
 
 
 from .abstract import Executor, FailureCallback, UniProcExecutor
-from .errors import (ExecutorError, ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost, NotLeaderError, ReplicaFailed, RpcTimeout,
-                     StartupTimeout, WorkerDied, WorkerError, WorkerStartupError)
+from .errors import (ExecutorError, ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost, NotLeaderError,
+                     ReplicaFailed, RpcTimeout, StartupTimeout, WorkerDied, WorkerError, WorkerStartupError)
 from .future import FutureWrapper
 from .multiproc import MultiprocExecutor
 from .replicas import NodeReplicas
 from .workers import WorkerGroup
 
 __all__ = ["Executor", "FailureCallback", "UniProcExecutor", "MultiprocExecutor", "FutureWrapper",
-           "ExecutorError", "ExecutorFailed", "FatalWorkerError", "NotLeaderError", "RpcTimeout", "WorkerDied", "WorkerError",
-           "NodeLost", "LeaderLost", "ReplicaFailed", "WorkerStartupError", "StartupTimeout", "WorkerGroup",
-           "NodeReplicas"]
+           "ExecutorError", "ExecutorFailed", "FatalWorkerError", "NotLeaderError", "RpcTimeout", "WorkerDied",
+           "WorkerError", "NodeLost", "LeaderLost", "ReplicaFailed", "WorkerStartupError", "StartupTimeout",
+           "WorkerGroup", "NodeReplicas"]

@@ -130,10 +130,9 @@ class Collector:
                 raise map_failure(ex, e, self.name, "waiting for its replies", self.timeout)
         # Every expected reply is read (so none is left for the next call) before a failure is raised.
         values = [self.got[r] for r in self.ranks]
-        fatal = self.name in ex.config.collective_methods
         for i, value in enumerate(values):
             if is_special(value):
-                values[i] = unwrap(value, self.name, fatal)
+                values[i] = unwrap(value, self.name, self.name in ex.config.collective_methods)
         return values[0] if self.single else values
 
     def _read(self, rank: int, end: float | None) -> Any:

@@ -275,7 +275,6 @@ class MultiprocExecutor(Executor):
             # worker blocked in native code, say a rendezvous, does not hear SIGTERM: the staged close kills it).
             self._fast_stop = True
             self.group.abort()
-            self.group.terminate()
         self._fire_failure_callback()
 
     # -- RPC -----------------------------------------------------------------------------

@@ -328,13 +328,6 @@ class WorkerGroup:
         if procs:
             multiprocessing.connection.wait([p.sentinel for p in procs], timeout=0.5)  # let them write it
 
-    def terminate(self) -> None:
-        """SIGTERM every live worker now (the caller's thread then sees them exit and closes the group)."""
-        for w in self.workers:
-            if w.proc.is_alive():
-                with contextlib.suppress(Exception):
-                    w.proc.terminate()
-
     # -- the staged close --------------------------------------------------------------------
 
     def close(self, grace_s: float, term_s: float) -> None:

@@ -73,9 +73,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from rayfree.cluster.parallel_state import (get_dcp_group, get_dp_group, get_ep_group, get_pcp_group,
                                                 get_pp_group, get_tp_group, get_world_group)
     from rayfree.executor.abstract import Executor, FailureCallback, UniProcExecutor
-    from rayfree.executor.errors import (ExecutorError, ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost, NotLeaderError,
-                                         ReplicaFailed, RpcTimeout, StartupTimeout, WorkerDied, WorkerError,
-                                         WorkerStartupError)
+    from rayfree.executor.errors import (ExecutorError, ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost,
+                                         NotLeaderError, ReplicaFailed, RpcTimeout, StartupTimeout, WorkerDied,
+                                         WorkerError, WorkerStartupError)
     from rayfree.executor.replicas import NodeReplicas
     from rayfree.executor.future import FutureWrapper
     from rayfree.executor.multiproc import MultiprocExecutor

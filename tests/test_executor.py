@@ -271,7 +271,7 @@ def test_workers_that_are_not_ready_in_time_are_named() -> None:
 def test_bad_worker_class_paths_are_clear() -> None:
     with pytest.raises(WorkerStartupError, match="has no 'Nope'"):
         MultiprocExecutor(cfg(tp=1), "tests.workers:Nope")
-    with pytest.raises(WorkerStartupError, match="package.module:Class"):
+    with pytest.raises(WorkerStartupError, match="package.module:Name"):
         MultiprocExecutor(cfg(tp=1), "tests.workers.EchoWorker")
 
 

@@ -37,9 +37,9 @@ from rayfree import settings
 
 from .errors import HandleError, TransportError
 
-__all__ = ["ClusterSecret", "InsecureTransport", "SecretError", "secret_from", "fingerprint", "Policy", "resolve", "use", "current", "load_secret", "write_secret",
-           "process_secret", "insecure", "seal", "unseal", "check_fresh", "require_secret", "SECRET_FILE_ENV",
-           "INSECURE_ENV", "DOCKER_SECRET"]
+__all__ = ["ClusterSecret", "InsecureTransport", "SecretError", "secret_from", "fingerprint", "Policy", "resolve",
+           "use", "current", "load_secret", "write_secret", "process_secret", "insecure", "seal", "unseal", "check_fresh",
+           "require_secret", "SECRET_FILE_ENV", "INSECURE_ENV", "DOCKER_SECRET"]
 
 logger = logging.getLogger("rayfree.security")
 
@@ -57,13 +57,15 @@ class InsecureTransport(TransportError):
 
 
 class SecretError(TransportError):
-    """The cluster secret given cannot be used (a file missing, unreadable or too short); the message names it
-    and the fix."""
+    """The cluster secret given cannot be used (a file missing, unreadable or too short): `problem` names it,
+    `fix` says what to do; the message is both."""
 
-
-def _fix(path: str) -> str:
-    return (f"make one with `rayfree keygen {path}` on one node and copy that file to every node (or point "
-            f"--secret-file / {SECRET_FILE_ENV} at the file you copied)")
+    def __init__(self, problem: str, source: str = "memory") -> None:
+        self.problem = problem
+        self.fix = (f"make one with `rayfree keygen {source}` on one node and copy that file to every node (or "
+                    f"point --secret-file / {SECRET_FILE_ENV} at the file you copied)" if source != "memory"
+                    else "make one with `rayfree keygen FILE`")
+        super().__init__(f"{problem}; {self.fix}")
 
 
 class ClusterSecret:
@@ -71,8 +73,8 @@ class ClusterSecret:
 
     def __init__(self, raw: bytes, source: str = "memory") -> None:
         if len(raw) < _MIN_BYTES:
-            raise SecretError(f"the cluster secret from {source} has {len(raw)} bytes; it needs at least {_MIN_BYTES}: "
-                              + (_fix(source) if source != "memory" else "make one with `rayfree keygen FILE`"))
+            raise SecretError(f"the cluster secret from {source} has {len(raw)} bytes; it needs at least {_MIN_BYTES}",
+                              source)
         self._raw = raw
         self.source = source
         self.server_public, self.server_secret = self._curve_pair(b"curve-server")
@@ -112,7 +114,7 @@ def _read(path: str) -> ClusterSecret:
         with open(path, "rb") as f:
             text = f.read().strip()
     except OSError as e:
-        raise SecretError(f"cannot read the cluster secret {path}: {e.strerror}; {_fix(path)}") from None
+        raise SecretError(f"cannot read the cluster secret {path}: {e.strerror}", path) from None
     secret = _parse(text, path)  # a file that cannot be used is refused before anything is said about its mode
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO) and not path.startswith("/run/secrets/"):
         logger.warning("cluster secret %s is readable by others (mode %o): chmod 600 it", path,

@@ -350,22 +350,20 @@ class SocketReceiver(Receiver):
             if self.shutdown_requested:
                 raise QueueShutdown(f"{what} interrupted: shutdown() was called on this queue")
             ms = SLICE_MS
+            flags = 0
             if deadline is not None:
                 left = deadline - _perf()
-                if left <= 0:  # out of time, but a message that has already arrived is still read (timeout 0)
-                    try:
-                        return sock.recv(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        raise QueueTimeout(f"{what} timed out after {_perf() - t0:.3f}s") from None
-                    except zmq.ZMQError as e:
-                        raise translate(e, what) from e
+                if left <= 0:  # out of time: one last look, so a message that has arrived is read (timeout 0)
+                    flags = zmq.NOBLOCK
                 ms = min(ms, int(left * 1000) + 1)
-            if ms != self._rcvtimeo:
+            if not flags and ms != self._rcvtimeo:
                 sock.setsockopt(zmq.RCVTIMEO, ms)
                 self._rcvtimeo = ms
             try:
-                return sock.recv(copy=False)
+                return sock.recv(flags, copy=False)
             except zmq.Again:
+                if flags:
+                    raise QueueTimeout(f"{what} timed out after {_perf() - t0:.3f}s") from None
                 now = _perf()
                 if self._monitor is not None and now >= self._link_check_at:
                     self._check_link(now, what)

@@ -21,7 +21,7 @@ from typing import Any
 import cloudpickle
 
 from rayfree.cluster.config import ClusterConfig
-from rayfree.imports import load_object
+from rayfree.imports import SpecError, load_object
 from rayfree.transport import Handle, MessageQueue, TransportError
 
 from .messages import Boxed, RemoteError
@@ -59,29 +59,16 @@ def resolve_worker_cls(worker_cls: type | str | bytes) -> type:
 def check_worker_path(spec: str) -> None:
     """Refuse a worker class path that is wrong here, before any worker is spawned (ConfigError).
 
-    Only a definite answer counts: the path's form, or its module importing here without the name. A module
-    this process cannot import at all (it exists only where the workers run) is left to the workers."""
-    import importlib.util
+    Only a definite answer counts: the path's form, or its module importing here without the name (or with
+    something that is not a class). A module this process cannot import at all (it exists only where the
+    workers run) is left to the workers."""
     from rayfree.cluster.config import ConfigError
-    mod, sep, name = spec.partition(":")
-    if not sep or not mod or not name:
-        raise ConfigError(f"worker class {spec!r}: write it as 'package.module:Class'")
     try:
-        found = importlib.util.find_spec(mod) is not None
-    except (ImportError, ValueError):  # a parent package is missing here
-        found = False
-    if not found:
-        logger.debug("worker class %s: %s is not importable here; the workers resolve it", spec, mod)
-        return
-    try:
-        cls = resolve_worker_cls(spec)
-    except ValueError as e:
-        if "has no" in str(e):
-            raise ConfigError(str(e)) from None
-        logger.debug("worker class %s: not importable here (%s); the workers resolve it", spec, e)
-        return
-    except TypeError as e:
+        resolve_worker_cls(spec)
+    except (SpecError, TypeError) as e:
         raise ConfigError(str(e)) from None
+    except ValueError as e:  # its module does not import here
+        logger.debug("worker class %s: not importable here (%s); the workers resolve it", spec, e)
 
 
 class WorkerProc:

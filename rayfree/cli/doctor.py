@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from rayfree import settings
 from rayfree.cluster.config import ClusterConfig, ConfigError, load_config
+from rayfree.transport.security import SecretError
 
 __all__ = ["run_doctor", "Check", "diagnose"]
 
@@ -211,18 +212,14 @@ def check_stale(fix: bool, ask: bool) -> Check:
     return Check("stale segments", "warn", detail, "run `rayfree doctor --fix` to remove them")
 
 
-def check_security(config: ClusterConfig, secret_error: Exception | None = None) -> Check:
-    from rayfree.transport.errors import TransportError
-    from rayfree.transport.security import INSECURE_ENV, insecure, process_secret
-    if secret_error is not None:  # --secret-file / RAYFREE_SECRET_FILE named a file that cannot be used
-        return Check("security", "FAIL", str(secret_error).split("; ")[0],
-                     str(secret_error).split("; ", 1)[1] if "; " in str(secret_error) else "")
+def check_security(config: ClusterConfig, secret_error: SecretError | None = None) -> Check:
+    from rayfree.transport.security import INSECURE_ENV, SecretError, insecure, process_secret
     try:
+        if secret_error is not None:  # --secret-file / RAYFREE_SECRET_FILE named a file that cannot be used
+            raise secret_error
         secret = process_secret()
-    except (TransportError, ValueError) as e:
-        text = str(e)
-        return Check("security", "FAIL", text.split("; ")[0], text.split("; ", 1)[1] if "; " in text else
-                     "make a new one with `rayfree keygen FILE` and copy it to every node")
+    except SecretError as e:
+        return Check("security", "FAIL", e.problem, e.fix)
     if secret is not None:
         return Check("security", "ok", f"cluster secret from {secret.source} (fingerprint {secret.fingerprint}): "
                      f"the queues are sealed with AES-256-GCM, the heartbeats use CURVE, handles are signed")
@@ -238,7 +235,7 @@ def check_security(config: ClusterConfig, secret_error: Exception | None = None)
 
 
 def diagnose(config: ClusterConfig, quick: bool = False, fix: bool = False, ask: bool = False,
-             secret_error: Exception | None = None) -> list[Check]:
+             secret_error: SecretError | None = None) -> list[Check]:
     checks = [check_security(config, secret_error), check_shm(config)]
     ip_check, ip = check_ip(config)
     checks += [ip_check, check_master(config, quick)]

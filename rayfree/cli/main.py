@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_engine_demo(args.tp, pp, args.steps, args.dp)
         from .cluster_demo import run_cluster_demo
         return run_cluster_demo(nodes, args.tp, pp, args.steps, args.dp)
-    if args.command in ("node", "doctor", "status"):
+    if args.command in ("doctor", "status"):  # `rayfree node` applies them inside its own error handling
         from rayfree.transport.security import SecretError
         from .node import apply_security_arguments
         try:
