@@ -309,9 +309,12 @@ from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from rayfree.executor import MultiprocExecutor
 if __name__ == "__main__":
     how, path = sys.argv[1], sys.argv[2]
-    kw = {"load_delay": 60.0} if how == "load" else {}
+    kw = {"load_delay": 60.0} if how in ("load", "spawning") else {}
+    if how == "spawning":
+        from tests.workers import SlowToUnpickle
+        kw["slow"] = SlowToUnpickle(2.0)  # the workers are still unpickling their arguments when the engine dies
     c = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=2), force_remote=path == "tcp")
-    if how == "load":
+    if how in ("load", "spawning"):
         print("STARTING", flush=True)
     ex = MultiprocExecutor(c, "tests.workers:EchoWorker", kw)
     print("PIDS", *[w.proc.pid for w in ex.workers], flush=True)
@@ -332,10 +335,11 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["call", "load"])
+@pytest.mark.parametrize("how", ["call", "load", "spawning"])
 def test_workers_leave_within_a_second_when_the_engine_is_sigkilled(path: str, how: str, tmp_path) -> None:
-    """Mid-call (busy in Python) or mid-load (before the queue handshake): the workers exit within about a
-    second of their parent's death, and no segment or ipc directory of any of them is left."""
+    """Mid-call (busy in Python), mid-load (before the queue handshake) or before worker_main even ran (still
+    unpickling its arguments, 2 s): the workers exit within about a second of their parent's death (of their
+    own start, for the last), and no segment or ipc directory of any of them is left."""
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
     err = open(tmp_path / "engine.err", "w+")
@@ -343,7 +347,7 @@ def test_workers_leave_within_a_second_when_the_engine_is_sigkilled(path: str, h
     p = subprocess.Popen([sys.executable, str(script), how, path], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=err, text=True, env=env)
     try:
-        expect = "STARTING" if how == "load" else "BUSY"
+        expect = "STARTING" if how in ("load", "spawning") else "BUSY"
         pids: list[int] = []
         while True:
             line = p.stdout.readline()  # the test's timeout bounds this
@@ -354,15 +358,17 @@ def test_workers_leave_within_a_second_when_the_engine_is_sigkilled(path: str, h
                 pids = [int(x) for x in line.split()[1:]]
             if line.startswith(expect):
                 break
-        if how == "load":  # the workers are spawned and loading: find them as the engine's children
+        if how in ("load", "spawning"):  # the workers are spawned: find them as the engine's children
             wait_until(lambda: len([c for c in _children(p.pid) if _is_worker(c)]) == 2, 60, "two loading workers")
             pids = [c for c in _children(p.pid) if _is_worker(c)]
-            time.sleep(1.0)  # well into the (60 s) load
+            if how == "load":
+                time.sleep(1.0)  # well into the (60 s) load
         engine_pid = p.pid
         p.kill()
         p.wait(10)
         took = wait_until(lambda: not any(is_alive(x) for x in pids), 10, f"the workers {pids} left")
-        assert took < 2.5, f"the workers took {took:.1f}s to leave"
+        # "spawning": they first finish unpickling (2 s) and importing, then see that their parent is gone
+        assert took < (2.5 if how != "spawning" else 2.0 + 4.0), f"the workers took {took:.1f}s to leave"
         left = [e for e in entries() if any(f"rayfree-{x}-" in e for x in (*pids, engine_pid))]
         assert not left, f"left behind: {left}"
     finally:

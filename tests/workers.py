@@ -9,6 +9,22 @@ import time
 from rayfree.worker.base import WorkerBase
 
 
+def _slow_restore(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+class SlowToUnpickle:
+    """Unpickling it takes `seconds`: a spawned worker that gets it in its kwargs is still starting (before
+    worker_main runs) for that long."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return (_slow_restore, (self.seconds,))
+
+
 class EchoWorker(WorkerBase):
     """Joins torch.distributed only with distributed=True (most tests do not need it: faster start)."""
 

@@ -21,6 +21,7 @@ import _thread
 import contextlib
 import faulthandler
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -51,7 +52,10 @@ class Lifeline:
 
     def __init__(self, death_pipe: Connection | None) -> None:
         self.death_pipe = death_pipe
-        self.parent = os.getppid()
+        # The pid multiprocessing recorded when it spawned us, not getppid(): a parent that died while this
+        # process was still importing would otherwise be taken for init, and its death for a shutdown.
+        parent = multiprocessing.parent_process()
+        self.parent = parent.pid if parent is not None and parent.pid else os.getppid()
         self.stopping = threading.Event()  # the parent is gone or shutting down: do not report failures
         self.parent_died = False
         self.exiting = threading.Event()   # this process is on its way out: signals no longer interrupt
