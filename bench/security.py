@@ -22,7 +22,8 @@ sys.path.insert(0, ROOT)
 
 
 def _reader(handle: bytes, conn, policy) -> None:
-    from rayfree.transport import MessageQueue, security
+    from rayfree.transport import MessageQueue
+    from rayfree.transport.secure import policy as security
     security.use(policy)
     rq = MessageQueue(1, 0, connect_ip="127.0.0.1", max_chunk_bytes=1 << 16, max_chunks=8)
     conn.send_bytes(rq.export_handle().to_bytes())
@@ -40,7 +41,8 @@ def _reader(handle: bytes, conn, policy) -> None:
 def run(mode: str, n_tiny: int, n_big: int) -> dict[str, float]:
     import torch
 
-    from rayfree.transport import MessageQueue, security
+    from rayfree.transport import MessageQueue
+    from rayfree.transport.secure import policy as security
     saved = security.current()
     if mode == "insecure":
         security.use(security.Policy(None, True))

@@ -25,7 +25,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rayfree.procs import cpu_seconds  # noqa: E402
-from rayfree.transport import MessageQueue, security  # noqa: E402
+from rayfree.transport import MessageQueue  # noqa: E402
+from rayfree.transport.secure import policy as security
 
 STOP = ("__stop__",)
 
@@ -361,7 +362,7 @@ def ctypes_buffer(obj):
 def seal_open_ms(obj) -> tuple[float, float]:
     """Sealing the payload once and opening it once with the queue's AEAD, the way the queue does it (one
     message, or segments from SEG_MIN on), warm buffers, in ms."""
-    from rayfree.transport.aead import Opener, Sealer
+    from rayfree.transport.secure.aead import Opener, Sealer
     key, qid = os.urandom(32), os.urandom(16)
     frames = [memoryview(ctypes_buffer(obj)).cast("B")]
     s, o = Sealer(key, qid), Opener(key, qid)
@@ -420,7 +421,7 @@ def remote_table(loads, readers: list[int], iters_of, rounds: int = 5) -> None:
     at once (idle ones block), measured in alternating rounds; each figure is the median of the rounds' p50s,
     so drift on a busy machine hits the three alike. Then what sealing cost in CPU per message: the writer's
     process (one seal whatever the number of readers) and each reader (one open)."""
-    from rayfree.transport import security
+    from rayfree.transport.secure import policy as security
     sealed_policy = security.current()
     print(f"remote paths (TCP loopback): round trip = broadcast to N readers + a reply from reader 0, us; the "
           f"median over {rounds} alternating rounds of each rig's p50")
@@ -475,7 +476,7 @@ def remote_table(loads, readers: list[int], iters_of, rounds: int = 5) -> None:
 
 def fence_cost_ns(n: int = 200_000) -> float:
     """One inlined fence (a lock's acquire + release), less the loop around it."""
-    from rayfree.transport.ring import _acquire, _release
+    from rayfree.transport.shm.ring import _acquire, _release
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
@@ -591,7 +592,7 @@ def main() -> None:
         print(f"readers parked 3 s ({label}, N={n}): max CPU {cpu:.2f}%")
     if not args.no_fence_ab:
         with_f, without = fence_ab(max(200, 3000 // (4 if args.quick else 1)))
-        from rayfree.transport.ring import _TSO
+        from rayfree.transport.shm.ring import _TSO
         print(f"fence: {fence_cost_ns():.0f} ns per fence; local N=1 tiny round trip p50 {with_f * 1e6:.1f} us with "
               f"aarch64's fences (8 a round trip), {without * 1e6:.1f} us with this CPU's "
               f"({'4: x86 needs only the store->load ones' if _TSO else 'the same 8'}); "

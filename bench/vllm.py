@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns  # noqa: E402
-from rayfree.transport import security  # noqa: E402
+from rayfree.transport.secure import policy as security  # noqa: E402
 from tests.vllm_engine import ENV, TIMED_WORKER, engine_args  # noqa: E402
 from tests.vllm_tiny_model import make  # noqa: E402
 

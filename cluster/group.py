@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from rayfree import settings
 from rayfree.transport import Handle, MessageQueue
-from rayfree.transport.shm_probe import check_probe, create_probe, remove_probe
+from rayfree.transport.shm.segment import check_probe, create_probe, remove_probe
 
 __all__ = ["Group", "GroupError", "FORCE_REMOTE_ENV"]
 

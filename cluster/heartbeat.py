@@ -14,8 +14,8 @@ takes the timeout.
 
 Liveness is only enforced once `arm()` is called (when the executor is ready):
 before that, start-up may legitimately take minutes (model load), and the
-workers' own join timeout bounds it. The sockets are made in
-`transport.sockets`, the one place where TCP sockets are made (and secured).
+workers' own join timeout bounds it. The sockets are the transport's
+`ControlSocket`s (transport/zmq/control.py): this module never holds a socket.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ import time
 from typing import Callable
 
 import msgspec
-import zmq
 
 from rayfree.transport.net import tcp_endpoint
-from rayfree.transport.sockets import make_dealer, make_router
+from rayfree.transport.zmq.control import ControlSocket
 
 __all__ = ["Beat", "Bye", "StatusQuery", "HeartbeatServer", "HeartbeatClient", "query_status"]
 
@@ -133,44 +132,12 @@ class _Beater:
             self._dropped_logged_at = now
             logger.warning("heartbeat: dropped %s; %d dropped so far", what, self.dropped)
 
-    def _poller(self, sock: zmq.Socket) -> tuple[zmq.Poller, zmq.Socket]:
-        """Poll the socket and a monitor of its dropped connections."""
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        return poller, monitor
-
-    def _on_monitor(self, monitor: zmq.Socket) -> None:
-        while True:
-            try:
-                monitor.recv_multipart(zmq.NOBLOCK)  # [event, endpoint]: which one does not matter here
-            except zmq.Again:
-                return
+    def _receive(self, sock: ControlSocket, poll_ms: int) -> list[list[bytes]]:
+        """Wait up to `poll_ms` for messages; a dropped connection makes the peer(s) suspect."""
+        got = sock.receive(poll_ms)
+        if sock.take_dropped():
             self.suspect_at = time.monotonic()
-
-    def _receive(self, poller: zmq.Poller, monitor: zmq.Socket, sock: zmq.Socket, poll_ms: int) -> list[list[bytes]]:
-        """Wait up to `poll_ms` for messages; note dropped connections on the way."""
-        events = dict(poller.poll(poll_ms))
-        if monitor in events:
-            self._on_monitor(monitor)
-        got: list[list[bytes]] = []
-        if sock in events:
-            while True:
-                try:
-                    got.append(sock.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    return got
         return got
-
-    @staticmethod
-    def _close(sock: zmq.Socket, monitor: zmq.Socket, linger: int) -> None:
-        try:
-            sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        monitor.close(linger=0)
-        sock.close(linger=linger)
 
     def _silent(self, last: float | None, now: float) -> str | None:
         """Why a peer last heard from at `last` counts as lost now (None: it does not)."""
@@ -204,7 +171,7 @@ class HeartbeatServer(_Beater):
         self.on_lost = on_lost
         #: answers a StatusQuery (set by the layer above); None: the query gets an empty reply
         self.status_fn: Callable[[], bytes] | None = None
-        self._sock = make_router(self.endpoint)  # in the caller's thread: a busy port fails the start-up
+        self._sock = ControlSocket.listen(self.endpoint)  # in the caller's thread: a busy port fails the start-up
         self._thread.start()
 
     def _run(self) -> None:
@@ -212,20 +179,20 @@ class HeartbeatServer(_Beater):
         poll_ms = int(min(self.interval, 0.1) * 1000)
         me = os.getpid()
         seq = 0
-        poller, monitor = self._poller(sock)
+        sock.watch()
         try:
             while not self._stop.is_set():
-                for frames in self._receive(poller, monitor, sock, poll_ms):
+                for frames in self._receive(sock, poll_ms):
                     seq += 1
                     self._on_message(sock, frames, me, seq)
                 self._check()
             self._say_bye(sock)
             if self._bye is not None and not self._bye.clean:
-                self._tell_latecomers(sock, poller, monitor, poll_ms)
+                self._tell_latecomers(sock, poll_ms)
         finally:
-            self._close(sock, monitor, _BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
+            sock.close(_BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
 
-    def _on_message(self, sock: zmq.Socket, frames: list[bytes], me: int, seq: int) -> None:
+    def _on_message(self, sock: ControlSocket, frames: list[bytes], me: int, seq: int) -> None:
         if len(frames) != 2:
             self._dropped(f"a message of {len(frames)} frames")
             return
@@ -255,10 +222,8 @@ class HeartbeatServer(_Beater):
         peer.identity, peer.ip, peer.last_seen, peer.done = identity, msg.ip, time.monotonic(), msg.done
         if msg.status:
             peer.status = msg.status
-        try:
-            sock.send_multipart([identity, _encode(Beat(0, [], "", me, seq))], zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # its queue is full: it is not reading, and its own timeout will tell it
+        # False: its queue is full: it is not reading, and its own timeout will tell it
+        sock.try_send([identity, _encode(Beat(0, [], "", me, seq))])
 
     def _check(self) -> None:
         if self.armed_at is None:
@@ -275,16 +240,13 @@ class HeartbeatServer(_Beater):
                 logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, why)
                 self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
 
-    def _answer_status(self, sock: zmq.Socket, identity: bytes) -> None:
+    def _answer_status(self, sock: ControlSocket, identity: bytes) -> None:
         try:
             reply = self.status_fn() if self.status_fn is not None else b""
         except Exception:  # noqa: BLE001 - a status query must never stop the heartbeats
             logger.exception("heartbeat: could not build the status reply")
             reply = b""
-        try:
-            sock.send_multipart([identity, reply], zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+        sock.try_send([identity, reply])
 
     def peer_views(self) -> list[tuple[int, str, list[int], float | None, bool, bytes]]:
         """(node, ip, ranks, seconds since its last beat or None, lost or gone, its last status) per follower."""
@@ -296,14 +258,14 @@ class HeartbeatServer(_Beater):
         """Have these nodes all reported `done`?"""
         return all(self.peers[k].done for k in nodes)
 
-    def _tell_latecomers(self, sock: zmq.Socket, poller: zmq.Poller, monitor: zmq.Socket, poll_ms: int) -> None:
+    def _tell_latecomers(self, sock: ControlSocket, poll_ms: int) -> None:
         """After a failure (often at start-up), followers that have not beaten yet would only learn of it at
         their join timeout: answer their first beat with the goodbye, for up to TELL_LATE_S."""
         assert self._bye is not None
         waiting = {k for k, p in self.peers.items() if p.identity is None and not p.gone}
         until = time.monotonic() + TELL_LATE_S
         while waiting and time.monotonic() < until:
-            for frames in self._receive(poller, monitor, sock, poll_ms):
+            for frames in self._receive(sock, poll_ms):
                 if len(frames) != 2:
                     continue
                 try:
@@ -312,20 +274,14 @@ class HeartbeatServer(_Beater):
                     continue
                 if isinstance(msg, Beat) and msg.node_rank in waiting:
                     waiting.discard(msg.node_rank)
-                    try:
-                        sock.send_multipart([frames[0], _encode(self._bye)], zmq.NOBLOCK)
-                    except zmq.ZMQError:
-                        pass
+                    sock.send_quietly([frames[0], _encode(self._bye)])
 
-    def _say_bye(self, sock: zmq.Socket) -> None:
+    def _say_bye(self, sock: ControlSocket) -> None:
         if self._bye is None:
             return
         for peer in self.peers.values():
             if peer.identity is not None and not peer.gone:
-                try:
-                    sock.send_multipart([peer.identity, _encode(self._bye)], zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                sock.send_quietly([peer.identity, _encode(self._bye)])
 
 
 class HeartbeatClient(_Beater):
@@ -351,7 +307,7 @@ class HeartbeatClient(_Beater):
         self.rtt_count = 0
         self.rtt_sum = 0.0
         self._sent_at = 0.0
-        self._sock = make_dealer(self.endpoint)
+        self._sock = ControlSocket.connect(self.endpoint)
         self._thread.start()
 
     def _run(self) -> None:
@@ -362,20 +318,18 @@ class HeartbeatClient(_Beater):
         next_beat = 0.0
         started = next_log = time.monotonic()
         next_log += WAIT_LOG_S
-        poller, monitor = self._poller(sock)
+        sock.watch()
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
                     seq += 1
-                    try:
-                        sock.send(_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done,
-                                               self._status())), zmq.NOBLOCK)
+                    if sock.try_send([_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done,
+                                                   self._status()))]):
                         self._sent_at = time.monotonic()
-                    except zmq.Again:
-                        pass  # not connected yet, or the link is down: the timeout decides
+                    # (else not connected yet, or the link is down: the timeout decides)
                     next_beat = now + self.interval
-                for frames in self._receive(poller, monitor, sock, poll_ms):
+                for frames in self._receive(sock, poll_ms):
                     if len(frames) == 1 and self._on_message(frames[0]):
                         return
                 now = time.monotonic()
@@ -392,12 +346,9 @@ class HeartbeatClient(_Beater):
                         self.on_lost(why)
                         return
             if self._bye is not None:
-                try:
-                    sock.send(_encode(self._bye), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
+                sock.send_quietly([_encode(self._bye)])
         finally:
-            self._close(sock, monitor, _BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
+            sock.close(_BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
 
     def _status(self) -> bytes:
         if self.status_fn is None:
@@ -439,13 +390,13 @@ class HeartbeatClient(_Beater):
 def query_status(master_addr: str, port: int, timeout: float) -> bytes:
     """Node 0's answer to a StatusQuery at master_addr:port (authenticated like every heartbeat); TimeoutError
     if none comes within `timeout` seconds."""
-    sock = make_dealer(tcp_endpoint(master_addr, port), maxmsgsize=64 << 20)
+    sock = ControlSocket.connect(tcp_endpoint(master_addr, port), maxmsgsize=64 << 20)
     try:
-        sock.send(_encode(StatusQuery()))
-        if not sock.poll(int(timeout * 1000)):
+        reply = sock.request(_encode(StatusQuery()), timeout)
+        if reply is None:
             raise TimeoutError(f"node 0 did not answer at {tcp_endpoint(master_addr, port)} within {timeout:.0f}s: "
                                f"is the cluster running, is that its heartbeat port (master_port + 1, or "
                                f"heartbeat_port), and does this machine hold the cluster's secret?")
-        return sock.recv()
+        return reply
     finally:
-        sock.close(linger=0)
+        sock.close()

@@ -61,7 +61,7 @@ def _wait_for_port(host: str, port: int, deadline: float) -> bool:
 def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, shape: str = "", node: int = -1):
     """The TCPStore of the world at host:port, once every rank has registered; JoinError otherwise."""
     from rayfree.transport import get_ip
-    from rayfree.transport.security import fingerprint
+    from rayfree.transport.secure.policy import fingerprint
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     if rank != 0 and not _wait_for_port(host, port, deadline):

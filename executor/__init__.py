@@ -14,7 +14,7 @@ if __name__ != "rayfree.executor":  # the repository's folder imported as a top-
 from .abstract import Executor, FailureCallback, UniProcExecutor
 from .errors import (ExecutorError, ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost, NotLeaderError,
                      ReplicaFailed, RpcTimeout, StartupTimeout, WorkerDied, WorkerError, WorkerStartupError)
-from .future import FutureWrapper
+from .rpc import FutureWrapper
 from .multiproc import MultiprocExecutor
 from .replicas import NodeReplicas
 from .workers import WorkerGroup

@@ -13,7 +13,7 @@ from rayfree.worker.messages import RemoteError
 from rayfree.worker.proc import resolve_worker_cls
 
 from .errors import ExecutorFailed, WorkerError
-from .future import FutureWrapper
+from .rpc import FutureWrapper
 
 __all__ = ["Executor", "UniProcExecutor", "FailureCallback"]
 

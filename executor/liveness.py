@@ -22,7 +22,6 @@ import logging
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING
 
 from rayfree.cluster.config import ClusterConfig
 from rayfree.cluster.heartbeat import Bye, HeartbeatClient, HeartbeatServer
@@ -32,8 +31,7 @@ from rayfree.transport.net import bind_address
 from .errors import LeaderLost, NodeLost, ReplicaFailed
 from .status import ClusterStatus, NodeStatus, decode_node, encode, replica_status, worker_statuses
 
-if TYPE_CHECKING:
-    from .multiproc import MultiprocExecutor
+from .view import ReplicaView
 
 __all__ = ["NodeLiveness"]
 
@@ -53,7 +51,7 @@ class NodeLiveness:
         self.node = par.node_rank
         self.replicas = replicas
         self._lock = threading.Lock()
-        self._executors: list[weakref.ref[MultiprocExecutor]] = []
+        self._executors: list[weakref.ref[ReplicaView]] = []
         self._ready = 0
         self._stopped = 0
         self._closed = False
@@ -119,12 +117,13 @@ class NodeLiveness:
 
     # -- the executors ---------------------------------------------------------------------
 
-    def attach(self, ex: MultiprocExecutor) -> None:
-        ex.rpc_recorder.histograms = self.histograms
+    def attach(self, ex: ReplicaView) -> None:
+        if self.histograms:
+            ex.record_latencies()
         with self._lock:
             self._executors.append(weakref.ref(ex))
 
-    def executors(self) -> list[MultiprocExecutor]:
+    def executors(self) -> list[ReplicaView]:
         with self._lock:
             return [x for x in (r() for r in self._executors) if x is not None]
 
@@ -144,13 +143,12 @@ class NodeLiveness:
         self.settled.set()
         self._fail_each(error)
 
-    def _fail_each(self, error: Exception, but: MultiprocExecutor | None = None) -> None:
+    def _fail_each(self, error: Exception, but: ReplicaView | None = None) -> None:
         for ex in self.executors():
             if ex is not but:
-                ex._fast_stop = True  # peers may hang in gloo: do not wait long for them
-                ex._fail(error)
+                ex.fail(error)  # at once: peers may hang in gloo, so do not wait long for them
 
-    def stopped(self, ex: MultiprocExecutor, failure: Exception | None, reason: str) -> None:
+    def stopped(self, ex: ReplicaView, failure: Exception | None, reason: str) -> None:
         """Executor `ex` is shutting down (before its workers stop); tell whoever must know."""
         if self.stop_requested and (failure is None or not isinstance(failure, (NodeLost, LeaderLost))):
             failure, reason = None, ""  # stopped on purpose: the others stop cleanly too

@@ -22,24 +22,24 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Any, Callable
 
 import cloudpickle
 
 from rayfree.cluster.config import ClusterConfig, ConfigError, require_config
-from rayfree.transport import MessageQueue, QueueClosed, QueueShutdown, get_ip, get_open_port, security
-from rayfree.transport.security import require_secret
+from rayfree.transport import MessageQueue, QueueClosed, QueueShutdown, get_ip, get_open_port
+from rayfree.transport.secure import policy as security
+from rayfree.transport.secure.policy import require_secret
 from rayfree.worker.proc import check_worker_path
-from rayfree.worker.messages import Boxed, Fatal, RemoteError
+from rayfree.worker.messages import Fatal
 
 from .abstract import Executor
-from .collect import Collector, map_failure, unwrap
-from .errors import (ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost, NotLeaderError, WorkerDied,
-                     WorkerStartupError, failed_as)
-from .future import FutureWrapper, WaitExpired
+from .errors import FatalWorkerError, failed_as, LeaderLost, NodeLost, NotLeaderError, WorkerDied, WorkerStartupError
 from .liveness import NodeLiveness
-from .observe import RpcRecorder, StallWatch
+from .observe import StallWatch
+from .peers import peer_gone
+from .rpc import RpcPipe
+from .view import RpcSnapshot
 from .workers import WorkerGroup, WorkerHandle, exit_description
 
 __all__ = ["MultiprocExecutor"]
@@ -47,17 +47,6 @@ __all__ = ["MultiprocExecutor"]
 logger = logging.getLogger("rayfree.executor")
 
 _perf = time.perf_counter
-
-
-_PEER_GONE = ("connection", "peer", "broken pipe")
-_TIMED_OUT = ("timed out", "timeout")
-
-
-def _peer_gone(message: str, timeouts: bool = True) -> bool:
-    """Does a collective's error read like its peer went away (gloo/NCCL connection errors; with `timeouts`,
-    also a collective that timed out waiting for it)?"""
-    m = message.lower()
-    return any(s in m for s in _PEER_GONE) or (timeouts and any(s in m for s in _TIMED_OUT))
 
 
 class MultiprocExecutor(Executor):
@@ -104,16 +93,15 @@ class MultiprocExecutor(Executor):
         self.shutdown_event = self._shutdown_done
         self._failure_known = threading.Event()
         self._started = False
-        self._rpc_lock = threading.RLock()
         self.group: WorkerGroup | None = None
-        self.response_mqs: list[MessageQueue] = []
-        self.rpc_broadcast_mq: MessageQueue | None = None
+        #: the leader's queues and calls (None on a follower, and before start-up has made them)
+        self.pipe: RpcPipe | None = None
         self._failure: Exception | None = None
         self._stop_reason: str | None = None
         self._fast_stop = False  # a node is gone: its peers may hang in gloo, so do not wait long for them
         self._quick_stop = False  # a worker died: the same, but its local peers get a second to stop cleanly
         self._stall: StallWatch | None = None
-        self.rpc_recorder = RpcRecorder(config.parallel.world_size)
+        self._latencies = False
         super().__init__(config, worker_cls, worker_kwargs)
 
     # -- start-up ------------------------------------------------------------------
@@ -153,13 +141,17 @@ class MultiprocExecutor(Executor):
             if self.is_leader:
                 connect_ip = get_ip(peer=par.master_addr) if multi_node else "127.0.0.1"
                 n_local = 0 if self.config.force_remote and not multi_node else self.local_world_size
-                self.rpc_broadcast_mq = MessageQueue(self.world_size, n_local, list(range(n_local)),
-                                                     connect_ip=connect_ip, spin_us=self.config.spin_us)
-                handle = self.rpc_broadcast_mq.export_handle().to_bytes()
+                broadcast = MessageQueue(self.world_size, n_local, list(range(n_local)), connect_ip=connect_ip,
+                                         spin_us=self.config.spin_us)
+                interrupted = weakref.WeakMethod(self._interrupted)  # the pipe must not keep us alive
+                self.pipe = RpcPipe(broadcast, self.world_size, self.config.collective_methods,
+                                    lambda f: bool((m := interrupted()) and m(f)), self.config.spin_us)
+                self.pipe.recorder.histograms = self._latencies
+                handle = broadcast.export_handle().to_bytes()
             start = par.global_start_rank
             self.group = WorkerGroup(self.config, worker_cls, self.worker_kwargs,
                                      list(range(start, start + self.local_world_size)), distributed_init_method,
-                                     handle, attach_replies=self.is_leader)
+                                     handle)
             if self.is_failed:  # failed while spawning (another node, a replica): `_fail` found no group to wake
                 self.group.abort()
             self.group.wait_ready(self.config.ready_timeout_s)
@@ -169,17 +161,9 @@ class MultiprocExecutor(Executor):
                 self.group.start_monitor(lambda w: on_death() and on_death()(w),
                                          lambda w, msg: on_fatal() and on_fatal()(w, msg))
             self.liveness.ready()
-            if self.is_leader:
-                self.response_mqs = self.group.response_queues(self.world_size)
-                # The order the workers do it in: the broadcast queue, then the reply queues.
-                self.rpc_broadcast_mq.wait_until_ready(timeout=self.config.ready_timeout_s)
-                for mq in self.response_mqs:
-                    mq.wait_until_ready(timeout=self.config.ready_timeout_s)
-            self.futures_queue: deque[FutureWrapper] = deque()
-            # Replies still owed by calls that timed out: read and dropped before newer ones.
-            self._owed = [0] * self.world_size
-            if self.is_leader:
-                self._refresh_fast()
+            if self.pipe is not None:
+                self.pipe.attach_replies(self.group.reply_handles(self.world_size))
+                self.pipe.handshake(self.config.ready_timeout_s)
                 self._stall = StallWatch(self, self.config.stall_report_s, self.config.stall_dump_s)
             self._started = True
             success = True
@@ -187,7 +171,7 @@ class MultiprocExecutor(Executor):
             self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             lv = self.liveness
             if (self._failure is None and lv is not None and lv.verdict_s() and isinstance(e, Exception)
-                    and _peer_gone(str(e), timeouts=False)):
+                    and peer_gone(type(e).__name__, str(e), timeouts=False)):
                 # A rank's rendezvous or handshake broke because another node went away: the heartbeats' verdict
                 # (that node, or the leader's own failure) is the cause to report, and it comes within this window.
                 lv.settled.wait(lv.verdict_s())
@@ -204,6 +188,16 @@ class MultiprocExecutor(Executor):
     def workers(self) -> list[WorkerHandle]:
         """This node's worker processes (`.rank`, `.proc`)."""
         return self.group.workers if self.group is not None else []
+
+    @property
+    def rpc_broadcast_mq(self) -> MessageQueue | None:
+        """The broadcast queue (vLLM's name; None on a follower)."""
+        return self.pipe.broadcast if self.pipe is not None else None
+
+    @property
+    def response_mqs(self) -> list[MessageQueue]:
+        """Every rank's reply queue, by rank (vLLM's name; empty on a follower)."""
+        return self.pipe.replies if self.pipe is not None else []
 
     def get_response_mqs(self, unique_reply_rank: int = -1) -> list[MessageQueue]:
         """The reply queues, by rank (vLLM's accessor): every rank's (-1), or the one of `unique_reply_rank`."""
@@ -227,6 +221,29 @@ class MultiprocExecutor(Executor):
         """Block until the executor has shut down (on request, on a failure, or when its leader stopped)."""
         return self._shutdown_done.wait(timeout)
 
+    # -- what the node's machinery sees (view.ReplicaView) ----------------------------------
+
+    @property
+    def stopped(self) -> bool:
+        return self.shutting_down or self.is_failed
+
+    def rpc_snapshot(self) -> RpcSnapshot | None:
+        pipe = self.pipe
+        return pipe.snapshot() if pipe is not None and not self.shutting_down else None
+
+    def dump_stacks(self, ranks: list[int]) -> None:
+        if self.group is not None:
+            self.group.dump_stacks([w for w in self.group.workers if w.rank in ranks])
+
+    def record_latencies(self) -> None:
+        self._latencies = True
+        if self.pipe is not None:
+            self.pipe.recorder.histograms = True
+
+    def fail(self, error: Exception) -> None:
+        self._fast_stop = True  # another node or replica failed: peers may hang in gloo, do not wait long
+        self._fail(error)
+
     # -- failures --------------------------------------------------------------------------
 
     def _on_worker_death(self, w: WorkerHandle) -> None:
@@ -242,7 +259,7 @@ class MultiprocExecutor(Executor):
         if self.shutting_down or self.is_failed:
             return
         lv = self.liveness
-        if lv is not None and lv.verdict_s() and _peer_gone(msg.message):
+        if lv is not None and lv.verdict_s() and peer_gone(msg.error_type, msg.message):
             # A rank on another node that died shows up here first, as a collective's connection error; the
             # heartbeats name that node within their suspect window, and that is the cause to report.
             logger.info("%s: %s in %s looks like a lost peer; waiting up to %.1fs for the heartbeats' verdict",
@@ -263,11 +280,9 @@ class MultiprocExecutor(Executor):
                 return
             self._failure = error
             self.is_failed = True
-            self._fast = False
         self._failure_known.set()
-        for mq in (self.rpc_broadcast_mq, *self.response_mqs):  # blocked sends and receives return now
-            if mq is not None:
-                mq.shutdown()
+        if self.pipe is not None:  # blocked sends and receives return now
+            self.pipe.fail(error)
         if self._started:
             self.shutdown()
         elif self.group is not None:
@@ -279,142 +294,42 @@ class MultiprocExecutor(Executor):
 
     # -- RPC -----------------------------------------------------------------------------
 
-    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None, non_block: bool = False,
-                       unique_reply_rank: int | None = None,
-                       aggregator: Callable[[list[Any]], Any] | None = None,
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
+                       args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, non_block: bool = False,
+                       unique_reply_rank: int | None = None, aggregator: Callable[[list[Any]], Any] | None = None,
                        kv_output_aggregator: Any = None, ec_output_aggregator: Any = None) -> Any:
         """See `Executor.collective_rpc`. Calls from several threads take turns (send and receive together)."""
-        recv = self._fast_recv.get(unique_reply_rank) if self._fast else None
-        if (recv is not None and type(method) is str and type(unique_reply_rank) is int and not non_block
-                and aggregator is None and kv_output_aggregator is None and ec_output_aggregator is None):
-            # The engine's step: a method name, one reply, nothing older pending.
-            with self._rpc_lock:
-                if not self.futures_queue and self._fast:
-                    rec = self.rpc_recorder
-                    rec.name, rec.rank, rec.t0 = method, unique_reply_rank, _perf()
-                    end = None if timeout is None else time.monotonic() + timeout
-                    try:
-                        self._fast_send((method, args, kwargs, unique_reply_rank), timeout)
-                    except BaseException as e:
-                        rec.failed_fast()
-                        raise map_failure(self, e, method, "sending it", timeout)
-                    try:
-                        value = recv() if end is None else recv(max(0.0, end - time.monotonic()))
-                    except BaseException as e:
-                        rec.failed_fast()
-                        raise map_failure(self, e, method, "waiting for its replies", timeout, [unique_reply_rank])
-                    rec.done_fast()
-                    t = type(value)
-                    if t is RemoteError or t is Boxed:
-                        return unwrap(value, method, method in self.config.collective_methods)
-                    return value
+        pipe = self.pipe
+        if pipe is None:
+            if not self.is_leader:
+                raise NotLeaderError(f"this is follower node {self.parallel_config.node_rank} (node "
+                                     f"{self.parallel_config.node_rank_within_dp} of its DP replica): only the "
+                                     f"leader node calls collective_rpc")
+            raise failed_as(self._failure, "the executor was shut down" if self._failure is None else
+                            f"the executor failed earlier and takes no more calls: {self._failure}")
         connector = kv_output_aggregator if kv_output_aggregator is not None else ec_output_aggregator
         if connector is not None:
             if kv_output_aggregator is not None and ec_output_aggregator is not None:
                 raise ValueError("give kv_output_aggregator or ec_output_aggregator, not both")
             reply_rank = unique_reply_rank or 0
             aggregator = lambda outputs: connector.aggregate(outputs, output_rank=reply_rank)  # noqa: E731
-        with self._rpc_lock:
-            return self._collective_rpc(method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator)
+        return pipe.call(method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator)
 
-    def _collective_rpc(self, method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator) -> Any:
-        mq = self.rpc_broadcast_mq
-        if mq is None or self.is_failed or self.shutting_down:
-            if mq is None and not self.is_leader:
-                raise NotLeaderError(f"this is follower node {self.parallel_config.node_rank} (node "
-                                     f"{self.parallel_config.node_rank_within_dp} of its DP replica): only the "
-                                     f"leader node calls collective_rpc")
-            self._raise_failed()
-        output_rank = None if aggregator is not None else unique_reply_rank
-        if unique_reply_rank is not None and (not isinstance(unique_reply_rank, int)
-                                              or not 0 <= unique_reply_rank < self.world_size):
-            raise ValueError(f"unique_reply_rank={unique_reply_rank!r} is not a rank (0..{self.world_size - 1})")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        send = method if isinstance(method, str) else cloudpickle.dumps(method)
-        name = method if isinstance(method, str) else getattr(method, "__name__", "<callable>")
-        ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
-        collect = Collector(self, name, ranks, deadline, timeout, single=output_rank is not None)  # recorded
-        try:
-            # While the ring is full, read the replies of older calls: the workers may wait for that room.
-            mq.enqueue((send, args, kwargs, output_rank),
-                       timeout=None if deadline is None else max(0.0, deadline - time.monotonic()),
-                       on_wait=self._drain if self.futures_queue else None)
-        except (QueueShutdown, QueueClosed):
-            self.rpc_recorder.end(collect.call, False)
-            if self._failure is None and not self.shutting_down:
-                self._failure_known.wait(1.0)  # a worker just left: the monitor names it within a second
-            self._raise_failed()
-        except BaseException as e:
-            self.rpc_recorder.end(collect.call, False)
-            raise map_failure(self, e, name, "sending it", timeout)
-        if not non_block and not self.futures_queue:
-            # Nothing older is pending: read the replies here, without a Future.
-            value = collect(None)
-            return value if aggregator is None else aggregator(value)
-        fut = FutureWrapper(self.futures_queue, self._rpc_lock, collect,
-                            aggregator if aggregator is not None else (lambda x: x))
-        return fut if non_block else fut.result()
-
-    def _drain(self) -> None:
-        """Read the replies of pending calls that have them now (a send is waiting for room in the ring)."""
-        while self.futures_queue:
-            try:
-                self.futures_queue[-1]._drive_now(time.monotonic() + 0.002)
-            except WaitExpired:
-                return
-            self.futures_queue.pop()
-
-    # The fast path's state: on only while the leader is healthy and owes no late replies.
-    _fast = False
-    _fast_send: Callable[[Any, float | None], None]
-    _fast_recv: dict[int, Callable[[], Any]] = {}
-
-    def _refresh_fast(self) -> None:
-        mq = self.rpc_broadcast_mq
-        ok = (mq is not None and not self.is_failed and not self.shutting_down and not any(self._owed))
-        if ok:
-            self._fast_send = mq.enqueue
-            self._fast_recv = {r: q.dequeue for r, q in enumerate(self.response_mqs)}
-        self._fast = ok
-
-    def _interrupted(self, name: str, e: BaseException, where: str) -> None:
-        """An interrupt (Ctrl-C, an exception from a signal handler) cut a call off mid-way.
-
-        It may have landed between a reply's read and its hand-over, or a
-        message's write and its bookkeeping; which replies are still owed is
-        then unknown, and a later call could be handed an earlier call's reply.
-        So the executor takes no more calls (the interrupt itself propagates;
-        shutdown is left to the caller, who is being interrupted).
-        """
+    def _interrupted(self, failure: Exception) -> bool:
+        """An interrupt (Ctrl-C, an exception from a signal handler) cut a call off mid-way: which replies are
+        still owed is then unknown, and a later call could be handed an earlier call's reply. So the executor
+        takes no more calls (the interrupt itself propagates; shutdown is left to the caller, who is being
+        interrupted). False if it had already stopped."""
         with self._callback_lock:
             if self.is_failed or self.shutting_down:
-                return
-            self._failure = ExecutorFailed(
-                f"RPC {name} was interrupted ({type(e).__name__}) while {where}; its replies can no longer be "
-                f"matched to their calls for certain: shut this executor down and start a new one")
+                return False
+            self._failure = failure
             self.is_failed = True
-            self._fast = False
-        logger.error("%s", self._failure)
+        if self.pipe is not None:
+            self.pipe.failure = failure
+        logger.error("%s", failure)
         self._fire_failure_callback()
-
-    def _owe(self, ranks: list[int]) -> None:
-        """These ranks will still send a reply nobody waits for: skip it before reading theirs."""
-        self._fast = False
-        for r in ranks:
-            self._owed[r] += 1
-
-    def _cut_short(self, name: str) -> ExecutorFailed:
-        if self._failure is None and not self.shutting_down:
-            self._failure_known.wait(1.0)  # a worker that just left closed its queue first: wait for its name
-        if self._failure is not None:
-            return failed_as(self._failure, f"RPC {name} failed: {self._failure}")
-        return failed_as(None, f"RPC {name} was cut short: the executor was shut down")
-
-    def _raise_failed(self) -> None:
-        if self._failure is not None:
-            raise failed_as(self._failure, f"the executor failed earlier and takes no more calls: {self._failure}")
-        raise failed_as(None, "the executor was shut down")
+        return True
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -427,15 +342,13 @@ class MultiprocExecutor(Executor):
         with self._callback_lock:
             first = not self.shutting_down
             self.shutting_down = True
-            self._fast = False
         if not first:
             self._shutdown_done.wait()
             return
         if self._stall is not None:
             self._stall.stop()
-        for mq in (self.rpc_broadcast_mq, *self.response_mqs):  # a thread blocked in a call returns now
-            if mq is not None:
-                mq.shutdown()
+        if self.pipe is not None:  # a thread blocked in a call returns now
+            self.pipe.fail(None)
         try:
             self._shutdown()
         finally:
@@ -451,10 +364,8 @@ class MultiprocExecutor(Executor):
             grace, term = min(grace, 1.0), min(term, 1.0)
         if self.group is not None:
             self.group.close(grace, term)
-        for mq in (self.rpc_broadcast_mq, *self.response_mqs):
-            if mq is not None:
-                mq.close(flush_timeout=0)  # remote workers are stopped by their own node, not by CLOSE
-        self.rpc_broadcast_mq = None
+        if self.pipe is not None:
+            self.pipe.close()
         if self._finalizer is not None:
             self._finalizer.detach()
 

@@ -22,12 +22,11 @@ import threading
 import time
 import weakref
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rayfree.procs import proc_state
 
-if TYPE_CHECKING:
-    from .multiproc import MultiprocExecutor
+from .view import ReplicaView
 
 __all__ = ["RpcRecorder", "StallWatch", "LATENCY_BOUNDS"]
 
@@ -55,7 +54,7 @@ class Histogram:
 
 
 class Call:
-    """One call of the general path (several ranks' replies, or non-blocking)."""
+    """One call in flight."""
 
     __slots__ = ("name", "t0", "ranks", "got")
 
@@ -67,32 +66,15 @@ class Call:
 
 
 class RpcRecorder:
-    """The executor's record of its calls. The step's fast path writes `name`, `rank`, `t0` directly."""
+    """The executor's record of its calls."""
 
     def __init__(self, world_size: int, histograms: bool = False) -> None:
         #: record each call's latency (metrics); off, a call costs two clock reads and a few stores
         self.histograms = histograms
-        #: the fast path's call in flight: t0 > 0 while it runs
-        self.name = ""
-        self.rank = 0
-        self.t0 = 0.0
         self.calls: list[Call] = []
         self.last_reply: list[float] = [0.0] * world_size
         self.hist: dict[str, Histogram] = {}
         self.failures = 0
-
-    def done_fast(self) -> None:
-        """The fast path's call got its reply."""
-        t = _perf()
-        self.last_reply[self.rank] = t
-        if self.histograms:
-            self._observe(self.name, t - self.t0)
-        self.t0 = 0.0
-
-    def failed_fast(self) -> None:
-        """The fast path's call failed (raised, timed out, cut short)."""
-        self.t0 = 0.0
-        self.failures += 1
 
     def _observe(self, name: str, seconds: float) -> None:
         h = self.hist.get(name)
@@ -122,9 +104,6 @@ class RpcRecorder:
         """(method, age in seconds, ranks whose replies are still awaited, its start), oldest first."""
         now = _perf()
         out = [(c.name, now - c.t0, [r for r in c.ranks if r not in c.got], c.t0) for c in list(self.calls)]
-        t0, name, rank = self.t0, self.name, self.rank
-        if t0:
-            out.append((name, now - t0, [rank], t0))
         return sorted(out, key=lambda x: -x[1])
 
     def since_last_reply(self) -> list[float | None]:
@@ -135,7 +114,7 @@ class RpcRecorder:
 class StallWatch:
     """A thread that reports calls waiting longer than `report_s` (see the module docstring)."""
 
-    def __init__(self, ex: MultiprocExecutor, report_s: float, dump_s: float | None) -> None:
+    def __init__(self, ex: ReplicaView, report_s: float, dump_s: float | None) -> None:
         self._ex = weakref.ref(ex)  # the watch must not keep its executor alive
         self.report_s = report_s
         self.dump_s = dump_s
@@ -152,7 +131,7 @@ class StallWatch:
         tick = min(1.0, self.report_s / 2)
         while not self._stop.wait(tick):
             ex = self._ex()
-            if ex is None or ex.shutting_down or ex.is_failed:
+            if ex is None or ex.stopped:
                 return
             try:
                 self._look(ex)
@@ -160,8 +139,9 @@ class StallWatch:
                 logger.debug("stall watch: could not look", exc_info=True)
             del ex  # not held while waiting for the next tick
 
-    def _look(self, ex: MultiprocExecutor) -> None:
-        calls = ex.rpc_recorder.in_flight()
+    def _look(self, ex: ReplicaView) -> None:
+        snap = ex.rpc_snapshot()
+        calls = snap.calls if snap is not None else []
         if not calls:
             self._reported.clear()
             return
@@ -173,8 +153,8 @@ class StallWatch:
         if last is not None and age - last < self.report_s:
             return
         self._reported = {key: age}
-        mq = ex.rpc_broadcast_mq
-        behind = {r: n for r, n in ((mq.status().get("behind") or {}) if mq is not None else {}).items() if n}
+        assert snap is not None
+        behind = {r: n for r, n in (snap.ring.get("behind") or {}).items() if n}
         local = {w.rank: w for w in ex.workers}  # ranks within the replica, as the calls name them
         suspects = sorted(set(waiting) | set(behind))
         parts = [f"RPC {name} has waited {age:.0f}s for the reply of rank(s) {waiting}"]
@@ -195,4 +175,4 @@ class StallWatch:
                 logger.warning("RPC %s still waits after %.0fs (stall_dump_s=%.0f): dumping the Python stacks of "
                                "rank(s) %s (a stopped process prints its stack when it resumes)", name, age,
                                self.dump_s, [w.rank for w in stuck])
-                ex.group.dump_stacks(stuck)
+                ex.dump_stacks([w.rank for w in stuck])

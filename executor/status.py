@@ -9,14 +9,11 @@ every node, over the authenticated heartbeat channel (cluster/heartbeat.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
 from rayfree.procs import proc_state
 
-if TYPE_CHECKING:
-    from .multiproc import MultiprocExecutor
+from .view import ReplicaView
 
 __all__ = ["WorkerStatus", "CallStatus", "ReplicaStatus", "NodeStatus", "ClusterStatus", "replica_status",
            "worker_statuses", "encode", "decode_node", "decode_cluster"]
@@ -76,24 +73,24 @@ class ClusterStatus(msgspec.Struct):
     nodes: list[NodeStatus]
 
 
-def worker_statuses(ex: MultiprocExecutor) -> list[WorkerStatus]:
+def worker_statuses(ex: ReplicaView) -> list[WorkerStatus]:
     par = ex.parallel_config
     return [WorkerStatus(w.rank, par.global_rank(w.rank, ex.dp_rank), w.proc.pid or -1, w.title,
                          proc_state(w.proc.pid) if w.proc.pid else "not started") for w in ex.workers]
 
 
-def replica_status(ex: MultiprocExecutor) -> ReplicaStatus:
-    rec = ex.rpc_recorder
-    mq = ex.rpc_broadcast_mq
-    ring = mq.status() if mq is not None else {}
+def replica_status(ex: ReplicaView) -> ReplicaStatus:
+    snap = ex.rpc_snapshot()
+    ring = snap.ring if snap is not None else {}
     behind = {int(r): int(n) for r, n in (ring.get("behind") or {}).items()}
     slowest = max(behind, key=lambda r: behind[r]) if behind and max(behind.values()) > 0 else -1
     return ReplicaStatus(
         replica=ex.dp_rank, world_size=ex.world_size, failed=str(ex.failure or "")[:500],
-        calls=[CallStatus(m, round(a, 3), w) for m, a, w, _ in rec.in_flight()],
-        since_reply_s=[None if t is None else round(t, 3) for t in rec.since_last_reply()],
+        calls=[CallStatus(m, round(a, 3), w) for m, a, w, _ in (snap.calls if snap is not None else [])],
+        since_reply_s=[None if t is None else round(t, 3) for t in (snap.since_reply_s if snap is not None else [])],
         ring_chunks=ring.get("chunks", 0), ring_occupied=ring.get("occupied", 0), ring_behind=behind,
-        slowest_reader=slowest, bytes_broadcast=dict(ring.get("bytes") or {}), rpc_failures=rec.failures)
+        slowest_reader=slowest, bytes_broadcast=dict(ring.get("bytes") or {}),
+        rpc_failures=snap.failures if snap is not None else 0)
 
 
 encode = msgspec.msgpack.Encoder().encode

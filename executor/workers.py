@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator
 
 from rayfree import settings
 from rayfree.cluster.config import ClusterConfig
-from rayfree.transport import MessageQueue, security
-from rayfree.transport.segments import remove_entries_of
+from rayfree.transport.secure import policy as security
+from rayfree.transport.shm.segment import remove_entries_of
 from rayfree.worker.main import worker_main
 from rayfree.worker.messages import Fatal, Ready, StartupFailed, decode
 from rayfree.worker.titles import title_for
@@ -116,28 +116,22 @@ class WorkerHandle:
     ready_pipe: Connection | None
     death_writer: Connection | None
     title: str = "Worker"
-    #: set at READY on the leader: this worker's reply queue, and (worker 0, multi-node) every rank's
-    response_mq: MessageQueue | None = None
-    peer_response_mqs: list[MessageQueue | None] = field(default_factory=list)
+    #: set at READY: the handle of this worker's reply queue, and (worker 0, multi-node) every rank's
+    reply_handle: bytes | None = None
+    peer_reply_handles: list[bytes] = field(default_factory=list)
 
     def describe(self) -> str:
         return f"worker rank {self.rank} (pid {self.proc.pid}, rayfree::{self.title})"
 
 
 class WorkerGroup:
-    """The worker processes of ranks `ranks` on this node (see the module docstring).
-
-    `attach_replies=False` (a follower node): do not attach to the workers'
-    reply queues. Their one reader is the leader; a second subscriber could
-    take the queue's READY in its place.
-    """
+    """The worker processes of ranks `ranks` on this node (see the module docstring): it owns the processes,
+    as torch elastic's PContext does; the queues to them belong to the leader's RPC pipe (rpc.py)."""
 
     def __init__(self, config: ClusterConfig, worker_cls: type | str | bytes, worker_kwargs: dict[str, Any],
-                 ranks: list[int], distributed_init_method: str, broadcast_handle: bytes | None,
-                 attach_replies: bool = True) -> None:
+                 ranks: list[int], distributed_init_method: str, broadcast_handle: bytes | None) -> None:
         self.config = config
         self.ranks = list(ranks)
-        self.attach_replies = attach_replies
         self.workers: list[WorkerHandle] = []
         self._monitor_wake: tuple[Connection, Connection] | None = None
         self._closed = False
@@ -233,8 +227,7 @@ class WorkerGroup:
         if not isinstance(msg, Ready):
             self._close_status(w)
             raise WorkerStartupError(f"{w.describe()} sent {type(msg).__name__} before READY", w.rank)
-        if self.attach_replies:
-            self._attach(msg, w)
+        w.reply_handle, w.peer_reply_handles = msg.response_handle, list(msg.peer_response_handles)
 
     @staticmethod
     def _close_status(w: WorkerHandle) -> None:
@@ -250,24 +243,16 @@ class WorkerGroup:
             if removed:
                 logger.info("removed what %s left behind: %s", w.describe(), ", ".join(removed))
 
-    def _attach(self, msg: Ready, w: WorkerHandle) -> None:
-        spin = self.config.spin_us
-        w.response_mq = MessageQueue.create_from_handle(msg.response_handle, 0, spin_us=spin)
-        mine = set(self.ranks)
-        w.peer_response_mqs = [None if rank in mine else MessageQueue.create_from_handle(raw, 0, spin_us=spin)
-                               for rank, raw in enumerate(msg.peer_response_handles)]
-
-    def response_queues(self, world_size: int) -> list[MessageQueue]:
-        """Every rank's reply queue, by rank: local workers' own, the others' through worker 0's READY."""
+    def reply_handles(self, world_size: int) -> list[bytes]:
+        """Every rank's reply queue handle, by rank: local workers' own, the others' through worker 0's READY
+        (the leader's RPC pipe reads them; a follower attaches to none, their one reader is the leader)."""
         by_rank = {w.rank: w for w in self.workers}
         out = []
         for r in range(world_size):
-            mq = by_rank[r].response_mq if r in by_rank else self.workers[0].peer_response_mqs[r]
-            assert mq is not None, f"no reply queue for rank {r}"
-            out.append(mq)
+            raw = by_rank[r].reply_handle if r in by_rank else self.workers[0].peer_reply_handles[r]
+            assert raw, f"no reply queue for rank {r}"
+            out.append(raw)
         return out
-
-    # -- running ---------------------------------------------------------------------------
 
     def start_monitor(self, on_death: Callable[[WorkerHandle], None],
                       on_fatal: Callable[[WorkerHandle, Fatal], None]) -> None:
@@ -332,7 +317,7 @@ class WorkerGroup:
 
     def close(self, grace_s: float, term_s: float) -> None:
         """Idempotent: stop the monitor (our own stop is no failure), close the death pipes (the workers see EOF
-        and leave), wait `grace_s`, SIGTERM, wait `term_s`, SIGKILL; then release the reply queues."""
+        and leave), wait `grace_s`, SIGTERM, wait `term_s`, SIGKILL."""
         if self._closed:
             return
         self._closed = True
@@ -353,11 +338,6 @@ class WorkerGroup:
                 exited = ExitedProcess(w.proc)
                 w.proc.close()  # its sentinel and pipe descriptors go now, not at a later garbage collection
                 w.proc = exited
-        for w in self.workers:
-            for mq in (w.response_mq, *w.peer_response_mqs):
-                if mq is not None:
-                    mq.close(flush_timeout=0)
-            w.response_mq, w.peer_response_mqs = None, []
         if self._monitor_wake is not None:
             self._monitor_wake[0].close()
         for end in self._abort:

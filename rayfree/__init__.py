@@ -23,7 +23,7 @@ _EXPORTS = {
     "UniProcExecutor": "rayfree.executor.abstract",
     "Executor": "rayfree.executor.abstract",
     "FailureCallback": "rayfree.executor.abstract",
-    "FutureWrapper": "rayfree.executor.future",
+    "FutureWrapper": "rayfree.executor.rpc",
     "ExecutorError": "rayfree.executor.errors",
     "ExecutorFailed": "rayfree.executor.errors",
     "WorkerError": "rayfree.executor.errors",
@@ -41,7 +41,7 @@ _EXPORTS = {
     "ConfigError": "rayfree.cluster.config",
     "WorkerBase": "rayfree.worker.base",
     "MessageQueue": "rayfree.cluster.pg_queues",  # the class, with its process-group constructors attached
-    "Handle": "rayfree.transport.handle",
+    "Handle": "rayfree.transport.queue.handle",
     "TransportError": "rayfree.transport.errors",
     "QueueTimeout": "rayfree.transport.errors",
     "QueueShutdown": "rayfree.transport.errors",
@@ -49,10 +49,10 @@ _EXPORTS = {
     "QueueBroken": "rayfree.transport.errors",
     "MessageTooLarge": "rayfree.transport.errors",
     "HandleError": "rayfree.transport.errors",
-    "SocketError": "rayfree.transport.sockets",
+    "SocketError": "rayfree.transport.zmq.sockets",
     "SegmentNotFound": "rayfree.transport.errors",
     "ShmSpaceError": "rayfree.transport.errors",
-    "SecretError": "rayfree.transport.security",
+    "SecretError": "rayfree.transport.secure.policy",
     "FatalWorkerError": "rayfree.executor.errors",
     # a worker's groups (tensor, pipeline, data, expert parallel, ...), each with cpu_group / device_group
     "Group": "rayfree.cluster.group",
@@ -77,14 +77,14 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
                                          NotLeaderError, ReplicaFailed, RpcTimeout, StartupTimeout, WorkerDied,
                                          WorkerError, WorkerStartupError)
     from rayfree.executor.replicas import NodeReplicas
-    from rayfree.executor.future import FutureWrapper
+    from rayfree.executor.rpc import FutureWrapper
     from rayfree.executor.multiproc import MultiprocExecutor
     from rayfree.transport.errors import (HandleError, MessageTooLarge, QueueBroken, QueueClosed, QueueShutdown,
                                           QueueTimeout, SegmentNotFound, ShmSpaceError, TransportError)
-    from rayfree.transport.security import SecretError
-    from rayfree.transport.handle import Handle
-    from rayfree.transport.sockets import SocketError
-    from rayfree.transport.message_queue import MessageQueue
+    from rayfree.transport.secure.policy import SecretError
+    from rayfree.transport.queue.handle import Handle
+    from rayfree.transport.zmq.sockets import SocketError
+    from rayfree.transport.queue.message_queue import MessageQueue
     from rayfree.worker.base import WorkerBase
 
 

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from rayfree.transport.security import SECRET_FILE_ENV, write_secret
-from rayfree.transport.segments import creator_alive, entries
-from rayfree.transport.shm_ring import SEGMENT_PREFIX
+from rayfree.transport.secure.policy import SECRET_FILE_ENV, write_secret
+from rayfree.transport.shm.segment import creator_alive, entries
+from rayfree.transport.shm.segment import SEGMENT_PREFIX
 
 
 def _session_secret() -> None:
@@ -56,7 +56,9 @@ def leak_guard():
         leaked &= orphan_segments()
     for n in leaked:  # do not let one test's leak fail the next one too
         shutil.rmtree(n, ignore_errors=True) if os.path.isdir(n) else os.unlink(n)
-    from rayfree.transport import lingering, sockets, zap
+    from rayfree.transport.zmq import lingering
+    from rayfree.transport.zmq import sockets
+    from rayfree.transport.secure import zap
     lingering.flush()  # what the process would do at exit: closed writers' publishers wait for their readers
     ctx = sockets._ctx
     open_socks = []

@@ -139,7 +139,7 @@ def outsiders(ex) -> int:
     import torch
 
     from rayfree.cli.toy_engine import make_batch, reference_forward
-    from rayfree.transport.security import process_secret
+    from rayfree.transport.secure.policy import process_secret
     remote = [r for r in range(ex.world_size) if ex.parallel_config.node_of(r) != 0]
     spec = {"pub": [ex.rpc_broadcast_mq.handle.remote_endpoint]
             + [ex.response_mqs[r].handle.remote_endpoint for r in remote],

@@ -160,7 +160,7 @@ def reader_collect(handle: bytes, rank: int, n: int, conn, timeout: float = 60.0
         with mq:
             mq.wait_until_ready(timeout=timeout)
             got = [mq.dequeue(timeout=timeout) for _ in range(n)]
-            conn.send(("done", got, mq._r.sock.bad_frames))
+            conn.send(("done", got, mq._r.bad_frames))
     except BaseException:
         conn.send(("error", traceback.format_exc(), None))
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from rayfree.transport.aead import SEG_MIN, SEG_SIZE, Opener, Sealer, plan
+from rayfree.transport.secure.aead import SEG_MIN, SEG_SIZE, Opener, Sealer, plan
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -85,7 +85,7 @@ def test_a_forged_head_is_refused_before_its_layout_is_used() -> None:
     as forged by its tag, before any plan is made or any buffer taken."""
     import struct
 
-    from rayfree.transport.aead import MAGIC_SEG
+    from rayfree.transport.secure.aead import MAGIC_SEG
     from rayfree.transport.errors import BadFrame
     opener = Opener(os.urandom(32), os.urandom(16))
     head = struct.pack("<4sQIIIQ", MAGIC_SEG, 0, 1 << 30, 1, 1, 1 << 40)

@@ -232,7 +232,7 @@ def test_public_constructors_are_typed_and_say_what_each_argument_is(name: str) 
 @pytest.mark.timeout(120)
 def test_the_secret_can_be_given_from_python(tmp_path) -> None:
     """No RAYFREE_SECRET_FILE in the environment: the bytes, or the file's path, given to the executor."""
-    from rayfree.transport.security import write_secret
+    from rayfree.transport.secure.policy import write_secret
     key = tmp_path / "k"
     write_secret(str(key))
     script = ("import os, sys\n"

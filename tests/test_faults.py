@@ -18,7 +18,7 @@ import pytest
 from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from rayfree.executor import ExecutorFailed, MultiprocExecutor, RpcTimeout, WorkerDied, WorkerError
 from rayfree.procs import is_alive, stat_fields
-from rayfree.transport.segments import creator_alive, creator_pid, entries
+from rayfree.transport.shm.segment import creator_alive, creator_pid, entries
 from tests import procs
 
 ECHO = "tests.workers:EchoWorker"

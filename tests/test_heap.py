@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 
 _CHECK = r"""
 import ctypes, json, threading
-from rayfree.transport import MessageQueue, heap
+from rayfree.transport import MessageQueue
+from rayfree.transport.zmq import heap
 
 class Mallinfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

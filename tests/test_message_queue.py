@@ -16,11 +16,11 @@ from typing import Iterator
 
 import pytest
 
-from rayfree.transport import ring
+from rayfree.transport.shm import ring
 from tests import procs
 from rayfree.transport import (HandleError, MessageQueue, MessageTooLarge, QueueClosed, QueueShutdown, QueueTimeout,
                        SegmentNotFound, ShmSpaceError)
-from rayfree.transport.shm_ring import SHM_DIR
+from rayfree.transport.shm.segment import SHM_DIR
 
 CHUNK = 1 << 16
 
@@ -210,7 +210,7 @@ def test_a_big_tensor_is_copied_out_of_the_ring_into_warm_pooled_memory() -> Non
     w, r = ready_pair("shm", max_chunk_bytes=8 << 20, max_chunks=6)  # 48 MiB ring
     try:
         src = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)
-        ring, pool = r._r.ring, r._r.shm.pool
+        ring, pool = r._r.receiver.ring, r._r.receiver.pool
         for i in range(3):
             w.enqueue(src + i, timeout=10)
             got = r.dequeue(timeout=10)
@@ -242,7 +242,7 @@ def test_zero_copy_readers_get_views_of_the_ring_whose_chunks_wait_for_the_view(
         src = torch.randint(0, 255, (32 << 20,), dtype=torch.uint8)
         w.enqueue(src, timeout=10)
         got = r.dequeue(timeout=10)
-        ring = r._r.ring
+        ring = r._r.receiver.ring
         assert ring.address <= got.data_ptr() < ring.address + ring.size, "payload was copied, not viewed"
         assert torch.equal(got, src)
         # 2 x 32 MiB do not fit in 48 MiB: the next one must wait for the view to go
@@ -559,9 +559,9 @@ def test_reader_waits_past_a_wrap_marker_until_the_message_behind_it_is_written(
         tw = threading.Thread(target=lambda: results.setdefault("w", w.enqueue(b, timeout=10)))
         tr = threading.Thread(target=lambda: results.setdefault("r", r.dequeue(timeout=10)))
         tr.start()
-        _until(lambda: r._r.ring.buf[128] == 1)  # the reader is parked at chunk 3
+        _until(lambda: r._r.receiver.ring.buf[128] == 1)  # the reader is parked at chunk 3
         tw.start()
-        _until(lambda: r._r.shm.rr.idx == 0)  # woken by the WRAP marker, it went past it to chunk 0
+        _until(lambda: r._r.receiver.rr.idx == 0)  # woken by the WRAP marker, it went past it to chunk 0
         assert torch.equal(held, a)
         del held
         gc.collect()
@@ -581,7 +581,7 @@ def test_a_writer_waiting_for_a_wrap_marker_to_be_read_is_woken() -> None:
         got: list = []
         t = threading.Thread(target=lambda: got.append(r.dequeue(timeout=10)))
         t.start()
-        _until(lambda: r._r.ring.buf[128] == 1)  # the reader is parked at chunk 3
+        _until(lambda: r._r.receiver.ring.buf[128] == 1)  # the reader is parked at chunk 3
         t0 = time.monotonic()
         w.enqueue(b"b" * (250 << 10), timeout=5)  # 4 chunks: WRAP at 3, then 0..3
         assert time.monotonic() - t0 < 2.0, "the writer was not woken when its chunk came free"

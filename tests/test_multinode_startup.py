@@ -11,7 +11,7 @@ import time
 import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
-from rayfree.transport.security import write_secret
+from rayfree.transport.secure.policy import write_secret
 
 from .nodes import ROOT, Nodes, compose_invocation
 from .test_multinode import FAST, assert_nothing_left

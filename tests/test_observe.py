@@ -19,7 +19,7 @@ from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from rayfree.cluster.simulate import SimulatedCluster
 from rayfree.executor import MultiprocExecutor
 from rayfree.transport import get_open_port
-from rayfree.transport.security import SECRET_FILE_ENV, write_secret
+from rayfree.transport.secure.policy import SECRET_FILE_ENV, write_secret
 
 from .nodes import ROOT, NodeProc, Nodes, shm_files, wait_group_empty
 

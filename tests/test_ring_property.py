@@ -11,9 +11,9 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from rayfree.transport.framing import KIND_DATA, write_head
-from rayfree.transport.ring import RingReader, RingWriter
-from rayfree.transport.shm_ring import ShmRingBuffer
+from rayfree.transport.shm.slots import KIND_DATA, write_head
+from rayfree.transport.shm.ring import RingReader, RingWriter
+from rayfree.transport.shm.segment import ShmRingBuffer
 
 _STAMP = struct.Struct("<Q")
 _STAMP_AT = 64  # past the slot header

@@ -20,9 +20,9 @@ import pytest
 import zmq
 
 from rayfree.transport import HandleError, MessageQueue
-from rayfree.transport import security
-from rayfree.transport.framing import read_layout, write_head
-from rayfree.transport.security import ClusterSecret, InsecureTransport
+from rayfree.transport.secure import policy as security
+from rayfree.transport.shm.slots import read_layout, write_head
+from rayfree.transport.secure.policy import ClusterSecret, InsecureTransport
 
 from . import procs
 
@@ -135,10 +135,11 @@ def test_a_reader_without_the_secret_gets_nothing(monkeypatch) -> None:
 #: Every place that unpickles, and why its bytes are trusted. A new one fails this test until it is
 #: reviewed and listed here.
 UNPICKLE_SITES = {
-    "transport/serde.py": (1, "messages read from the same-user shm ring or a sealed queue whose seal checked"),
-    "transport/zmq_channel.py": (1, "binds serde's loads; a TCP message reaches it only after aead.Opener checked "
+    "transport/serde.py": (2, "binds pickle.loads (one line, two matches) for messages read from the same-user shm "
+                              "ring or a sealed queue whose seal checked"),
+    "transport/zmq/channel.py": (1, "binds serde's loads; a TCP message reaches it only after aead.Opener checked "
                                     "its seal (ipc ones come from a 0700 directory)"),
-    "transport/shm_channel.py": (2, "binds pickle.loads (one line, two matches) for the same-user shm ring"),
+    "transport/shm/channel.py": (1, "binds serde's loads for the same-user shm ring"),
     "worker/proc.py": (2, "the worker class from the parent's process arguments; RPC callables that "
                           "arrived over the authenticated broadcast queue"),
 }
@@ -255,7 +256,7 @@ def test_the_heartbeat_endpoint_drops_10000_malformed_messages_and_keeps_answeri
     """An authenticated but broken peer: garbage, wrong frame counts, unknown nodes; beats still answered."""
     from rayfree.cluster.heartbeat import Beat, HeartbeatServer, _encode
     from rayfree.transport import get_open_port
-    from rayfree.transport.sockets import make_dealer
+    from rayfree.transport.zmq.sockets import make_dealer
     lost: list[int] = []
     port = get_open_port("127.0.0.1")
     server = HeartbeatServer("127.0.0.1", port, {1: [2, 3]}, 0.1, 5.0, lambda n, r, ip, why: lost.append(n))
@@ -300,7 +301,7 @@ def test_forged_tampered_truncated_replayed_reordered_and_foreign_messages_are_r
     would write a file if it were ever unpickled. Every one is skipped; no file appears; nothing good is lost."""
     import pickle
 
-    from rayfree.transport.aead import Sealer, queue_key
+    from rayfree.transport.secure.aead import Sealer, queue_key
     boom = str(tmp_path / "unpickled")
     payload = [pickle.dumps(_Boom(boom), 5)]
     with tcp_writer() as w, sealed_reader(w, 6) as (conn, qid, secret, sock, real, _):
@@ -336,8 +337,8 @@ def test_a_subscriber_without_the_token_gets_nothing_and_cannot_stall_the_writer
     """After the handshake, outsiders subscribe and never read: one with no token, one with a wrong one, one
     replaying reader 0's (genuine) hello. The writer still sends 3,000 messages (3x its high-water mark)
     without waiting for them, and they receive nothing."""
-    from rayfree.transport.aead import admission_token
-    from rayfree.transport.sockets import HELLO_PREFIX
+    from rayfree.transport.secure.aead import admission_token
+    from rayfree.transport.zmq.sockets import HELLO_PREFIX
     with tcp_writer() as w:
         p, conn = procs.spawn(procs.reader_collect, w.export_handle().to_bytes(), 0, 3000)
         ctx = zmq.Context()
@@ -387,7 +388,7 @@ def test_segments_forged_tampered_truncated_replayed_reordered_or_foreign_are_re
     import pickle
 
     from rayfree.transport import serde
-    from rayfree.transport.aead import SEG_MIN, Sealer, queue_key
+    from rayfree.transport.secure.aead import SEG_MIN, Sealer, queue_key
     boom = str(tmp_path / "unpickled")
     import numpy as np
     size = 2 * SEG_MIN + 12345  # numpy, not torch: the reader sends what it got back over a pipe, by value
@@ -436,7 +437,7 @@ def test_a_segmented_message_its_writer_gave_up_on_is_dropped_and_the_next_arriv
     import numpy as np
 
     from rayfree.transport import serde
-    from rayfree.transport.aead import SEG_MIN
+    from rayfree.transport.secure.aead import SEG_MIN
     with tcp_writer() as w, sealed_reader(w, 3) as (conn, _, _, sock, real, _):
         w.enqueue(("before", 0), timeout=30)
         _, segments = real.segments(serde.Serializer().dumps(("cut short", memoryview(bytearray(3 * SEG_MIN)))))

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
-from rayfree.transport import security
+from rayfree.transport.secure import policy as security
 
 from .nodes import ROOT, NodeProc, wait_group_empty
 from .vllm_engine import ENV, engine_args

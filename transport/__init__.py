@@ -1,7 +1,12 @@
 """rayfree's bottom layer: move Python objects (with tensors) from one writer to many readers.
 
 Same node: a shared-memory ring. Other nodes: ZeroMQ pub/sub over TCP. Knows
-nothing of ranks, groups or torch.distributed.
+nothing of ranks, groups or torch.distributed. Four rooms: `shm/` (the segment,
+the ring's protocol, its slots, waiting, bulk copies), `zmq/` (sockets and
+their one error translation, the socket channel, lingering publishers),
+`secure/` (the secret policy, the ZAP handler, sealing), `queue/` (the
+MessageQueue built on them); at the root, the channel face, errors, serde and
+addresses.
 """
 
 if __name__ != "rayfree.transport":  # the repository's folder imported as a top-level package: two copies of rayfree
@@ -9,13 +14,13 @@ if __name__ != "rayfree.transport":  # the repository's folder imported as a top
                       f"(pip install -e . puts it there)")
 
 
-from .errors import (BadFrame, HandleError, MessageTooLarge, QueueBroken, QueueClosed, QueueShutdown,
+from rayfree.transport.errors import (BadFrame, HandleError, MessageTooLarge, QueueBroken, QueueClosed, QueueShutdown,
                      QueueTimeout, SegmentNotFound, ShmSpaceError, TransportError)
-from .handle import Handle
-from .message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, MessageQueue
-from .net import get_ip, get_open_port
-from .shm_ring import ShmRingBuffer
-from .sockets import SocketError
+from rayfree.transport.queue.handle import Handle
+from rayfree.transport.queue.message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, MessageQueue
+from rayfree.transport.net import get_ip, get_open_port
+from rayfree.transport.shm.segment import ShmRingBuffer
+from rayfree.transport.zmq.sockets import SocketError
 
 __all__ = [
     "MessageQueue", "Handle", "ShmRingBuffer", "get_ip", "get_open_port", "SocketError",

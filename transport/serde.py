@@ -24,7 +24,7 @@ import sys
 import warnings
 from typing import Any
 
-__all__ = ["Serializer", "loads", "OOB_MIN_BYTES"]
+__all__ = ["Serializer", "loads", "OOB_MIN_BYTES", "RAW", "RAW_MAX_BYTES"]
 
 #: Buffers smaller than this stay inside the pickle stream.
 OOB_MIN_BYTES = 4096
@@ -121,7 +121,12 @@ class _Pickler(pickle.Pickler):
 
 
 _ATOMS = frozenset({int, float, str, bool, type(None)})
+#: The first byte of a small bytes message sent as it is, without pickle (a pickle stream starts with 0x80).
+RAW = b"\x01"
+#: Bytes messages up to this size go raw; bigger ones go out-of-band.
+RAW_MAX_BYTES = 4096
 _dumps = pickle.dumps
+_loads = pickle.loads
 
 
 class Serializer:
@@ -141,6 +146,8 @@ class Serializer:
 
     def dumps(self, obj: Any) -> list:
         """[pickle stream, *out-of-band buffers as 'B' memoryviews]."""
+        if type(obj) is bytes and len(obj) <= RAW_MAX_BYTES:
+            return [RAW + obj]
         if type(obj) in _ATOMS:  # nothing inside to send out-of-band: skip the stream set-up (a reply's int)
             return [_dumps(obj, 5)]
         if (type(obj) is bytes or type(obj) is bytearray) and len(obj) >= OOB_MIN_BYTES:
@@ -164,5 +171,8 @@ class Serializer:
         return frames
 
 
-def loads(frame0, buffers=()) -> Any:
-    return pickle.loads(frame0, buffers=buffers)
+def loads(frame0: Any, buffers: Any = ()) -> Any:
+    """The object of `dumps`'s frames (frame 0 any buffer)."""
+    if frame0[0] == 1:  # RAW
+        return bytes(frame0[1:])
+    return _loads(frame0, buffers=buffers)

@@ -30,8 +30,9 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from rayfree import logs
-from rayfree.transport import MessageQueue, security
-from rayfree.transport.segments import remove_entries_of
+from rayfree.transport import MessageQueue
+from rayfree.transport.secure import policy as security
+from rayfree.transport.shm.segment import remove_entries_of
 
 from .messages import Fatal, Ready, RemoteError, StartupFailed, encode
 from .proc import FatalRpc, WorkerProc, destroy_distributed

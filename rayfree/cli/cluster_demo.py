@@ -19,8 +19,8 @@ from rayfree.cluster.config import ParallelConfig
 from rayfree.cluster.simulate import SimulatedCluster
 from rayfree.procs import cmdline, group_members
 from rayfree.transport.net import get_open_port
-from rayfree.transport.segments import creator_alive, entries
-from rayfree.transport.shm_ring import SHM_DIR
+from rayfree.transport.shm.segment import creator_alive, entries
+from rayfree.transport.shm.segment import SHM_DIR
 
 WORKER = "rayfree.cli.toy_engine:ToyWorker"
 ENTRY = "rayfree.cli.demo:drive"

@@ -26,7 +26,8 @@ import zlib
 from typing import Iterator
 
 from rayfree import settings
-from rayfree.transport import MessageQueue, security
+from rayfree.transport import MessageQueue
+from rayfree.transport.secure import policy as security
 
 STOP = "__stop__"
 
@@ -35,7 +36,7 @@ STOP = "__stop__"
 def demo_secret() -> Iterator[str]:
     """The configured cluster secret's file or, if there is none, a throwaway one for this demo run: this
     process's policy while it lasts; give the path to the node processes the demo starts."""
-    from rayfree.transport import security
+    from rayfree.transport.secure import policy as security
     existing = security.process_secret()
     if existing is not None:
         yield existing.source

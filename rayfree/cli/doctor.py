@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from rayfree import settings
 from rayfree.cluster.config import ClusterConfig, ConfigError, load_config
-from rayfree.transport.security import SecretError
+from rayfree.transport.secure.policy import SecretError
 
 __all__ = ["run_doctor", "Check", "diagnose"]
 
@@ -37,7 +37,7 @@ def _fmt(n: float) -> str:
 
 def check_shm(config: ClusterConfig) -> Check:
     from rayfree.transport import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
-    from rayfree.transport.shm_ring import shm_free_bytes
+    from rayfree.transport.shm.segment import shm_free_bytes
     from rayfree.worker.proc import REPLY_CHUNK_BYTES, REPLY_CHUNKS
     par = config.parallel
     per_replica = (DEFAULT_MAX_CHUNK_BYTES * DEFAULT_MAX_CHUNKS if par.node_rank_within_dp == 0 else 0) \
@@ -195,7 +195,7 @@ def check_ifnames(ip: str) -> Check:
 
 
 def check_stale(fix: bool, ask: bool) -> Check:
-    from rayfree.transport.segments import stale_entries
+    from rayfree.transport.shm.segment import stale_entries
     stale = stale_entries()
     if not stale:
         return Check("stale segments", "ok", "no rayfree segment or ipc directory of a dead process")
@@ -213,7 +213,7 @@ def check_stale(fix: bool, ask: bool) -> Check:
 
 
 def check_security(config: ClusterConfig, secret_error: SecretError | None = None) -> Check:
-    from rayfree.transport.security import INSECURE_ENV, SecretError, insecure, process_secret
+    from rayfree.transport.secure.policy import INSECURE_ENV, SecretError, insecure, process_secret
     try:
         if secret_error is not None:  # --secret-file / RAYFREE_SECRET_FILE named a file that cannot be used
             raise secret_error

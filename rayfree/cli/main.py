@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         from .cluster_demo import run_cluster_demo
         return run_cluster_demo(nodes, args.tp, pp, args.steps, args.dp)
     if args.command in ("doctor", "status"):  # `rayfree node` applies them inside its own error handling
-        from rayfree.transport.security import SecretError
+        from rayfree.transport.secure.policy import SecretError
         from .node import apply_security_arguments
         try:
             apply_security_arguments(args)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         from .status import run_status
         return run_status(args)
     if args.command == "keygen":
-        from rayfree.transport.security import write_secret
+        from rayfree.transport.secure.policy import write_secret
         try:
             write_secret(args.file)
         except FileExistsError:

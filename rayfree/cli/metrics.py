@@ -60,20 +60,20 @@ class _Collector:
             alive += sum(1 for w in ex.workers if w.proc.is_alive())
             if not ex.is_leader:
                 continue
-            rec = ex.rpc_recorder
-            for method, h in list(rec.hist.items()):
-                counts, total = list(h.counts), h.sum
+            snap = ex.rpc_snapshot()
+            if snap is None:
+                continue
+            for method, (counts, total) in snap.latency.items():
                 buckets, acc = [], 0
                 for bound, c in zip([*map(str, LATENCY_BOUNDS), "+Inf"], counts):
                     acc += c
                     buckets.append((bound, acc))
                 lat.add_metric([node, rep, method], buckets, total)
-            calls = rec.in_flight()
+            calls = snap.calls
             inflight.add_metric([node, rep], len(calls))
             oldest.add_metric([node, rep], calls[0][1] if calls else 0.0)
-            failures.add_metric([node, rep], rec.failures)
-            mq = ex.rpc_broadcast_mq
-            st = mq.status() if mq is not None else {}
+            failures.add_metric([node, rep], snap.failures)
+            st = snap.ring
             for path, n in (st.get("bytes") or {}).items():
                 sent.add_metric([node, rep, path], n)
             if st.get("chunks"):

@@ -79,7 +79,7 @@ def add_security_arguments(p: argparse.ArgumentParser) -> None:
 def apply_security_arguments(args: argparse.Namespace) -> None:
     """This process's security policy from the flags (else the environment); the executor hands it to every
     worker it starts."""
-    from rayfree.transport import security
+    from rayfree.transport.secure import policy as security
     security.use(security.resolve(getattr(args, "secret_file", None), True if getattr(args, "insecure", False)
                                   else None))
 
@@ -172,7 +172,7 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
     replica = f"DP replica {par.dp_rank}" if par.data_parallel_size > 1 else "its replica"
     followers = par.nodes_of_replica(par.dp_rank)[1:]
     if par.nnodes > 1:
-        from rayfree.transport.security import insecure, process_secret
+        from rayfree.transport.secure.policy import insecure, process_secret
         if process_secret() is None and not insecure():
             raise NodeUsageError("a multi-node cluster talks over TCP, and rayfree refuses unauthenticated TCP: "
                                  "run `rayfree keygen FILE` once, give every node --secret-file FILE (or "

@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from rayfree.cluster.config import ClusterConfig
-from rayfree.transport.shm_ring import SHM_DIR
+from rayfree.transport.shm.segment import SHM_DIR
 
 __all__ = ["VllmWorker"]
 

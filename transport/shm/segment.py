@@ -22,15 +22,15 @@ import mmap
 import os
 import secrets
 import struct
-from .errors import HandleError, SegmentNotFound, ShmSpaceError
+from rayfree.transport.errors import HandleError, SegmentNotFound, ShmSpaceError
+from rayfree.transport.net import runtime_dir
 
 try:  # CPython's own binding of shm_open/shm_unlink, without multiprocessing's resource tracker.
     import _posixshmem
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
-__all__ = ["ShmRingBuffer", "SEGMENT_PREFIX", "SHM_DIR", "WRITER_PARKED", "CLOSED", "READER_PARKED",
-           "shm_free_bytes", "shm_open", "unlink_segment"]
+__all__ = ["ShmRingBuffer", "SEGMENT_PREFIX", "SHM_DIR", "WRITER_PARKED", "CLOSED", "READER_PARKED", "shm_free_bytes", "shm_open", "unlink_segment", "creator_pid", "creator_alive", "entries", "stale_entries", "remove_entries_of", "create_probe", "check_probe", "remove_probe"]
 
 SEGMENT_PREFIX = "rayfree-"
 SHM_DIR = "/dev/shm"
@@ -215,3 +215,114 @@ def unlink_segment(name: str) -> None:
         _posixshmem.shm_unlink("/" + name)
     except FileNotFoundError:
         pass
+
+
+# -- segments -----------------------------------------------------------------------------------------
+# rayfree's names in /dev/shm and the runtime directory, and which of them a dead process left behind.
+#
+# Every segment and ipc directory rayfree makes is named `rayfree-<creator pid>-...`,
+# so `rayfree doctor`, the demo and the tests can tell a live queue's from a leak.
+def creator_pid(name: str) -> int | None:
+    """The pid in a `rayfree-<pid>-...` name (None: not a name rayfree makes)."""
+    base = os.path.basename(name)
+    if not base.startswith(SEGMENT_PREFIX):
+        return None
+    try:
+        return int(base[len(SEGMENT_PREFIX):].split("-", 1)[0])
+    except ValueError:
+        return None
+
+
+def creator_alive(name: str) -> bool:
+    """Is the process that made `name` still running? (True when it cannot be told.)"""
+    pid = creator_pid(name)
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def entries(dirs: tuple[str, ...] | None = None) -> set[str]:
+    """Paths of every rayfree segment and ipc directory in `dirs` (default: /dev/shm and the runtime dir)."""
+    out: set[str] = set()
+    for d in dirs or (SHM_DIR, runtime_dir()):
+        try:
+            out |= {os.path.join(d, n) for n in os.listdir(d) if n.startswith(SEGMENT_PREFIX)}
+        except OSError:
+            pass
+    return out
+
+
+def stale_entries(dirs: tuple[str, ...] | None = None) -> list[str]:
+    """The entries whose creating process is gone."""
+    return sorted(p for p in entries(dirs) if creator_pid(p) is not None and not creator_alive(p))
+
+
+def remove_entries_of(pids: set[int], dirs: tuple[str, ...] | None = None) -> list[str]:
+    """Remove every rayfree segment and ipc directory made by one of `pids` (a process that is gone, or is
+    about to go); returns what it removed."""
+    import shutil
+    removed = []
+    for path in sorted(entries(dirs)):
+        if creator_pid(path) in pids:
+            try:
+                shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+    return removed
+
+
+# -- shm_probe ----------------------------------------------------------------------------------------
+# Same node means "can open the same shared-memory segment": a probe, not a hostname guess.
+#
+# The source creates a tiny segment holding a random token; every other
+# process tries to open it and compare the token. Two network namespaces that
+# share /dev/shm are honestly one node; two containers with private /dev/shm
+# are two, whatever their hostnames say.
+_TOKEN_BYTES = 16
+
+
+def create_probe() -> tuple[str, bytes]:
+    """Make a probe segment; returns (name, token). Remove it with `remove_probe`."""
+    name = f"{SEGMENT_PREFIX}{os.getpid()}-probe-{secrets.token_hex(6)}"
+    token = secrets.token_bytes(_TOKEN_BYTES)
+    fd = shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, _TOKEN_BYTES)
+        with mmap.mmap(fd, _TOKEN_BYTES) as m:
+            m[:] = token
+    except BaseException:
+        unlink_segment(name)
+        raise
+    finally:
+        os.close(fd)
+    return name, token
+
+
+def check_probe(name: str, token: bytes) -> bool:
+    """True if this process sees the probe segment `name` holding `token`."""
+    if not name.startswith(SEGMENT_PREFIX) or "/" in name:
+        return False
+    try:
+        fd = shm_open(name, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size != _TOKEN_BYTES:
+            return False
+        with mmap.mmap(fd, _TOKEN_BYTES, prot=mmap.PROT_READ) as m:
+            return m[:] == token
+    finally:
+        os.close(fd)
+
+
+def remove_probe(name: str) -> None:
+    unlink_segment(name)

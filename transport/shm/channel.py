@@ -2,15 +2,16 @@
 
 The ring protocol (ring.py) says which chunk may be written or read; this
 module decides how to wait for that (spin, then park on a wake pipe, see
-waiting.py), lays frames into slots (framing.py), and sends messages too big
-for the whole ring over its overflow socket (a private ipc publisher).
+waiting.py, inside the channel's one wait loop), lays frames into slots
+(slots.py), and sends messages too big for the whole ring over its overflow
+socket (a private ipc publisher, zmq/channel.py).
 
 Every message is unpickled from the ring and its chunks freed at once: each
 reader gets its own writable copy of every out-of-band buffer (tensors,
 arrays), so one reader's in-place change is never seen by another and a
 tensor kept for any time never holds the writer back. Buffers of at least
 RAYFREE_POOL_MIN_BYTES are copied (on several cores when big) into warm
-memory from the reader's pool (pool.py). A reader made with `zero_copy=True`
+memory from the reader's pool (bulk.py). A reader made with `zero_copy=True`
 instead gets its big payloads *in place*, as views of the ring: it promises
 to treat them as read-only (every local reader sees the same bytes) and not
 to keep them (a held view keeps its chunks from the writer).
@@ -21,30 +22,30 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import pickle
 import time
 import weakref
 from typing import Any, Callable
 
 from rayfree import settings
-
-from . import framing
-from .channel import Receiver, Sender
-from .copier import copy_into
-from .errors import BadFrame, QueueClosed, QueueShutdown, QueueTimeout
-from .framing import KIND_BYTES, KIND_DATA, KIND_OVERFLOW, ONE_FRAME_OFFSET
-from .pool import BufferPool
-from .ring import EMPTY, RingReader, RingWriter
-from .shm_ring import ShmRingBuffer
-from .waiting import SpinPolicy, Waiters, WakePipe, note_ring_processes, spin
-from .zmq_channel import SocketReceiver, SocketSender
+from rayfree.transport import serde
+from rayfree.transport.channel import EMPTY, Receiver, Sender, frame_sizes
+from rayfree.transport.errors import BadFrame, QueueClosed
+from rayfree.transport.net import IpcDir
+from rayfree.transport.shm import slots
+from rayfree.transport.shm.bulk import BufferPool, copy_into
+from rayfree.transport.shm.ring import RingReader, RingWriter
+from rayfree.transport.shm.segment import ShmRingBuffer
+from rayfree.transport.shm.slots import KIND_DATA, KIND_OVERFLOW, ONE_FRAME_OFFSET
+from rayfree.transport.shm.waiting import SpinPolicy, WakePipe, note_ring_processes, spin
+from rayfree.transport.zmq.channel import SocketReceiver, SocketSender
 
 __all__ = ["ShmSender", "ShmReceiver"]
 
 logger = logging.getLogger("rayfree.transport")
 
 _perf = time.perf_counter
-_loads = pickle.loads
+_loads = serde.loads
+_FOREVER = float("inf")
 
 
 class ShmSender(Sender):
@@ -52,12 +53,16 @@ class ShmSender(Sender):
 
     path = "shm"
 
-    def __init__(self, ring: ShmRingBuffer, reader_ranks: list[int], spin_us: float | None, wake_dir: str,
+    def __init__(self, ring: ShmRingBuffer, reader_ranks: list[int], spin_us: float | None, ipc: IpcDir,
                  overflow: SocketSender) -> None:
+        super().__init__()
         self.ring = ring
+        self.ipc = ipc
         self.readers = reader_ranks
         self.rw = RingWriter(ring)
+        #: where messages too big for the whole ring go (READY and CLOSE too)
         self.overflow = overflow
+        wake_dir = ipc.path
         paths = [os.path.join(wake_dir, "wake-w")] + [os.path.join(wake_dir, f"wake-r{i}")
                                                        for i in range(ring.n_reader)]
         for path in paths:
@@ -67,50 +72,97 @@ class ShmSender(Sender):
         self.reader_pipes = [WakePipe(path, waiter=False) for path in paths[1:]]
         note_ring_processes(1 + ring.n_reader)
         self.policy = SpinPolicy(spin_us)
-        self.shutdown_requested = False
-        self.waiters = Waiters()
-        self.log_interval = settings.get("RAYFREE_WAIT_LOG_INTERVAL_S")
+        #: bytes this path has carried (the overflow socket's included), for metrics
+        self.sent_bytes = 0
         self._base_addr = ring.address
+        self._put_one = self.rw.put_one
         self._wake_one = self.reader_pipes[0].wake if ring.n_reader == 1 else None
 
-    def put_one(self, data: bytes, kind: int = KIND_DATA) -> bool:
-        """A one-frame message into the next chunk if it is free (the hot path); False: use `send`."""
-        done = self.rw.put_one(data, kind)
-        if done == 2:
-            self.wake_parked()
-        return done != 0
+    @classmethod
+    def create(cls, reader_ranks: list[int], max_chunk_bytes: int, max_chunks: int, queue_id: bytes,
+               spin_us: float | None) -> ShmSender:
+        """A new ring for `reader_ranks`, its wake pipes and its overflow publisher (all removed on failure)."""
+        ring = ShmRingBuffer.create(len(reader_ranks), max_chunk_bytes, max_chunks, queue_id)
+        ipc = overflow = None
+        try:
+            ipc = IpcDir()
+            overflow = SocketSender.publish(ipc.endpoint("overflow"), "ipc", reader_ranks, 0, queue_id)
+            return cls(ring, reader_ranks, spin_us, ipc, overflow)
+        except BaseException:
+            if overflow is not None:
+                overflow.abort()
+            if ipc is not None:
+                ipc.remove()
+            ring.unlink()
+            ring.close()
+            raise
 
-    def send(self, frames: list, sizes: list[int], deadline: float | None,
+    def names(self) -> dict[str, Any]:
+        """What a local reader needs to find this path (for the queue's handle)."""
+        return {"shm_name": self.ring.name, "shm_size": self.ring.size, "ipc_dir": self.ipc.path,
+                "local_endpoint": self.overflow.endpoint}
+
+    def remove_names(self) -> None:
+        """Remove the segment's and the pipes' names (every reader has opened them; idempotent)."""
+        self.ring.unlink()
+        self.ipc.remove()
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def try_send(self, frames: list[Any], sizes: list[int] | None = None) -> bool:
+        if len(frames) == 1:
+            done = self._put_one(frames[0])
+            if done:
+                self.sent_bytes += len(frames[0])
+                if done == 2:
+                    self.wake_parked()
+                return True
+        if sizes is None:
+            sizes = frame_sizes(frames)
+        nbytes = slots.layout(sizes)[1]
+        if nbytes > self.ring.capacity:
+            return False
+        span = self.rw.span_for(nbytes)
+        start = self._try_reserve(span)
+        if start is None:
+            return False
+        self._write(start, span, frames, sizes)
+        return True
+
+    def send(self, frames: list[Any], sizes: list[int] | None, deadline: float | None,
              on_wait: Callable[[], None] | None = None) -> None:
-        nbytes = framing.layout(sizes)[1]
+        if sizes is None:
+            sizes = frame_sizes(frames)
+        nbytes = slots.layout(sizes)[1]
         if nbytes > self.ring.capacity:
             self._send_overflow(frames, sizes, deadline, on_wait)
             return
-        if len(frames) == 1 and self.put_one(frames[0], KIND_DATA):
-            return
-        rw = self.rw
-        span = rw.span_for(nbytes)
-        start = self._reserve(span, deadline, on_wait)
+        span = self.rw.span_for(nbytes)
+        self._write(self._reserve(span, deadline, on_wait), span, frames, sizes)
+
+    def _write(self, start: int, span: int, frames: list[Any], sizes: list[int]) -> None:
         base = self.ring.chunk_offset(start)
         buf = self.ring.buf
         if len(frames) == 1:
-            framing.write_one(buf, base, KIND_DATA, span, frames[0])
+            slots.write_one(buf, base, KIND_DATA, span, frames[0])
         else:
-            framing.write_head(buf, base, KIND_DATA, span, sizes)
-            offsets, _ = framing.layout(sizes)
+            slots.write_head(buf, base, KIND_DATA, span, sizes)
+            offsets, _ = slots.layout(sizes)
             buf[base + offsets[0]: base + offsets[0] + sizes[0]] = frames[0]
             for f, off in zip(frames[1:], offsets[1:]):
                 copy_into(buf, self._base_addr, base + off, f)
-        rw.commit(start, span)
+        self.rw.commit(start, span)
+        self.sent_bytes += sum(sizes)
         self._notify()
 
-    def _send_overflow(self, frames: list, sizes: list[int], deadline: float | None,
+    def _send_overflow(self, frames: list[Any], sizes: list[int], deadline: float | None,
                        on_wait: Callable[[], None] | None) -> None:
         """Mark the next slot 'on the overflow socket', send there, then publish the mark."""
         start = self._reserve(1, deadline, on_wait)
-        framing.write_head(self.ring.buf, self.ring.chunk_offset(start), KIND_OVERFLOW, 1, [0])
+        slots.write_head(self.ring.buf, self.ring.chunk_offset(start), KIND_OVERFLOW, 1, [0])
         self.overflow.send(frames, sizes, deadline, on_wait)
         self.rw.commit(start, 1)
+        self.sent_bytes += sum(sizes)
         self._notify()
 
     def wake_parked(self) -> None:
@@ -136,56 +188,77 @@ class ShmSender(Sender):
         start = self._try_reserve(span)
         if start is not None:
             return start
-        with self.waiters:
-            t0 = _perf()
-            start = spin(lambda: self._try_reserve(span), self.policy)
-            return start if start is not None else self._park(span, deadline, t0, on_wait)
-
-    def _park(self, span: int, deadline: float | None, t0: float, on_wait: Callable[[], None] | None) -> int:
         rw, pol = self.rw, self.policy
-        next_log = t0 + self.log_interval
-        while True:
-            rw.set_parked(1)
-            start = self._try_reserve(span)
-            now = _perf()
+        t0 = _perf()
+        with self.waiters:
+            start = spin(lambda: self._try_reserve(span), pol)
             if start is not None:
-                rw.set_parked(0)
-                pol.record(now - t0)
                 return start
-            if self.shutdown_requested:
+
+            def attempt(s: float) -> int | None:
+                rw.set_parked(1)
+                got = self._try_reserve(span)
+                if got is None and s > 0:
+                    self.own.wait(s)
+                    got = self._try_reserve(span)
                 rw.set_parked(0)
-                raise QueueShutdown("enqueue interrupted: shutdown() was called on this queue")
-            if deadline is not None and now >= deadline:
-                rw.set_parked(0)
-                raise QueueTimeout(f"enqueue timed out after {now - t0:.3f}s waiting for a free slot: "
-                                   f"{self.laggards(span)}")
-            if now >= next_log:
-                logger.warning("writer has waited %.0fs for a free slot: %s", now - t0, self.laggards(span))
-                next_log = now + self.log_interval
-            left = next_log - now if deadline is None else min(deadline, next_log) - now
-            self.own.wait(left if on_wait is None else min(left, 0.005))
-            rw.set_parked(0)
-            if on_wait is not None:
-                on_wait()
+                if got is not None:
+                    pol.record(_perf() - t0)
+                return got
+
+            return self.wait(attempt, deadline, "enqueue", lambda _: f" waiting for a free slot: {self.laggards(span)}",
+                             slice_s=_FOREVER, on_wait=on_wait, t0=t0, log_level=logging.WARNING,
+                             log=lambda w: f"writer has waited {w:.0f}s for a free slot: {self.laggards(span)}")
 
     def laggards(self, span: int) -> str:
         late = sorted({self.readers[r] for c in self.rw.blocking_chunks(span) for r in self.rw.holders(c)})
         return (f"local reader rank(s) {late} have not read (or still hold in-place views of) "
                 f"earlier messages")
 
+    def status(self) -> dict[str, Any]:
+        """The ring's occupancy, and how many chunks each local reader has not yet read or released."""
+        if self.shutdown_requested:
+            return {}
+        rw = self.rw
+        behind = dict.fromkeys(self.readers, 0)
+        occupied = 0
+        try:
+            for c in range(self.ring.n_chunks):
+                held = rw.holders(c)
+                occupied += bool(held)
+                for r in held:
+                    behind[self.readers[r]] += 1
+        except ValueError:  # closed meanwhile (the mapping is released): nothing to show
+            return {}
+        return {"chunks": self.ring.n_chunks, "occupied": occupied, "behind": behind}
+
+    # -- the end ---------------------------------------------------------------------------------
+
     def shutdown(self) -> None:
-        self.shutdown_requested = True
+        super().shutdown()
+        self.overflow.shutdown()
         self._self_waker.wake()  # a send parked for a free chunk sees it now
 
     def close(self) -> None:
-        """Tell readers no more messages come, wake them, release the pipes."""
+        """Tell readers no more messages come (on the ring and its socket), wake them, release the pipes."""
         self.rw.mark_closed()
         for p in self.reader_pipes:
             p.wake()
         for p in (self.own, self._self_waker, *self.reader_pipes):
             p.close()
+        self.overflow.close()
+        self._release()
 
-    abort = close
+    def abort(self) -> None:
+        self.overflow.abort()
+        self.rw.mark_closed()
+        for p in (self.own, self._self_waker, *self.reader_pipes):
+            p.close()
+        self._release()
+
+    def _release(self) -> None:
+        self.remove_names()
+        self.ring.close()
 
 
 class ShmReceiver(Receiver):
@@ -194,48 +267,72 @@ class ShmReceiver(Receiver):
     path = "shm"
 
     def __init__(self, ring: ShmRingBuffer, r: int, spin_us: float | None, wake_dir: str,
-                 zero_copy: bool = False) -> None:
+                 subscribe: Callable[[], SocketReceiver], zero_copy: bool = False) -> None:
+        super().__init__()
         self.ring = ring
         self.zero_copy = zero_copy
-        #: where messages too big for the ring arrive (set by the owner once subscribed)
-        self.overflow: SocketReceiver | None = None
+        # The wake pipes first: the writer removes their directory once every hello has arrived.
         path = os.path.join(wake_dir, f"wake-r{r}")
         self.own = WakePipe(path, waiter=True)
         self._self_waker = WakePipe(path, waiter=False)
         self.writer_pipe = WakePipe(os.path.join(wake_dir, "wake-w"), waiter=False)
+        try:
+            #: where messages too big for the ring arrive (and READY and CLOSE)
+            self.overflow = subscribe()
+        except BaseException:
+            for p in (self.own, self._self_waker, self.writer_pipe):
+                p.close()
+            raise
         self.rr = RingReader(ring, r, _loads, self.writer_pipe.wake)
         note_ring_processes(1 + ring.n_reader)
         self.policy = SpinPolicy(spin_us)
-        self.shutdown_requested = False
-        self.waiters = Waiters()
-        self.log_interval = settings.get("RAYFREE_WAIT_LOG_INTERVAL_S")
         self.pool_min = settings.get("RAYFREE_POOL_MIN_BYTES")
         self.pool = BufferPool(settings.get("RAYFREE_READER_POOL_BYTES"))
         self._base_addr = ring.address
         self._holders: dict[int, type] = {}
-        self._leases: dict[int, weakref.ref] = {}
-        #: the hot path: the next one-chunk message, or EMPTY
-        self.get_one = self.rr.get_one
+        self._leases: dict[int, weakref.ref[Any]] = {}
+        self._get_one = self.rr.get_one
 
-    def recv(self, timeout: float | None, indefinite: bool) -> Any:
-        obj = self.rr.get_one()
-        if obj is not EMPTY:
+    @classmethod
+    def attach(cls, shm_name: str, shm_size: int, queue_id: str, r: int, wake_dir: str, endpoint: str,
+               rank: int, spin_us: float | None, zero_copy: bool, maxmsgsize: int | None) -> ShmReceiver:
+        """Map the writer's ring as its reader `r` and subscribe to its overflow socket."""
+        ring = ShmRingBuffer.attach(shm_name, shm_size, queue_id)
+        try:
+            return cls(ring, r, spin_us, wake_dir,
+                       lambda: SocketReceiver.subscribe(endpoint, "ipc", rank, queue_id, maxmsgsize), zero_copy)
+        except BaseException:
+            ring.close()
+            raise
+
+    def try_recv(self) -> Any:
+        obj = self._get_one()
+        if obj is not EMPTY or not self.rr.ready():
             return obj
+        got = self.rr.poll()
+        return EMPTY if got is None else self._take(got, None, False)
+
+    def recv_waiting(self, deadline: float | None, indefinite: bool) -> Any:
         rr = self.rr
-        t0 = _perf()
-        deadline = None if timeout is None else t0 + timeout  # one deadline for every stage below
         if not rr.ready():
+            t0 = _perf()
             with self.waiters:
                 if not rr.spin_ready(self.policy):
                     self._park(t0, deadline, indefinite)
-        obj = rr.get_one()
+        obj = self._get_one()
         if obj is not EMPTY:
             return obj
-        start, kind, span = self._next_slot(deadline, indefinite)
+        return self._take(self._next_slot(deadline, indefinite), deadline, indefinite)
+
+    def recv_control(self, deadline: float | None, what: str) -> list[Any]:
+        """The handshake's READY (it comes on the overflow socket)."""
+        return self.overflow.recv_control(deadline, what)
+
+    def _take(self, got: tuple[int, int, int], deadline: float | None, indefinite: bool) -> Any:
+        start, kind, span = got
         if kind != KIND_OVERFLOW:
             return self._read(start, span)
-        rr.release(start, span)
-        assert self.overflow is not None
+        self.rr.release(start, span)
         return self.overflow.recv(None if deadline is None else max(0.0, deadline - _perf()), indefinite)
 
     def _next_slot(self, deadline: float | None, indefinite: bool) -> tuple[int, int, int]:
@@ -252,33 +349,23 @@ class ShmReceiver(Receiver):
 
     def _park(self, t0: float, deadline: float | None, indefinite: bool) -> None:
         rr, pol = self.rr, self.policy
-        next_log = t0 + self.log_interval
-        while True:
+
+        def attempt(s: float) -> bool | None:
             rr.set_parked(1)
             ready = rr.ready()
-            now = _perf()
-            if ready:
-                rr.set_parked(0)
-                pol.record(now - t0)
-                return
-            if self.shutdown_requested:
-                rr.set_parked(0)
-                raise QueueShutdown("dequeue interrupted: shutdown() was called on this queue")
-            if rr.closed:
-                rr.set_parked(0)
-                raise QueueClosed("the writer closed this queue; no more messages will arrive")
-            if deadline is not None and now >= deadline:
-                rr.set_parked(0)
-                raise QueueTimeout(f"dequeue timed out after {now - t0:.3f}s: no message from the writer")
-            if now >= next_log:
-                if not indefinite:
-                    logger.info("reader %d has waited %.0fs for a message", rr.r, now - t0)
-                next_log = now + self.log_interval
-            if deadline is not None:
-                self.own.wait(min(deadline, next_log) - now)
-            else:
-                self.own.wait(None if indefinite else next_log - now)
+            if not ready and not rr.closed and s > 0:
+                self.own.wait(s)
+                ready = rr.ready()
             rr.set_parked(0)
+            if ready:
+                pol.record(_perf() - t0)
+                return True
+            if rr.closed:
+                raise QueueClosed("the writer closed this queue; no more messages will arrive")
+            return None
+
+        self.wait(attempt, deadline, "dequeue", lambda _: ": no message from the writer", slice_s=_FOREVER, t0=t0,
+                  log=None if indefinite else (lambda w: f"reader {rr.r} has waited {w:.0f}s for a message"))
 
     def _read(self, start: int, span: int) -> Any:
         """Unpickle the message in chunks start.. and free them (now, or when its views die)."""
@@ -286,18 +373,16 @@ class ShmReceiver(Receiver):
         buf = ring.buf
         base = ring.chunk_offset(start)
         limit = span * ring.stride
-        n0 = framing.read_one_length(buf, base)
+        n0 = slots.read_one_length(buf, base)
         if n0 >= 0:
             try:
                 if ONE_FRAME_OFFSET + n0 > limit:
                     raise BadFrame(f"corrupt slot: a {n0}-byte frame in a {limit}-byte slot")
-                if buf[base] == KIND_BYTES:
-                    return bytes(buf[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n0])
                 return _loads(buf[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n0])
             finally:
                 rr.release(start, span)
         try:
-            offsets, lengths = framing.read_layout(buf, base, limit)
+            offsets, lengths = slots.read_layout(buf, base, limit)
         except BadFrame:
             rr.release(start, span)
             raise
@@ -345,12 +430,13 @@ class ShmReceiver(Receiver):
         return obj
 
     def shutdown(self) -> None:
-        self.shutdown_requested = True
-        if self.overflow is not None:
-            self.overflow.shutdown()
+        super().shutdown()
+        self.overflow.shutdown()
         self._self_waker.wake()
 
     def close(self) -> None:
-        """The pipes; the owner closes the overflow socket."""
+        """The pipes, the overflow socket and the mapping."""
         for p in (self.own, self._self_waker, self.writer_pipe):
             p.close()
+        self.overflow.close()
+        self.ring.close()

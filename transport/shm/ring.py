@@ -33,10 +33,11 @@ import time
 
 from rayfree import settings
 
-from .errors import BadFrame
-from .framing import KIND_BYTES, KIND_DATA, KIND_WRAP, KINDS, ONE, ONE_FRAME_OFFSET, SLOT
-from .shm_ring import CLOSED, READER_PARKED, WRITER_PARKED, ShmRingBuffer
-from .waiting import SpinPolicy, _fence_acquire, _fence_release, fence, sched_yield
+from rayfree.transport.channel import EMPTY
+from rayfree.transport.errors import BadFrame
+from rayfree.transport.shm.slots import KIND_DATA, KIND_WRAP, KINDS, ONE, ONE_FRAME_OFFSET, SLOT
+from rayfree.transport.shm.segment import CLOSED, READER_PARKED, WRITER_PARKED, ShmRingBuffer
+from rayfree.transport.shm.waiting import SpinPolicy, _fence_acquire, _fence_release, fence, sched_yield
 
 # fence() inlined as its two calls on the hot paths (a Python frame costs as much as the fence itself).
 _acquire, _release = _fence_acquire, _fence_release
@@ -56,8 +57,6 @@ __all__ = ["RingWriter", "RingReader", "HELD", "EMPTY"]
 
 #: A reader's flag byte while it holds a message it took (0 unread, 1 released).
 HELD = 2
-#: `RingReader.get_one`: no one-chunk message is ready.
-EMPTY: Any = object()
 
 
 class RingWriter:
@@ -93,36 +92,18 @@ class RingWriter:
         b = self._b
         return [] if b[fo] == 0 else [r for r in range(self.ring.n_reader) if b[fo + 1 + r] != 1]
 
-    def put_one(self, data: bytes, kind: int) -> int:
-        """Publish `data` as a one-frame, one-chunk message if the next chunk is free. The hot path of every
-        small message. 0: not written (the chunk is held, or `data` is too long: use try_reserve/commit);
-        1: published; 2: published, and some reader is parked (wake it)."""
+    def put_one(self, data: bytes) -> int:
+        """Publish `data` as a one-frame, one-chunk message if the next chunk is free: the hot path of every
+        small message, the only code that writes one. 0: not written (the chunk is held, or `data` is too long:
+        use try_reserve/commit); 1: published; 2: published, and some reader is parked (wake it)."""
         c = self.idx
         b = self._b
         fo = self._flag_offs[c]
         n = len(data)
-        if n > self.one_max:
-            return 0
-        if self._single:  # one reader (every reply queue): byte compares, not slices
-            if b[fo] and b[fo + 1] != 1:
-                return 0
-            base = self._chunk_offs[c]
-            ONE.pack_into(b, base, kind, 1, 1, n)
-            b[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n] = data
-            if self._order:  # fence: the payload before the flags
-                _acquire()
-                _release()
-            b[fo + 1] = 0
-            b[fo] = 1
-            c += 1
-            self.idx = 0 if c == self._n_chunks else c
-            _acquire()  # fence: the flags before the look at the parked byte
-            _release()
-            return 2 if b[READER_PARKED] else 1
-        if b[fo] and b[fo + 1: fo + self._row] != self._all_read:
+        if n > self.one_max or (b[fo] and b[fo + 1: fo + self._row] != self._all_read):
             return 0
         base = self._chunk_offs[c]
-        ONE.pack_into(b, base, kind, 1, 1, n)
+        ONE.pack_into(b, base, KIND_DATA, 1, 1, n)
         b[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n] = data
         if self._order:  # fence: the payload before the flags
             _acquire()
@@ -265,13 +246,11 @@ class RingReader:
             _release()
         base = self._chunk_offs[c]
         kind, span, nframes, n = ONE.unpack_from(b, base)
-        if span != 1 or nframes != 1 or n > self.one_max or (kind != KIND_DATA and kind != KIND_BYTES):
+        if span != 1 or nframes != 1 or n > self.one_max or kind != KIND_DATA:
             return EMPTY
         c += 1
         self.idx = 0 if c == self._n_chunks else c
         try:
-            if kind:
-                return bytes(b[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n])
             return self.loads(b[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n])
         finally:
             b[me] = 1

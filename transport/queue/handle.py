@@ -2,15 +2,15 @@
 
 It crosses process and node boundaries before peers are authenticated, so it
 is msgpack, never pickle, signed with the cluster secret when there is one
-(security.seal), and `from_bytes` checks it thoroughly.
+(policy.seal), and `from_bytes` checks it thoroughly.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from . import security
-from .errors import HandleError
+from rayfree.transport.secure import policy
+from rayfree.transport.errors import HandleError
 
 __all__ = ["Handle", "HANDLE_VERSION"]
 
@@ -50,7 +50,7 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
         return self.local_endpoint
 
     def to_bytes(self) -> bytes:
-        return security.seal(_MAGIC + msgspec.msgpack.encode(self))
+        return policy.seal(_MAGIC + msgspec.msgpack.encode(self))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Handle:
@@ -58,10 +58,10 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_signed(cls, data: bytes | bytearray | memoryview) -> tuple[Handle, bytes | None]:
-        """The handle and its signature's nonce (None when unsigned), for `security.check_fresh`."""
+        """The handle and its signature's nonce (None when unsigned), for `policy.check_fresh`."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise HandleError(f"a handle is bytes from Handle.to_bytes(), got {type(data).__name__}")
-        data, nonce = security.unseal(bytes(data))
+        data, nonce = policy.unseal(bytes(data))
         return cls._parse(data), nonce
 
     @classmethod

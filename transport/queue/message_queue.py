@@ -9,11 +9,10 @@ changing an import::
     mq.wait_until_ready(); rq.wait_until_ready()             # collective
     mq.enqueue(obj); obj = rq.dequeue()
 
-The facade holds a `QueueWriter` (writer.py) or a `QueueReader` (reader.py).
-Once ready, `enqueue`/`dequeue` are the role's own methods for its paths
-(bound on the instance), so the hot path has no facade in it; before the
-handshake and after `shutdown()` they are the checking versions below.
-Every reader gets every message, once, in order.
+The facade holds a `QueueWriter` (writer.py) or a `QueueReader` (reader.py)
+and checks one flag per call (ready and not shut down); the hot path itself
+is each channel's `try_send`/`try_recv`, written once. Every reader gets
+every message, once, in order.
 """
 
 from __future__ import annotations
@@ -21,11 +20,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from . import security
-from .errors import QueueShutdown, TransportError
-from .handle import Handle
-from .reader import QueueReader
-from .writer import QueueWriter, deadline_of
+from rayfree.transport.secure import policy
+from rayfree.transport.errors import QueueShutdown, TransportError
+from rayfree.transport.queue.handle import Handle
+from rayfree.transport.queue.reader import QueueReader
+from rayfree.transport.queue.writer import QueueWriter, deadline_of
 
 __all__ = ["MessageQueue", "Handle", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS"]
 
@@ -103,6 +102,8 @@ class MessageQueue:
         self._ready = False
         self._closed = False
         self._shutdown = False
+        #: ready and not shut down: the one check enqueue/dequeue make
+        self._usable = False
 
     @classmethod
     def create_from_handle(cls, handle: Handle | bytes, rank: int, *, spin_us: float | None = None,
@@ -119,7 +120,7 @@ class MessageQueue:
             handle, _nonce = Handle.from_signed(handle)
         else:
             handle.validate()
-        security.check_fresh(_nonce, f"reader {rank} of queue {handle.queue_id}")
+        policy.check_fresh(_nonce, f"reader {rank} of queue {handle.queue_id}")
         if not isinstance(rank, int) or not 0 <= rank < handle.n_reader:
             raise ValueError(f"rank {rank!r} is not a reader of this queue: its readers are ranks "
                              f"0..{handle.n_reader - 1}")
@@ -176,12 +177,7 @@ class MessageQueue:
             assert self._r is not None
             self._r.handshake(deadline, timeout)
         self._ready = True
-        if self._shutdown:
-            return
-        if self._w is not None:
-            self.enqueue = self._w.fast_enqueue()  # type: ignore[method-assign]
-        else:
-            self.dequeue = self._r.fast_dequeue()  # type: ignore[method-assign,union-attr]
+        self._usable = not self._shutdown
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """vLLM's symmetric call: the writer sends `obj` and returns it, a reader returns what it receives."""
@@ -195,31 +191,34 @@ class MessageQueue:
         """`shutdown()` was called (vLLM's name)."""
         return self._shutdown
 
-    # -- the checking versions (before the handshake, after shutdown) ------------------------------
+    # -- messages ----------------------------------------------------------------------------------
 
     def enqueue(self, obj: Any, timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> None:
         """Send `obj` to every reader. Blocks while readers lag, up to `timeout` seconds (a negative one counts as
         0), calling `on_wait()` every few milliseconds meanwhile (the executor reads replies there)."""
-        if self._w is None:
-            raise RuntimeError(f"reader rank {self.rank} cannot enqueue: only the queue's writer sends")
-        self._check_usable()
-        self._w.enqueue(obj, timeout, on_wait)
+        w = self._w
+        if not self._usable or w is None:
+            if w is None:
+                raise RuntimeError(f"reader rank {self.rank} cannot enqueue: only the queue's writer sends")
+            self._check_usable()
+        w.enqueue(obj, timeout, on_wait)
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message. Waits up to `timeout` seconds (None: forever, logging
         every minute unless `indefinite`)."""
-        if self._r is None:
-            raise RuntimeError("the writer cannot dequeue: readers are made with create_from_handle()")
-        self._check_usable()
-        return self._r.dequeue(timeout, indefinite)
+        r = self._r
+        if not self._usable or r is None:
+            if r is None:
+                raise RuntimeError("the writer cannot dequeue: readers are made with create_from_handle()")
+            self._check_usable()
+        return r.receiver.recv(timeout, indefinite)
 
     # -- the end -----------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
         """Make blocked and future enqueue/dequeue calls raise QueueShutdown (any thread)."""
         self._shutdown = True
-        self.__dict__.pop("enqueue", None)
-        self.__dict__.pop("dequeue", None)
+        self._usable = False
         if self._w is not None:
             self._w.shutdown()
         if self._r is not None and not self._closed:

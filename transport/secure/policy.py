@@ -35,7 +35,7 @@ import zmq.utils.z85
 
 from rayfree import settings
 
-from .errors import HandleError, TransportError
+from rayfree.transport.errors import HandleError, TransportError
 
 __all__ = ["ClusterSecret", "InsecureTransport", "SecretError", "secret_from", "fingerprint", "Policy", "resolve",
            "use", "current", "load_secret", "write_secret", "process_secret", "insecure", "seal", "unseal", "check_fresh",

@@ -22,9 +22,8 @@ import os
 import threading
 import time
 
-import zmq
-
-from .zmq_channel import CLOSE, SocketSender
+from rayfree.transport.errors import TransportError
+from rayfree.transport.zmq.channel import CLOSE, SocketSender
 
 __all__ = ["hold", "flush"]
 
@@ -37,12 +36,11 @@ _perf = time.perf_counter
 
 
 class _Held:
-    __slots__ = ("sender", "pending", "prefix", "deadline", "limit", "close_sent", "pid")
+    __slots__ = ("sender", "pending", "deadline", "limit", "close_sent", "pid")
 
-    def __init__(self, sender: SocketSender, ranks: list[int], prefix: bytes, limit: float) -> None:
+    def __init__(self, sender: SocketSender, ranks: list[int], limit: float) -> None:
         self.sender = sender
         self.pending = set(ranks)
-        self.prefix = prefix
         self.limit = limit
         self.deadline = _perf() + limit
         self.close_sent = False
@@ -50,16 +48,13 @@ class _Held:
 
     def step(self, wait_ms: int) -> bool:
         """Send CLOSE if not yet sent, read reports; True when this one is finished (and closed)."""
-        if not self.close_sent:
-            try:
+        try:
+            if not self.close_sent:
                 self.close_sent = self.sender.send_control(CLOSE, block=False)  # refused while a reader lags
-            except zmq.ZMQError:
-                self.pending.clear()
-        if self.pending and self.close_sent:
-            try:
-                self.sender.read_close_acks(self.pending, self.prefix, wait_ms)
-            except zmq.ZMQError:
-                self.pending.clear()
+            if self.pending and self.close_sent:
+                self.sender.read_close_acks(self.pending, wait_ms)
+        except TransportError:  # the socket is unusable: nobody can confirm any more
+            self.pending.clear()
         if self.pending and _perf() < self.deadline:
             return False
         if self.pending:
@@ -70,7 +65,7 @@ class _Held:
         return True
 
 
-def hold(sender: SocketSender, ranks: list[int], hello_prefix: bytes, limit: float) -> None:
+def hold(sender: SocketSender, ranks: list[int], limit: float) -> None:
     """Take over a writer's remote publisher at close(): CLOSE, then keep it until its readers confirm."""
     global _hooked_pid
     with _lock:
@@ -79,7 +74,7 @@ def hold(sender: SocketSender, ranks: list[int], hello_prefix: bytes, limit: flo
             _held[:] = [h for h in _held if h.pid == pid]
             multiprocessing.util.Finalize(None, flush, exitpriority=100)  # atexit, and in mp children
             _hooked_pid = pid
-        h = _Held(sender, ranks, hello_prefix, limit)
+        h = _Held(sender, ranks, limit)
         _held.append(h)
         _held[:] = [x for x in _held if not x.step(0)]  # finish whoever is done already
 

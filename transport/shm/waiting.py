@@ -27,7 +27,7 @@ from typing import Callable, TypeVar
 
 from rayfree import settings
 
-__all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "Waiters", "sched_yield", "yield_interval",
+__all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "sched_yield", "yield_interval",
            "note_ring_processes"]
 
 T = TypeVar("T")
@@ -127,34 +127,6 @@ def spin(check: Callable[[], T | None], policy: SpinPolicy) -> T | None:
         if now >= next_yield:
             sched_yield()
             next_yield = now + gap
-
-
-class Waiters:
-    """Counts threads blocked inside a channel, so `close()` can let them leave before it unmaps.
-
-    Only the blocking paths enter it (one thread per channel end blocks at a
-    time, so a plain counter is enough); `close()` is rare and polls.
-    """
-
-    __slots__ = ("n",)
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __enter__(self) -> None:
-        self.n += 1
-
-    def __exit__(self, *exc: object) -> None:
-        self.n -= 1
-
-    def wait_idle(self, timeout: float) -> bool:
-        """True once no thread is inside (False if some still are after `timeout`)."""
-        end = time.monotonic() + timeout
-        while self.n > 0:
-            if time.monotonic() >= end:
-                return False
-            time.sleep(0.001)
-        return True
 
 
 class WakePipe:

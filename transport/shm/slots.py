@@ -5,7 +5,6 @@ Head chunk of every message::
     0   u8  kind   KIND_DATA    frames: a pickle stream and its out-of-band buffers
                    KIND_OVERFLOW  nothing here: the frames travel on the overflow socket
                    KIND_WRAP    nothing here: the next message starts at chunk 0
-                   KIND_BYTES   one frame that is the message itself (bytes), no pickle
     4   u32 span   chunks the message occupies (consecutive, never wrapping)
     8   u32 frame count n
     16  u64 length[n]
@@ -13,7 +12,7 @@ Head chunk of every message::
         each buffer starting on a 64-byte boundary so it can be viewed in place
         as a tensor of any dtype.
 
-A one-frame message (the common case: a small pickle or raw bytes) has its
+A one-frame message (the common case: a small pickle, or serde's raw bytes) has its
 frame at ONE_FRAME_OFFSET (24): 16 bytes of head and one length.
 """
 
@@ -21,17 +20,16 @@ from __future__ import annotations
 
 import struct
 
-from .errors import BadFrame
+from rayfree.transport.errors import BadFrame
 
-__all__ = ["KIND_DATA", "KIND_OVERFLOW", "KIND_WRAP", "KIND_BYTES", "KINDS", "SLOT", "ONE", "ONE_FRAME_OFFSET",
+__all__ = ["KIND_DATA", "KIND_OVERFLOW", "KIND_WRAP", "KINDS", "SLOT", "ONE", "ONE_FRAME_OFFSET",
            "FRAME_ALIGN", "layout", "write_head", "write_one", "read_layout", "read_one_length"]
 
 KIND_DATA = 0
 KIND_OVERFLOW = 1
 KIND_WRAP = 2
-KIND_BYTES = 3
 #: kinds a reader hands to its caller (WRAP is the ring's own)
-KINDS = (KIND_DATA, KIND_OVERFLOW, KIND_BYTES)
+KINDS = (KIND_DATA, KIND_OVERFLOW)
 
 FRAME_ALIGN = 64
 SLOT = struct.Struct("<BxxxI")        # kind, span: what the ring protocol reads of every head chunk
@@ -60,7 +58,7 @@ def write_head(buf, base: int, kind: int, span: int, sizes: list[int]) -> None:
 
 
 def write_one(buf, base: int, kind: int, span: int, data) -> None:
-    """A message that is one frame (a pickle stream, or raw bytes with KIND_BYTES)."""
+    """A message that is one frame (a pickle stream, or serde's raw bytes)."""
     n = len(data)
     ONE.pack_into(buf, base, kind, span, 1, n)
     buf[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n] = data

@@ -13,18 +13,16 @@ user chose --insecure; ipc sockets stay in 0700 directories.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-from typing import Iterator
-
 import zmq
 
-from . import security, zap
-from .errors import QueueTimeout, TransportError
-from .net import is_ipv6
+from rayfree.transport.secure import policy
+from rayfree.transport.secure import zap
+from rayfree.transport.errors import QueueTimeout, TransportError
+from rayfree.transport.net import is_ipv6
 
-__all__ = ["context", "make_publisher", "make_subscriber", "make_router", "make_dealer", "zmq_errors", "translate",
+__all__ = ["context", "make_publisher", "make_subscriber", "make_router", "make_dealer", "zmq_errors", "translate", "tracker_done",
            "SocketError", "HELLO_PREFIX"]
 
 #: Subscription topic prefix a reader adds so the writer can tell who arrived.
@@ -71,20 +69,49 @@ def translate(e: zmq.ZMQError, what: str) -> TransportError:
     return SocketError(f"{what}: {e.strerror} (zmq errno {e.errno})", e.errno)
 
 
-@contextlib.contextmanager
-def zmq_errors(what: str) -> Iterator[None]:
-    """Run a block of ZeroMQ calls, translating their errors (`translate`)."""
+class zmq_errors:
+    """Translate every ZeroMQ error raised by the raw calls inside the block (`translate`), trio's way.
+
+    Nothing but raw socket calls belongs inside. With `again=True`, `zmq.Again` (a non-blocking call that
+    could not act now, or a blocking one whose timeout ran out) is swallowed instead: the statement after
+    the block runs, so ``with again: sock.send(m, NOBLOCK); return True`` then ``return False`` reads as it
+    means. One instance may be kept and reused (it holds no state of a call).
+    """
+
+    __slots__ = ("what", "again", "ignore")
+
+    def __init__(self, what: str, again: bool = False, ignore: bool = False) -> None:
+        self.what = what
+        self.again = again
+        #: swallow every ZeroMQ error (a best-effort call on the way out: a goodbye, an unsubscribe)
+        self.ignore = ignore
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: object) -> bool:
+        if t is None or not issubclass(t, zmq.ZMQError):
+            return False
+        if self.ignore or (self.again and issubclass(t, zmq.Again)):
+            return True
+        assert isinstance(e, zmq.ZMQError)
+        raise translate(e, self.what) from e
+
+
+def tracker_done(tracker: zmq.MessageTracker, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for ZeroMQ to let go of a message's buffers; True once it has."""
     try:
-        yield
-    except zmq.ZMQError as e:
-        raise translate(e, what) from e
+        tracker.wait(timeout)
+    except zmq.NotDone:
+        return False
+    return True
 
 
 def _secure_server(sock: zmq.Socket, endpoint: str, what: str) -> None:
     """A bound TCP socket: CURVE server, peers vetted by the ZAP handler."""
     if not endpoint.startswith("tcp://"):
         return
-    s = security.require_secret(what)
+    s = policy.require_secret(what)
     if s is None:
         return
     zap.ensure_zap_handler(context(), s.client_public)
@@ -98,7 +125,7 @@ def _secure_client(sock: zmq.Socket, endpoint: str, what: str) -> None:
     """A connecting TCP socket: CURVE client with the cluster's client key."""
     if not endpoint.startswith("tcp://"):
         return
-    s = security.require_secret(what)
+    s = policy.require_secret(what)
     if s is None:
         return
     sock.setsockopt(zmq.CURVE_SERVERKEY, s.server_public)
@@ -123,7 +150,7 @@ def make_publisher(bind_to: str, *, sndhwm: int) -> tuple[zmq.Socket, str, bool]
         sock.setsockopt(zmq.XPUB_NODROP, 1)
         if _is_tcp_v6(bind_to):
             sock.setsockopt(zmq.IPV6, 1)
-        if bind_to.startswith("tcp://") and security.require_secret("a queue with remote readers") is not None:
+        if bind_to.startswith("tcp://") and policy.require_secret("a queue with remote readers") is not None:
             sock.setsockopt(zmq.XPUB_MANUAL, 1)
             manual = True
         with zmq_errors(f"binding a publisher to {bind_to}"):
@@ -147,7 +174,7 @@ def make_subscriber(endpoint: str, hello: bytes, *, maxmsgsize: int | None) -> z
         if _is_tcp_v6(endpoint):
             sock.setsockopt(zmq.IPV6, 1)
         if endpoint.startswith("tcp://"):
-            security.require_secret("a remote reader")  # policy: TCP only with a secret, or --insecure
+            policy.require_secret("a remote reader")  # policy: TCP only with a secret, or --insecure
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.SUBSCRIBE, HELLO_PREFIX + hello)
         with zmq_errors(f"connecting a subscriber to {endpoint}"):

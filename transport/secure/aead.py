@@ -55,8 +55,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from .errors import BadFrame
-from .pool import BufferPool
+from rayfree.transport.errors import BadFrame
+from rayfree.transport.shm.bulk import BufferPool
 
 __all__ = ["Sealer", "Opener", "queue_key", "admission_token", "plan", "MAGIC", "SEG_MIN"]
 

@@ -1,0 +1,363 @@
+"""The RPC pipe: a leader's broadcast queue and every rank's reply queue, and the one way a call goes through them.
+
+`RpcPipe.call` sends one message to every rank, then reads the replies it
+asked for, rank by rank, in call order: a call made while older ones are
+pending becomes a `FutureWrapper` behind them (replies come back through
+per-rank FIFO queues, so the reply to call 2 can only be read after the reply
+to call 1). A call that timed out leaves its replies *owed*: they are read and
+dropped before newer ones. Calls from several threads take turns (send and
+receive together, under one lock), so no thread is handed another's reply.
+
+What comes back is the method's value, a `RemoteError` (the worker raised)
+or a `Boxed` value (a value that is itself one of those); every failure of
+the transport during a call is mapped to the executor's errors in one place,
+`RpcPipe._mapped`. `fail(error)` wakes every blocked call with the
+executor's failure; `snapshot()` is what status, metrics and the stall watch
+read (another thread, racy by design).
+
+Unlike vLLM's futures, `result(timeout=...)` works: a wait that runs out
+leaves the call pending (and what it already received kept), so a later
+`result()` continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import suppress
+from typing import Any, Callable
+
+import cloudpickle
+
+from rayfree.transport import MessageQueue, QueueBroken, QueueClosed, QueueShutdown, QueueTimeout, TransportError
+from rayfree.worker.messages import RemoteError, is_special
+
+from .errors import FatalWorkerError, RpcTimeout, WorkerError, failed_as
+from .observe import Call, RpcRecorder
+from .view import RpcSnapshot
+
+__all__ = ["RpcPipe", "RpcSnapshot", "FutureWrapper", "WaitExpired", "unwrap"]
+
+logger = logging.getLogger("rayfree.executor")
+
+
+def unreadable_reply(rank: int, e: Exception) -> RemoteError:
+    return RemoteError(rank, type(e).__name__, f"its reply arrived but could not be read here: {e}",
+                       "(raised while unpickling the reply in the calling process)")
+
+
+def unwrap_error(r: RemoteError, name: str, fatal: bool = False) -> WorkerError:
+    """The caller's error for a rank's exception; in a collective step (`fatal`) that also failed the executor,
+    a FatalWorkerError, whichever of the reply and the rank's fatal report came first."""
+    if fatal:
+        return FatalWorkerError(r.rank, r.error_type, r.message, r.traceback, name,
+                                note="a collective step: the executor has stopped every worker")
+    return WorkerError(r.rank, r.error_type, r.message, r.traceback, name)
+
+
+def unwrap(value: Any, name: str, fatal: bool = False) -> Any:
+    """A RemoteError reply becomes the caller's WorkerError; a Boxed one gives back its value."""
+    if type(value) is RemoteError:
+        raise unwrap_error(value, name, fatal)
+    return value.value
+
+
+class RpcPipe:
+    """The leader's queues to and from `world_size` ranks (see the module docstring).
+
+    `on_interrupted(error)` is told when an interrupt cut a call off mid-way (the executor then takes no
+    more calls); `failure_known` is set once the executor knows why it failed.
+    """
+
+    def __init__(self, broadcast: MessageQueue, world_size: int, collective_methods: frozenset[str] | set[str],
+                 on_interrupted: Callable[[Exception], bool], spin_us: float | None) -> None:
+        self.broadcast = broadcast
+        self.replies: list[MessageQueue] = []
+        self.world_size = world_size
+        self.collective_methods = collective_methods
+        self.lock = threading.RLock()
+        self.recorder = RpcRecorder(world_size)
+        #: pending non-blocking calls, newest on the left
+        self.futures: deque[FutureWrapper] = deque()
+        #: replies still owed by calls that timed out, per rank: read and dropped before newer ones
+        self.owed = [0] * world_size
+        self.failure: Exception | None = None
+        self.failure_known = threading.Event()
+        self.stopping = False
+        self._on_interrupted = on_interrupted
+        self._spin_us = spin_us
+
+    # -- set-up and the end ------------------------------------------------------------------
+
+    def attach_replies(self, handles: list[bytes]) -> None:
+        """Become the reader of each rank's reply queue (handles by rank, from the workers' READY)."""
+        for raw in handles:
+            self.replies.append(MessageQueue.create_from_handle(raw, 0, spin_us=self._spin_us))
+
+    def handshake(self, timeout: float | None) -> None:
+        """The order the workers do it in: the broadcast queue, then the reply queues."""
+        self.broadcast.wait_until_ready(timeout=timeout)
+        for mq in self.replies:
+            mq.wait_until_ready(timeout=timeout)
+
+    def fail(self, error: Exception | None) -> None:
+        """Wake every blocked call: with `error` (the executor's failure), or None (it is shutting down)."""
+        if error is not None and self.failure is None:
+            self.failure = error
+            self.failure_known.set()
+        else:
+            self.stopping = True
+        for mq in (self.broadcast, *self.replies):
+            mq.shutdown()
+
+    def close(self) -> None:
+        for mq in (self.broadcast, *self.replies):
+            mq.close(flush_timeout=0)  # remote workers are stopped by their own node, not by CLOSE
+
+    def snapshot(self) -> RpcSnapshot:
+        rec = self.recorder
+        return RpcSnapshot(rec.in_flight(), rec.since_last_reply(), rec.failures, self.broadcast.status(),
+                           {m: (list(h.counts), h.sum) for m, h in list(rec.hist.items())})
+
+    # -- a call ----------------------------------------------------------------------------------
+
+    def call(self, method: str | Callable[..., Any], timeout: float | None, args: tuple[Any, ...],
+             kwargs: dict[str, Any] | None, non_block: bool, unique_reply_rank: int | None,
+             aggregator: Callable[[Any], Any] | None) -> Any:
+        with self.lock:
+            if self.failure is not None or self.stopping:
+                raise self.failed()
+            output_rank = None if aggregator is not None else unique_reply_rank
+            if unique_reply_rank is not None and (type(unique_reply_rank) is not int
+                                                  or not 0 <= unique_reply_rank < self.world_size):
+                raise ValueError(f"unique_reply_rank={unique_reply_rank!r} is not a rank (0..{self.world_size - 1})")
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if type(method) is str:
+                send: Any = method
+                name = method
+            else:
+                send, name = cloudpickle.dumps(method), getattr(method, "__name__", "<callable>")
+            ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
+            collect = Collector(self, name, ranks, deadline, timeout, output_rank is not None)
+            try:
+                # While the ring is full, read the replies of older calls: the workers may wait for that room.
+                self.broadcast.enqueue((send, args, kwargs, output_rank), timeout,
+                                       self._drain if self.futures else None)
+            except (QueueShutdown, QueueClosed):
+                self.recorder.end(collect.call, False)
+                if self.failure is None and not self.stopping:
+                    self.failure_known.wait(1.0)  # a worker just left: the monitor names it within a second
+                raise self.failed() from None
+            except BaseException as e:
+                self.recorder.end(collect.call, False)
+                raise self.map_failure(e, name, "sending it", timeout)
+            if not non_block and not self.futures:
+                # Nothing older is pending: read the replies here, without a Future.
+                value = collect(None)
+                return value if aggregator is None else aggregator(value)
+            fut = FutureWrapper(self.futures, self.lock, collect, aggregator if aggregator is not None else _same)
+            return fut if non_block else fut.result()
+
+    def _drain(self) -> None:
+        """Read the replies of pending calls that have them now (a send is waiting for room in the ring)."""
+        while self.futures:
+            try:
+                self.futures[-1].drive_now(time.monotonic() + 0.002)
+            except WaitExpired:
+                return
+            self.futures.pop()
+
+    # -- what goes wrong ---------------------------------------------------------------------------
+
+    def failed(self, name: str | None = None) -> Exception:
+        """The error for a call the executor can no longer serve (`name`: a call that was under way)."""
+        f = self.failure
+        if name is None:
+            if f is not None:
+                return failed_as(f, f"the executor failed earlier and takes no more calls: {f}")
+            return failed_as(None, "the executor was shut down")
+        if f is None and not self.stopping:
+            self.failure_known.wait(1.0)  # a worker that just left closed its queue first: wait for its name
+            f = self.failure
+        if f is not None:
+            return failed_as(f, f"RPC {name} failed: {f}")
+        return failed_as(None, f"RPC {name} was cut short: the executor was shut down")
+
+    def map_failure(self, e: BaseException, name: str, where: str, timeout: float | None,
+                    ranks: list[int] | None = None) -> BaseException:
+        """What the caller of RPC `name` gets for `e`, raised while `where` ("sending it", "waiting for its
+        replies"); an interrupt (a BaseException that is not an Exception) also fails the executor."""
+        out = self._mapped(e, name, where, timeout, ranks)
+        if out is not e and out.__cause__ is None:
+            out.__suppress_context__ = True  # the queue's own error says nothing more
+        return out
+
+    def _mapped(self, e: BaseException, name: str, where: str, timeout: float | None,
+                ranks: list[int] | None) -> BaseException:
+        if isinstance(e, QueueTimeout):
+            if where == "sending it":
+                return RpcTimeout(f"RPC {name}: could not even send it before the {timeout}s deadline: {e}")
+            late = ranks or []
+            for r in late:  # these ranks will still send a reply nobody waits for: skip it before reading theirs
+                self.owed[r] += 1
+            busy = [r for r in late if self.owed[r] > 1]
+            return RpcTimeout(f"RPC {name} timed out after {timeout}s: rank(s) {late} have not replied"
+                              + (f" (ranks {busy} are still busy with earlier calls that timed out)" if busy else ""))
+        if isinstance(e, QueueBroken):  # a reply queue's TCP link dropped: say so, it is the cause
+            failed = failed_as(None, f"RPC {name} failed: {e}")
+            failed.__cause__ = e
+            return failed
+        if isinstance(e, (TransportError, QueueShutdown, QueueClosed, IndexError)):
+            return self.failed(name)
+        if isinstance(e, Exception):
+            if where == "sending it":
+                return e  # the arguments could not be pickled: nothing was sent
+            rank = ranks[0] if ranks else -1  # read, but not understood here (its class is not importable)
+            return unwrap_error(unreadable_reply(rank, e), name)
+        # An interrupt (Ctrl-C, an exception from a signal handler) cut the call off mid-way: it may have landed
+        # between a reply's read and its hand-over, so which replies are still owed is unknown from now on.
+        self._on_interrupted(failed_as(None, f"RPC {name} was interrupted ({type(e).__name__}) while {where}; "
+                                             f"its replies can no longer be matched to their calls for certain: "
+                                             f"shut this executor down and start a new one"))
+        return e
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+class Collector:
+    """Reads one RPC's replies rank by rank; resumable when the caller's wait runs out first."""
+
+    __slots__ = ("pipe", "name", "ranks", "deadline", "timeout", "single", "got", "call")
+
+    def __init__(self, pipe: RpcPipe, name: str, ranks: list[int], deadline: float | None,
+                 timeout: float | None, single: bool) -> None:
+        self.pipe = pipe
+        self.name = name
+        self.ranks = ranks
+        self.deadline = deadline
+        self.timeout = timeout
+        self.single = single
+        self.got: dict[int, Any] = {}
+        #: this call in the pipe's record (status, stall reports, metrics) until it ends
+        self.call: Call = pipe.recorder.begin(name, ranks, self.got)
+
+    def __call__(self, wait_deadline: float | None) -> Any:
+        try:
+            out = self._collect(wait_deadline)
+        except WaitExpired:
+            raise
+        except BaseException:
+            self.pipe.recorder.end(self.call, False)
+            raise
+        self.pipe.recorder.end(self.call, True)
+        return out
+
+    def _collect(self, wait_deadline: float | None) -> Any:
+        pipe = self.pipe
+        got = self.got
+        for rank in self.ranks:
+            if rank in got:
+                continue
+            end = self.deadline if wait_deadline is None else (
+                wait_deadline if self.deadline is None else min(self.deadline, wait_deadline))
+            try:
+                got[rank] = self._read(rank, end)
+            except QueueTimeout as e:
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    missing = [r for r in self.ranks if r not in got]
+                    raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout, missing)
+                raise WaitExpired() from None
+            except (TransportError, IndexError) as e:
+                raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout)
+            except Exception as e:  # read, but not understood here: that rank's answer is this error
+                logger.error("RPC %s: the reply of rank %d could not be read: %s", self.name, rank, e)
+                got[rank] = unreadable_reply(rank, e)
+            except BaseException as e:
+                raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout, [rank])
+        # Every expected reply is read (so none is left for the next call) before a failure is raised.
+        if self.single:
+            value = got[self.ranks[0]]
+            return unwrap(value, self.name, self.name in pipe.collective_methods) if is_special(value) else value
+        values = [got[r] for r in self.ranks]
+        for i, value in enumerate(values):
+            if is_special(value):
+                values[i] = unwrap(value, self.name, self.name in pipe.collective_methods)
+        return values
+
+    def _read(self, rank: int, end: float | None) -> Any:
+        pipe = self.pipe
+        mq = pipe.replies[rank]
+        while pipe.owed[rank]:  # a late reply to a call that timed out: not ours
+            try:
+                mq.dequeue(None if end is None else max(0.0, end - time.monotonic()))
+            except TransportError:
+                raise
+            except Exception:  # noqa: BLE001 - unreadable, and dropped anyway
+                pass
+            pipe.owed[rank] -= 1
+        return mq.dequeue(None if end is None else max(0.0, end - time.monotonic()))
+
+
+class WaitExpired(Exception):
+    """The caller's own wait ran out (not the RPC's deadline): try again later."""
+
+
+class FutureWrapper(Future):
+    """A Future filled by `collect(deadline)`, in the order the calls were made."""
+
+    def __init__(self, queue: deque[FutureWrapper], lock: threading.RLock,
+                 collect: Callable[[float | None], Any], aggregate: Callable[[Any], Any] = lambda x: x) -> None:
+        super().__init__()
+        self._queue = queue
+        self._lock = lock
+        self._collect = collect
+        self._aggregate = aggregate
+        queue.appendleft(self)
+
+    def result(self, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.done():
+            if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+                raise FutureTimeout()
+            try:
+                while not self.done():
+                    oldest = self._queue[-1]
+                    oldest._drive(deadline)
+                    self._queue.pop()
+            except WaitExpired:
+                raise FutureTimeout() from None
+            finally:
+                self._lock.release()
+        return super().result(timeout=0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except FutureTimeout:
+            raise
+        except BaseException:  # noqa: BLE001 - reported below
+            pass
+        return super().exception(timeout=0)
+
+    def drive_now(self, deadline: float | None) -> None:
+        """`_drive`, for the executor's own thread while it holds the lock (reading replies while a send waits)."""
+        self._drive(deadline)
+
+    def _drive(self, deadline: float | None) -> None:
+        """Read this call's replies; WaitExpired leaves it pending, anything else completes it."""
+        try:
+            value = self._aggregate(self._collect(deadline))
+        except WaitExpired:
+            raise
+        except Exception as e:  # noqa: BLE001 - the call's outcome
+            with suppress(InvalidStateError):
+                self.set_exception(e)
+            return
+        with suppress(InvalidStateError):
+            self.set_result(value)
