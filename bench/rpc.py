@@ -107,8 +107,9 @@ def pin(rigs: dict) -> tuple[str, dict[int, set[int]]] | None:
         for i, pid in enumerate(rig.pids()):
             _set(_threads(pid), {cores[(i + 1) % len(cores)]})
     n = len(next(iter(rigs.values())).pids())
-    layout = f"caller on core {cores[0]}, " + ", ".join(f"rank {i} on core {cores[(i + 1) % len(cores)]}"
-                                                        for i in range(n))
+    layout = f"caller on core {cores[0]}, " + ", ".join(
+        f"rank {i} on core {cores[(i + 1) % len(cores)]}" for i in range(n)
+    )
     return layout, before
 
 
@@ -151,12 +152,15 @@ def main() -> None:
     ap.add_argument("--no-pin", action="store_true", help="leave the placement of processes to the scheduler")
     args = ap.parse_args()
     import torch
+
     torch.set_num_threads(1)
     loads = [p for p in bt.payloads(args.quick) if p[0] in args.payloads.split(",")]
     print(f"rayfree executor bench: {os.cpu_count()} cores, torch {torch.__version__}")
     print()
-    hdr = (f"{'workers':>7} {'payload':>8} {'transport p50 us':>17} {'executor p50 us':>16} {'executor p99 us':>16} "
-           f"{'overhead':>9}")
+    hdr = (
+        f"{'workers':>7} {'payload':>8} {'transport p50 us':>17} {'executor p50 us':>16} {'executor p99 us':>16} "
+        f"{'overhead':>9}"
+    )
     print(hdr)
     print("-" * len(hdr))
     layouts = []
@@ -177,8 +181,11 @@ def main() -> None:
                 rig.close()
         for name, _, _ in loads:
             b, e = bt.pct(res["transport"][name], 0.5), bt.pct(res["executor"][name], 0.5)
-            print(f"{n:>7} {name:>8} {b * 1e6:>17.1f} {e * 1e6:>16.1f} "
-                  f"{bt.pct(res['executor'][name], 0.99) * 1e6:>16.1f} {(e / b - 1) * 100:>8.0f}%", flush=True)
+            print(
+                f"{n:>7} {name:>8} {b * 1e6:>17.1f} {e * 1e6:>16.1f} "
+                f"{bt.pct(res['executor'][name], 0.99) * 1e6:>16.1f} {(e / b - 1) * 100:>8.0f}%",
+                flush=True,
+            )
     print()
     print("placement, the same for both rigs:", *layouts, sep="\n  ")
     print()
@@ -187,11 +194,14 @@ def main() -> None:
     reps = 2 if args.quick else 3
     bare = statistics.median(bare_start(4) for _ in range(reps))
     ex = statistics.median(executor_start() for _ in range(reps))
-    print(f"start-up, 4 workers (toy engine, TP=2 x PP=2, gloo world + groups + queues): {ex:.2f} s; "
-          f"4 bare processes importing torch: {bare:.2f} s; ratio {ex / bare:.2f}")
+    print(
+        f"start-up, 4 workers (toy engine, TP=2 x PP=2, gloo world + groups + queues): {ex:.2f} s; "
+        f"4 bare processes importing torch: {bare:.2f} s; ratio {ex / bare:.2f}"
+    )
 
 
 if __name__ == "__main__":
     from rayfree.cli.demo import demo_secret
+
     with demo_secret():  # the remote paths are TCP, which needs a cluster secret (a throwaway one here)
         main()

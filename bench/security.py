@@ -24,6 +24,7 @@ sys.path.insert(0, ROOT)
 def _reader(handle: bytes, conn, policy) -> None:
     from rayfree.transport import MessageQueue
     from rayfree.transport.secure import policy as security
+
     security.use(policy)
     rq = MessageQueue(1, 0, connect_ip="127.0.0.1", max_chunk_bytes=1 << 16, max_chunks=8)
     conn.send_bytes(rq.export_handle().to_bytes())
@@ -43,6 +44,7 @@ def run(mode: str, n_tiny: int, n_big: int) -> dict[str, float]:
 
     from rayfree.transport import MessageQueue
     from rayfree.transport.secure import policy as security
+
     saved = security.current()
     if mode == "insecure":
         security.use(security.Policy(None, True))
@@ -96,19 +98,26 @@ def main() -> None:
         for mode in ("curve", "insecure"):
             print(f"  round {rnd + 1}: {mode} ...", flush=True)
             res[mode].append(run(mode, n_tiny, n_big))
-    best = {m: {"tiny_p50_us": min(r["tiny_p50_us"] for r in rs), "big_GBps": max(r["big_GBps"] for r in rs)}
-            for m, rs in res.items()}
+    best = {
+        m: {"tiny_p50_us": min(r["tiny_p50_us"] for r in rs), "big_GBps": max(r["big_GBps"] for r in rs)}
+        for m, rs in res.items()
+    }
     c, i = best["curve"], best["insecure"]
     print(f"\nremote path, 1 reader on 127.0.0.1, best of 2 interleaved rounds ({n_tiny} tiny, {n_big} x 4 MiB)")
     print(f"  {'':<26}{'CURVE':>10}{'insecure':>10}{'ratio':>8}")
-    print(f"  {'tiny round trip p50 (us)':<26}{c['tiny_p50_us']:>10.1f}{i['tiny_p50_us']:>10.1f}"
-          f"{c['tiny_p50_us'] / i['tiny_p50_us']:>8.2f}")
-    print(f"  {'4 MiB throughput (GB/s)':<26}{c['big_GBps']:>10.2f}{i['big_GBps']:>10.2f}"
-          f"{i['big_GBps'] / c['big_GBps']:>8.2f}")
+    print(
+        f"  {'tiny round trip p50 (us)':<26}{c['tiny_p50_us']:>10.1f}{i['tiny_p50_us']:>10.1f}"
+        f"{c['tiny_p50_us'] / i['tiny_p50_us']:>8.2f}"
+    )
+    print(
+        f"  {'4 MiB throughput (GB/s)':<26}{c['big_GBps']:>10.2f}{i['big_GBps']:>10.2f}"
+        f"{i['big_GBps'] / c['big_GBps']:>8.2f}"
+    )
     print("  (ratio: how many times slower with CURVE)")
 
 
 if __name__ == "__main__":
     from rayfree.cli.demo import demo_secret
+
     with demo_secret():
         main()

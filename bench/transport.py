@@ -33,6 +33,7 @@ STOP = ("__stop__",)
 
 def payloads(quick: bool):
     import torch
+
     it = (lambda n: max(5, n // 4)) if quick else (lambda n: n)
     return [
         ("tiny", ("execute_model", (b"x" * 40,), {"step": 1}, 0), it(3000)),
@@ -51,14 +52,14 @@ def nbytes(obj) -> int:
 
 # -- MessageQueue readers -------------------------------------------------------
 
+
 def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool, policy=None) -> None:
     __import__("torch")  # import it before timing starts: readers rebuild tensors
     security.use(policy)  # the bench's cluster secret, handed over explicitly
     bq = MessageQueue.create_from_handle(handle, rank)
     rq = None
     if rank == 0:
-        rq = MessageQueue(1, 1 if local_reply else 0, max_chunk_bytes=1 << 16, max_chunks=4,
-                          connect_ip="127.0.0.1")
+        rq = MessageQueue(1, 1 if local_reply else 0, max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1")
         reply_conn.send_bytes(rq.export_handle().to_bytes())
     bq.wait_until_ready(timeout=60)
     if rq is not None:
@@ -85,8 +86,7 @@ class MQRig:
         self.procs, conns = [], []
         for r in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=mq_reader, args=(h, r, b, n_remote == 0, security.current()),
-                            daemon=True)
+            p = ctx.Process(target=mq_reader, args=(h, r, b, n_remote == 0, security.current()), daemon=True)
             p.start()
             self.procs.append(p)
             conns.append(a)
@@ -118,6 +118,7 @@ class MQRig:
 
 
 # -- Pipe baseline ----------------------------------------------------------------
+
 
 def pipe_reader(conn, rank: int) -> None:
     __import__("torch")  # import it before timing starts
@@ -161,8 +162,10 @@ class PipeRig:
 
 # -- floors -----------------------------------------------------------------------
 
+
 def memcpy_time(obj, iters: int) -> float:
     import ctypes
+
     n = nbytes(obj)
     if hasattr(obj, "data_ptr"):
         src = (ctypes.c_char * n).from_address(obj.data_ptr())
@@ -184,6 +187,7 @@ def memcpy_fresh_time(obj, iters: int) -> float:
     what a private copy costs when nothing is reused, page faults included."""
     import ctypes
     import mmap
+
     n = nbytes(obj)
     if hasattr(obj, "data_ptr"):
         src = (ctypes.c_char * n).from_address(obj.data_ptr())
@@ -238,6 +242,7 @@ def os_pipe_pingpong(count: int, period: float) -> float:
 
 def _zmq_pong(port: str, conn) -> None:
     import zmq
+
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -254,11 +259,14 @@ def _zmq_pong(port: str, conn) -> None:
 def zmq_pingpong(count: int) -> float:
     """Raw pyzmq XPUB/SUB ping-pong over TCP loopback: the floor of the remote path."""
     import zmq
+
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)
     pub.bind("tcp://127.0.0.1:*")
     a, b = mp.get_context("spawn").Pipe()
-    p = mp.get_context("spawn").Process(target=_zmq_pong, args=(pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1], b), daemon=True)
+    p = mp.get_context("spawn").Process(
+        target=_zmq_pong, args=(pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1], b), daemon=True
+    )
     p.start()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -278,15 +286,16 @@ def zmq_pingpong(count: int) -> float:
     pub.send(b"q")
     p.join(10)
     ctx.destroy(linger=0)
-    return statistics.median(ts[count // 10:])
-
+    return statistics.median(ts[count // 10 :])
 
 
 # -- remote paths: sealed (default) vs insecure vs the raw floors ---------------------------------------
 
+
 def _floor_sub(port: str, idx: int, conn) -> None:
     """A raw pyzmq subscriber; subscriber 0 answers each message with a small reply."""
     import zmq
+
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.RCVHWM, 0)
@@ -312,6 +321,7 @@ class FloorRig:
 
     def __init__(self, n_sub: int) -> None:
         import zmq
+
         self.ctx = ctx = zmq.Context()
         self.pub = pub = ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.XPUB_NODROP, 1)
@@ -354,6 +364,7 @@ class FloorRig:
 
 def ctypes_buffer(obj):
     import ctypes
+
     if hasattr(obj, "data_ptr"):
         return (ctypes.c_char * nbytes(obj)).from_address(obj.data_ptr())
     return bytearray(pickle.dumps(obj, 5))
@@ -363,6 +374,7 @@ def seal_open_ms(obj) -> tuple[float, float]:
     """Sealing the payload once and opening it once with the queue's AEAD, the way the queue does it (one
     message, or segments from SEG_MIN on), warm buffers, in ms."""
     from rayfree.transport.secure.aead import Opener, Sealer
+
     key, qid = os.urandom(32), os.urandom(16)
     frames = [memoryview(ctypes_buffer(obj)).cast("B")]
     s, o = Sealer(key, qid), Opener(key, qid)
@@ -422,11 +434,16 @@ def remote_table(loads, readers: list[int], iters_of, rounds: int = 5) -> None:
     so drift on a busy machine hits the three alike. Then what sealing cost in CPU per message: the writer's
     process (one seal whatever the number of readers) and each reader (one open)."""
     from rayfree.transport.secure import policy as security
+
     sealed_policy = security.current()
-    print(f"remote paths (TCP loopback): round trip = broadcast to N readers + a reply from reader 0, us; the "
-          f"median over {rounds} alternating rounds of each rig's p50")
-    hdr = (f"{'N':>3} {'payload':>8} {'sealed':>10} {'insecure':>10} {'zmq floor':>10} {'insec/floor':>11} "
-           f"{'sealed-insec':>12} {'seal+open':>10} {'sealed/insec':>12}")
+    print(
+        f"remote paths (TCP loopback): round trip = broadcast to N readers + a reply from reader 0, us; the "
+        f"median over {rounds} alternating rounds of each rig's p50"
+    )
+    hdr = (
+        f"{'N':>3} {'payload':>8} {'sealed':>10} {'insecure':>10} {'zmq floor':>10} {'insec/floor':>11} "
+        f"{'sealed-insec':>12} {'seal+open':>10} {'sealed/insec':>12}"
+    )
     print(hdr)
     print("-" * len(hdr))
     cpu_rows = []
@@ -454,8 +471,11 @@ def remote_table(loads, readers: list[int], iters_of, rounds: int = 5) -> None:
                 med = {k: statistics.median(v) for k, v in per.items()}
                 so = seal_open_ms(obj)
                 s, i, f = med["sealed"], med["insecure"], med["floor"]
-                print(f"{n:>3} {name:>8} {s * 1e6:>10.1f} {i * 1e6:>10.1f} {f * 1e6:>10.1f} {i / f:>11.2f} "
-                      f"{(s - i) * 1e6:>12.1f} {(so[0] + so[1]) * 1e3:>10.1f} {s / i:>12.2f}", flush=True)
+                print(
+                    f"{n:>3} {name:>8} {s * 1e6:>10.1f} {i * 1e6:>10.1f} {f * 1e6:>10.1f} {i / f:>11.2f} "
+                    f"{(s - i) * 1e6:>12.1f} {(so[0] + so[1]) * 1e3:>10.1f} {s / i:>12.2f}",
+                    flush=True,
+                )
                 w = {k: statistics.median(x[0] for x in v) for k, v in cpu.items()}
                 r = {k: statistics.median(x[1] for x in v) for k, v in cpu.items()}
                 cpu_rows.append((n, name, w["sealed"], w["insecure"], r["sealed"], r["insecure"], so))
@@ -463,20 +483,28 @@ def remote_table(loads, readers: list[int], iters_of, rounds: int = 5) -> None:
             for rig in rigs.values():
                 rig.close()
     print()
-    print("CPU per message, us (user + system, every thread; median over the rounds): the writer's process "
-          "(getrusage), and a reader's (the mean of the N; /proc's schedstat, every thread)")
-    hdr = (f"{'N':>3} {'payload':>8} {'writer sealed':>13} {'insecure':>9} {'extra':>8} {'seal':>8} "
-           f"{'reader sealed':>13} {'insecure':>9} {'extra':>8} {'open':>8}")
+    print(
+        "CPU per message, us (user + system, every thread; median over the rounds): the writer's process "
+        "(getrusage), and a reader's (the mean of the N; /proc's schedstat, every thread)"
+    )
+    hdr = (
+        f"{'N':>3} {'payload':>8} {'writer sealed':>13} {'insecure':>9} {'extra':>8} {'seal':>8} "
+        f"{'reader sealed':>13} {'insecure':>9} {'extra':>8} {'open':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for n, name, ws, wi, rs, ri, so in cpu_rows:
-        print(f"{n:>3} {name:>8} {ws * 1e6:>13.1f} {wi * 1e6:>9.1f} {(ws - wi) * 1e6:>8.1f} {so[0] * 1e3:>8.1f} "
-              f"{rs * 1e6:>13.1f} {ri * 1e6:>9.1f} {(rs - ri) * 1e6:>8.1f} {so[1] * 1e3:>8.1f}", flush=True)
+        print(
+            f"{n:>3} {name:>8} {ws * 1e6:>13.1f} {wi * 1e6:>9.1f} {(ws - wi) * 1e6:>8.1f} {so[0] * 1e3:>8.1f} "
+            f"{rs * 1e6:>13.1f} {ri * 1e6:>9.1f} {(rs - ri) * 1e6:>8.1f} {so[1] * 1e3:>8.1f}",
+            flush=True,
+        )
 
 
 def fence_cost_ns(n: int = 200_000) -> float:
     """One inlined fence (a lock's acquire + release), less the loop around it."""
     from rayfree.transport.shm.ring import _acquire, _release
+
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
@@ -532,25 +560,38 @@ def main() -> None:
     ap.add_argument("--configs", default="local1,local2,local4,remote1", help="comma-separated subset")
     ap.add_argument("--no-paced", action="store_true", help="skip the paced case")
     ap.add_argument("--no-fence-ab", action="store_true", help="skip the fence cost measurement")
-    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds of the sealed/insecure/floor table "
-                    "(more: steadier ratios on a machine whose speed drifts)")
-    ap.add_argument("--remote-readers", default="1,4", help="reader counts of the sealed/insecure/floor table "
-                    "('' to skip it)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="alternating rounds of the sealed/insecure/floor table "
+        "(more: steadier ratios on a machine whose speed drifts)",
+    )
+    ap.add_argument(
+        "--remote-readers", default="1,4", help="reader counts of the sealed/insecure/floor table ('' to skip it)"
+    )
     args = ap.parse_args()
     import torch
+
     torch.set_num_threads(1)
     wanted = args.payloads.split(",")
     loads = [p for p in payloads(args.quick) if p[0] in wanted]
     floors = {name: memcpy_time(obj, 20 if name != "tiny" else 2000) for name, obj, _ in loads}
     fresh = {name: memcpy_fresh_time(obj, 10 if name != "tiny" else 200) for name, obj, _ in loads}
-    print(f"rayfree transport bench: {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"spin budget {os.environ.get('RAYFREE_SPIN_US', 'default')} us")
+    print(
+        f"rayfree transport bench: {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"spin budget {os.environ.get('RAYFREE_SPIN_US', 'default')} us"
+    )
     print()
-    print("every reader gets its own writable copy of each tensor (vLLM's semantics); memcpy: one copy of the "
-          "payload into warm memory / into fresh memory (page faults), same run")
+    print(
+        "every reader gets its own writable copy of each tensor (vLLM's semantics); memcpy: one copy of the "
+        "payload into warm memory / into fresh memory (page faults), same run"
+    )
     print()
-    hdr = (f"{'path':<10}{'N':>3} {'payload':>8} {'p50 us':>10} {'p99 us':>10} {'GB/s':>7} "
-           f"{'Pipe p50':>10} {'vs Pipe':>8} {'memcpy us':>10} {'vs memcpy':>9} {'fresh us':>9} {'vs fresh':>8}")
+    hdr = (
+        f"{'path':<10}{'N':>3} {'payload':>8} {'p50 us':>10} {'p99 us':>10} {'GB/s':>7} "
+        f"{'Pipe p50':>10} {'vs Pipe':>8} {'memcpy us':>10} {'vs memcpy':>9} {'fresh us':>9} {'vs fresh':>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     parked = {}
@@ -582,9 +623,12 @@ def main() -> None:
             pp50 = pct(pres[name], 0.5)
             size = nbytes(obj)
             gbs = size / p50 / 1e9
-            print(f"{label:<10}{n:>3} {name:>8} {p50 * 1e6:>10.1f} {p99 * 1e6:>10.1f} {gbs:>7.2f} "
-                  f"{pp50 * 1e6:>10.1f} {p50 / pp50:>8.2f} {floors[name] * 1e6:>10.1f} "
-                  f"{p50 / floors[name]:>9.2f} {fresh[name] * 1e6:>9.1f} {p50 / fresh[name]:>8.2f}", flush=True)
+            print(
+                f"{label:<10}{n:>3} {name:>8} {p50 * 1e6:>10.1f} {p99 * 1e6:>10.1f} {gbs:>7.2f} "
+                f"{pp50 * 1e6:>10.1f} {p50 / pp50:>8.2f} {floors[name] * 1e6:>10.1f} "
+                f"{p50 / floors[name]:>9.2f} {fresh[name] * 1e6:>9.1f} {p50 / fresh[name]:>8.2f}",
+                flush=True,
+            )
     print()
     if "remote1" in args.configs.split(","):
         print(f"remote floor: raw pyzmq XPUB/SUB ping-pong (100 B, no pickle) p50 {zmq_pingpong(2000) * 1e6:.1f} us")
@@ -593,16 +637,23 @@ def main() -> None:
     if not args.no_fence_ab:
         with_f, without = fence_ab(max(200, 3000 // (4 if args.quick else 1)))
         from rayfree.transport.shm.ring import _TSO
-        print(f"fence: {fence_cost_ns():.0f} ns per fence; local N=1 tiny round trip p50 {with_f * 1e6:.1f} us with "
-              f"aarch64's fences (8 a round trip), {without * 1e6:.1f} us with this CPU's "
-              f"({'4: x86 needs only the store->load ones' if _TSO else 'the same 8'}); "
-              f"{(with_f / without - 1) * 100:+.0f}%")
+
+        print(
+            f"fence: {fence_cost_ns():.0f} ns per fence; local N=1 tiny round trip p50 {with_f * 1e6:.1f} us with "
+            f"aarch64's fences (8 a round trip), {without * 1e6:.1f} us with this CPU's "
+            f"({'4: x86 needs only the store->load ones' if _TSO else 'the same 8'}); "
+            f"{(with_f / without - 1) * 100:+.0f}%"
+        )
     readers = [int(x) for x in args.remote_readers.split(",") if x]
     if readers:
         print()
         remote_loads = [(name, obj, it) for name, obj, it in loads if name != "64KiB"]
-        remote_table(remote_loads, readers, lambda name: {"tiny": 1000, "4MiB": 40, "32MiB": 10}.get(name, 40)
-                     if not args.quick else 10, max(1, args.rounds))
+        remote_table(
+            remote_loads,
+            readers,
+            lambda name: {"tiny": 1000, "4MiB": 40, "32MiB": 10}.get(name, 40) if not args.quick else 10,
+            max(1, args.rounds),
+        )
     if args.no_paced:
         return
     # Paced: an engine's decode loop, one message every 5 ms.
@@ -626,12 +677,15 @@ def main() -> None:
         rig.close()
     pipe_p50 = os_pipe_pingpong(count, period)
     p50 = statistics.median(ts)
-    print(f"paced N=2, 1 msg / {period * 1e3:.0f} ms for {duration:.0f} s: p50 {p50 * 1e6:.1f} us "
-          f"(os.pipe ping-pong {pipe_p50 * 1e6:.1f} us, ratio {p50 / pipe_p50:.2f}); "
-          f"readers' CPU {', '.join(f'{c:.1f}%' for c in cpu)}")
+    print(
+        f"paced N=2, 1 msg / {period * 1e3:.0f} ms for {duration:.0f} s: p50 {p50 * 1e6:.1f} us "
+        f"(os.pipe ping-pong {pipe_p50 * 1e6:.1f} us, ratio {p50 / pipe_p50:.2f}); "
+        f"readers' CPU {', '.join(f'{c:.1f}%' for c in cpu)}"
+    )
 
 
 if __name__ == "__main__":
     from rayfree.cli.demo import demo_secret
+
     with demo_secret():  # the remote paths are TCP, which needs a cluster secret (a throwaway one here)
         main()

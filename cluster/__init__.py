@@ -9,8 +9,10 @@ pg_queues.py   vLLM's MessageQueue.create_from_process_group(...) constructors
 """
 
 if __name__ != "rayfree.cluster":  # the repository's folder imported as a top-level package: two copies of rayfree
-    raise ImportError(f"import rayfree.cluster, not {__name__}: this folder installs as rayfree.cluster "
-                      f"(pip install -e . puts it there)")
+    raise ImportError(
+        f"import rayfree.cluster, not {__name__}: this folder installs as rayfree.cluster "
+        f"(pip install -e . puts it there)"
+    )
 
 
 from . import pg_queues  # attaches MessageQueue.create_from_process_group(...)

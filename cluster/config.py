@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -146,42 +147,61 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def validate(self, check_local_master: bool = False) -> ParallelConfig:
         """Raise ConfigError on the first inconsistency; return self."""
         _check_types(self)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
-                     "data_parallel_size", "decode_context_parallel_size", "nnodes"):
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "prefill_context_parallel_size",
+            "data_parallel_size",
+            "decode_context_parallel_size",
+            "nnodes",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: must be a whole number >= 1")
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         if tp % dcp:
-            raise ConfigError(f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}: "
-                              f"DCP groups are made of TP ranks")
+            raise ConfigError(
+                f"decode_context_parallel_size={dcp} must divide tensor_parallel_size={tp}: "
+                f"DCP groups are made of TP ranks"
+            )
         if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"node_rank={self.node_rank} is out of range for nnodes={self.nnodes}: "
-                              f"use 0..{self.nnodes - 1}")
+            raise ConfigError(
+                f"node_rank={self.node_rank} is out of range for nnodes={self.nnodes}: use 0..{self.nnodes - 1}"
+            )
         if self.nnodes > 1 and self.nnodes % self.data_parallel_size and self.data_parallel_size % self.nnodes:
-            raise ConfigError(f"nnodes={self.nnodes} and data_parallel_size={self.data_parallel_size}: one must "
-                              f"divide the other, so each DP replica gets whole nodes (or each node whole replicas)")
+            raise ConfigError(
+                f"nnodes={self.nnodes} and data_parallel_size={self.data_parallel_size}: one must "
+                f"divide the other, so each DP replica gets whole nodes (or each node whole replicas)"
+            )
         per_dp = self.nnodes_within_dp
         if self.world_size % per_dp:
-            raise ConfigError(f"world size {self.world_size} (tensor x pipeline x prefill-context parallel) is not "
-                              f"divisible by the {per_dp} node(s) of a DP replica: change nnodes or the parallel "
-                              f"sizes so every node runs the same number of ranks")
+            raise ConfigError(
+                f"world size {self.world_size} (tensor x pipeline x prefill-context parallel) is not "
+                f"divisible by the {per_dp} node(s) of a DP replica: change nnodes or the parallel "
+                f"sizes so every node runs the same number of ranks"
+            )
         if self.local_world_size is not None:
             if self.local_world_size < 1 or self.local_world_size * per_dp != self.world_size:
-                raise ConfigError(f"local_world_size={self.local_world_size} does not match: {per_dp} node(s) x "
-                                  f"{self.local_world_size} != world size {self.world_size}; leave it unset or "
-                                  f"set it to {self.world_size // per_dp}")
+                raise ConfigError(
+                    f"local_world_size={self.local_world_size} does not match: {per_dp} node(s) x "
+                    f"{self.local_world_size} != world size {self.world_size}; leave it unset or "
+                    f"set it to {self.world_size // per_dp}"
+                )
         if self.data_parallel_rank is not None and self.data_parallel_rank not in self.node_replicas:
-            raise ConfigError(f"data_parallel_rank={self.data_parallel_rank} does not run on node {self.node_rank}: "
-                              f"with nnodes={self.nnodes} and data_parallel_size={self.data_parallel_size} this "
-                              f"node runs replica(s) {self.node_replicas}; leave it unset")
+            raise ConfigError(
+                f"data_parallel_rank={self.data_parallel_rank} does not run on node {self.node_rank}: "
+                f"with nnodes={self.nnodes} and data_parallel_size={self.data_parallel_size} this "
+                f"node runs replica(s) {self.node_replicas}; leave it unset"
+            )
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"master_port={self.master_port} is not a TCP port: use 1..65535 (0 picks a free one)")
         if not self.master_addr:
             raise ConfigError("master_addr is empty: give node 0's address on the cluster network")
         if check_local_master and self.node_rank == 0 and not is_local_address(self.master_addr):
-            raise ConfigError(f"master_addr={self.master_addr!r} is not an address of this machine, but this is "
-                              f"node 0, which hosts the rendezvous: use one of {sorted(local_addresses())}")
+            raise ConfigError(
+                f"master_addr={self.master_addr!r} is not an address of this machine, but this is "
+                f"node 0, which hosts the rendezvous: use one of {sorted(local_addresses())}"
+            )
         return self
 
 
@@ -215,37 +235,57 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stall_dump_s: float | None = 60.0
     #: methods whose exception on any rank is fatal (peers may be blocked in a collective with that rank)
     collective_methods: list[str] = msgspec.field(
-        default_factory=lambda: ["execute_model", "sample_tokens", "compile_or_warm_up_model"])
+        default_factory=lambda: ["execute_model", "sample_tokens", "compile_or_warm_up_model"]
+    )
 
     def validate(self, check_local_master: bool = False) -> ClusterConfig:
         """Raise ConfigError on the first wrong or inconsistent value (naming the field and the value); return
         self. The executors call it before anything else runs."""
         if not isinstance(self.parallel, ParallelConfig):
-            raise ConfigError(f"parallel={self.parallel!r}: must be a rayfree.ParallelConfig, e.g. "
-                              f"ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=2))")
+            raise ConfigError(
+                f"parallel={self.parallel!r}: must be a rayfree.ParallelConfig, e.g. "
+                f"ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=2))"
+            )
         _check_types(self)
         self.parallel.validate(check_local_master)
-        for name in ("join_timeout_s", "ready_timeout_s", "shutdown_grace_s", "shutdown_term_s",
-                     "heartbeat_interval_s", "heartbeat_timeout_s", "stall_report_s"):
+        for name in (
+            "join_timeout_s",
+            "ready_timeout_s",
+            "shutdown_grace_s",
+            "shutdown_term_s",
+            "heartbeat_interval_s",
+            "heartbeat_timeout_s",
+            "stall_report_s",
+        ):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"{name}={v!r}: must be a positive number of seconds")
         if self.spin_us is not None and (not isinstance(self.spin_us, (int, float)) or self.spin_us < 0):
             raise ConfigError(f"spin_us={self.spin_us!r}: must be >= 0 microseconds (0 never spins), or unset")
-        if self.stall_dump_s is not None and (not isinstance(self.stall_dump_s, (int, float)) or self.stall_dump_s <= 0):
-            raise ConfigError(f"stall_dump_s={self.stall_dump_s!r}: must be a positive number of seconds, or unset "
-                              f"to never dump stacks")
+        if self.stall_dump_s is not None and (
+            not isinstance(self.stall_dump_s, (int, float)) or self.stall_dump_s <= 0
+        ):
+            raise ConfigError(
+                f"stall_dump_s={self.stall_dump_s!r}: must be a positive number of seconds, or unset "
+                f"to never dump stacks"
+            )
         if self.rpc_timeout_s is not None and self.rpc_timeout_s <= 0:
             raise ConfigError(f"rpc_timeout_s={self.rpc_timeout_s!r}: must be positive, or unset to wait forever")
         if self.heartbeat_port is not None and not 1 <= self.heartbeat_port <= 65535:
-            raise ConfigError(f"heartbeat_port={self.heartbeat_port} is not a TCP port: use 1..65535, or leave it "
-                              f"unset for master_port + 1")
+            raise ConfigError(
+                f"heartbeat_port={self.heartbeat_port} is not a TCP port: use 1..65535, or leave it "
+                f"unset for master_port + 1"
+            )
         if self.heartbeat_port is None and self.parallel.master_port >= 65535:
-            raise ConfigError(f"master_port={self.parallel.master_port} leaves no room for the heartbeat port "
-                              f"(master_port + 1): lower master_port or set heartbeat_port")
+            raise ConfigError(
+                f"master_port={self.parallel.master_port} leaves no room for the heartbeat port "
+                f"(master_port + 1): lower master_port or set heartbeat_port"
+            )
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ConfigError(f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed heartbeat_interval_s="
-                              f"{self.heartbeat_interval_s}: a node is declared lost after missing several beats")
+            raise ConfigError(
+                f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed heartbeat_interval_s="
+                f"{self.heartbeat_interval_s}: a node is declared lost after missing several beats"
+            )
         return self
 
     @property
@@ -273,9 +313,16 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return cls.from_dict(_read_file(path))
 
 
-_WORDS = {"<class 'int'>": "a whole number", "<class 'float'>": "a number", "<class 'str'>": "a string",
-          "<class 'bool'>": "True or False", "float | None": "a number or None", "int | None": "a whole number or None",
-          "str | None": "a string or None", "list[str]": "a list of strings"}
+_WORDS = {
+    "<class 'int'>": "a whole number",
+    "<class 'float'>": "a number",
+    "<class 'str'>": "a string",
+    "<class 'bool'>": "True or False",
+    "float | None": "a number or None",
+    "int | None": "a whole number or None",
+    "str | None": "a string or None",
+    "list[str]": "a list of strings",
+}
 
 
 def _check_types(cfg: msgspec.Struct) -> None:
@@ -303,12 +350,17 @@ def require_config(config: Any) -> ClusterConfig:
 _PARALLEL_FIELDS = {f for f in ParallelConfig.__struct_fields__}
 _CLUSTER_FIELDS = {f for f in ClusterConfig.__struct_fields__} - {"parallel"}
 #: short flags for the common fields, as `vllm serve` spells them
-_SHORT = {"tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp", "data_parallel_size": "--dp",
-          "prefill_context_parallel_size": "--pcp", "decode_context_parallel_size": "--dcp"}
+_SHORT = {
+    "tensor_parallel_size": "--tp",
+    "pipeline_parallel_size": "--pp",
+    "data_parallel_size": "--dp",
+    "prefill_context_parallel_size": "--pcp",
+    "decode_context_parallel_size": "--dcp",
+}
 ENV_PREFIX = "RAYFREE_"
 
 
-def _read_file(path: str) -> dict:
+def _read_file(path: str) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -316,19 +368,22 @@ def _read_file(path: str) -> dict:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from None
     try:
         if path.endswith(".json"):
-            return json.loads(raw)
+            loaded: dict[str, Any] = json.loads(raw)
+            return loaded
         try:
             import tomllib
         except ImportError:  # Python 3.10
             try:
                 import tomli as tomllib  # type: ignore[no-redef]
             except ImportError:
-                raise ConfigError(f"{path}: reading TOML needs Python >= 3.11 or `pip install tomli`; "
-                                  f"or use a .json file") from None
+                raise ConfigError(
+                    f"{path}: reading TOML needs Python >= 3.11 or `pip install tomli`; or use a .json file"
+                ) from None
         return tomllib.loads(raw.decode())
     except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {path!r} is not valid {'JSON' if path.endswith('.json') else 'TOML'}: "
-                          f"{e}") from None
+        raise ConfigError(
+            f"config file {path!r} is not valid {'JSON' if path.endswith('.json') else 'TOML'}: {e}"
+        ) from None
 
 
 def _field_type(name: str) -> Any:
@@ -352,8 +407,9 @@ def _parse_value(name: str, text: str) -> Any:
     try:
         return msgspec.json.decode(text.strip().lower() if t is bool else text)
     except msgspec.DecodeError:
-        raise ConfigError(f"{ENV_PREFIX}{name.upper()} / --{name.replace('_', '-')}={text!r}: not a valid "
-                          f"{getattr(t, '__name__', t)}") from None
+        raise ConfigError(
+            f"{ENV_PREFIX}{name.upper()} / --{name.replace('_', '-')}={text!r}: not a valid {getattr(t, '__name__', t)}"
+        ) from None
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -361,14 +417,23 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML or JSON file with the cluster configuration")
     for name in sorted(_PARALLEL_FIELDS | _CLUSTER_FIELDS):
         flags = ["--" + name.replace("_", "-")] + ([_SHORT[name]] if name in _SHORT else [])
-        parser.add_argument(*flags, dest=name, metavar="V", default=None, help=argparse.SUPPRESS
-                            if name not in _SHORT and name not in ("nnodes", "node_rank", "master_addr",
-                                                                    "master_port") else None)
+        parser.add_argument(
+            *flags,
+            dest=name,
+            metavar="V",
+            default=None,
+            help=argparse.SUPPRESS
+            if name not in _SHORT and name not in ("nnodes", "node_rank", "master_addr", "master_port")
+            else None,
+        )
 
 
-def load_config(args: argparse.Namespace | Sequence[str] | None = None,
-                env: Mapping[str, str] | None = None, file: str | None = None,
-                check_local_master: bool = True) -> ClusterConfig:
+def load_config(
+    args: argparse.Namespace | Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    file: str | None = None,
+    check_local_master: bool = True,
+) -> ClusterConfig:
     """Defaults < file < RAYFREE_* environment < flags; validated (node 0 checks master_addr is local)."""
     if args is None or not isinstance(args, argparse.Namespace):
         p = argparse.ArgumentParser(add_help=False)

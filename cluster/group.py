@@ -47,9 +47,17 @@ class Group:
     handshakes of the queues it builds.
     """
 
-    def __init__(self, ranks: list[int], rank: int, cpu_group: Any, *, name: str = "group",
-                 advertise_ip: str = "127.0.0.1", force_remote: bool | None = None,
-                 queue_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        ranks: list[int],
+        rank: int,
+        cpu_group: Any,
+        *,
+        name: str = "group",
+        advertise_ip: str = "127.0.0.1",
+        force_remote: bool | None = None,
+        queue_timeout_s: float = 120.0,
+    ) -> None:
         if rank not in ranks:
             raise GroupError(f"rank {rank} is not in the {name} group {ranks}")
         self.name = name
@@ -85,13 +93,16 @@ class Group:
         me = self.rank_in_group == src
         if me and data is None:
             raise GroupError("broadcast_bytes: the source rank must give the bytes")
-        n = torch.tensor([len(data) if me else 0], dtype=torch.int64)
+        n = torch.tensor([len(data) if me and data is not None else 0], dtype=torch.int64)
         dist.broadcast(n, self._g(src), group=self.cpu_group)
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if me and data else \
-            torch.empty(int(n.item()), dtype=torch.uint8)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            if me and data
+            else torch.empty(int(n.item()), dtype=torch.uint8)
+        )
         if n.item():
             dist.broadcast(buf, self._g(src), group=self.cpu_group)
-        return data if me else _to_bytes(buf)
+        return data if me and data is not None else _to_bytes(buf)
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's `data`, in group-rank order, on every rank."""
@@ -114,7 +125,10 @@ class Group:
             dist.gather(mine, out, dst=self._g(dst), group=self.cpu_group)
         if not is_dst:
             return None
-        return [_to_bytes(t[:s]) for t, s in zip(out, sizes)] if mine.numel() else [b""] * self.world_size
+        if not mine.numel():
+            return [b""] * self.world_size
+        assert out is not None
+        return [_to_bytes(t[:s]) for t, s in zip(out, sizes)]
 
     def _padded(self, data: bytes) -> tuple[list[int], torch.Tensor]:
         """Every rank's size, and `data` as a uint8 tensor padded to the largest (collectives need one size)."""
@@ -142,7 +156,8 @@ class Group:
         if is_src:
             name, token = create_probe()
         try:
-            raw = self.broadcast_bytes(_probe_codec[0].encode(_Probe(name, token)) if is_src else None, source_rank)
+            mine = _probe_codec[0].encode(_Probe(name, token)) if name is not None and token is not None else None
+            raw = self.broadcast_bytes(mine, source_rank)
             probe = _probe_codec[1].decode(raw)
             seen = True if is_src else check_probe(probe.name, probe.token)
             flags = self.all_gather_bytes(b"\x01" if seen else b"\x00")
@@ -153,8 +168,13 @@ class Group:
 
     # -- queues ------------------------------------------------------------------------
 
-    def create_mq_broadcaster(self, writer_rank: int = 0, external_writer_handle: Handle | bytes | None = None,
-                              blocking: bool = True, **queue_kwargs: Any) -> MessageQueue:
+    def create_mq_broadcaster(
+        self,
+        writer_rank: int = 0,
+        external_writer_handle: Handle | bytes | None = None,
+        blocking: bool = True,
+        **queue_kwargs: Any,
+    ) -> MessageQueue:
         """A queue from one writer to every rank: shared memory on the writer's node, TCP elsewhere.
 
         With `external_writer_handle` (held by group rank `writer_rank`), the
@@ -167,17 +187,23 @@ class Group:
         me = self.rank_in_group
         # Only the writer rank knows which case this is: it tells the others first.
         external = external_writer_handle is not None
-        external = self.broadcast_bytes((b"E" if external else b"O") if me == writer_rank else None,
-                                        writer_rank) == b"E"
+        external = (
+            self.broadcast_bytes((b"E" if external else b"O") if me == writer_rank else None, writer_rank) == b"E"
+        )
         if external:
             raw = None
             if me == writer_rank:
-                raw = (external_writer_handle.to_bytes() if isinstance(external_writer_handle, Handle)
-                       else bytes(external_writer_handle))
+                raw = (
+                    external_writer_handle.to_bytes()
+                    if isinstance(external_writer_handle, Handle)
+                    else bytes(external_writer_handle or b"")
+                )
             handle, nonce = Handle.from_signed(self.broadcast_bytes(raw, writer_rank))
             if handle.n_reader != self.world_size:
-                raise GroupError(f"the external writer's queue has {handle.n_reader} readers but {self!r} has "
-                                 f"{self.world_size} ranks: make the queue with n_reader={self.world_size}")
+                raise GroupError(
+                    f"the external writer's queue has {handle.n_reader} readers but {self!r} has "
+                    f"{self.world_size} ranks: make the queue with n_reader={self.world_size}"
+                )
             mq = MessageQueue.create_from_handle(handle, me, _nonce=nonce, spin_us=queue_kwargs.get("spin_us"))
         else:
             mq = self._own_broadcaster(writer_rank, **queue_kwargs)
@@ -192,15 +218,15 @@ class Group:
         readers = [i for i in range(self.world_size) if i != writer_rank]
         if me == writer_rank:
             local_idx = [k for k, i in enumerate(readers) if local[i]]
-            mq = MessageQueue(len(readers), len(local_idx), local_idx, connect_ip=self.advertise_ip,
-                              **queue_kwargs)
+            mq = MessageQueue(len(readers), len(local_idx), local_idx, connect_ip=self.advertise_ip, **queue_kwargs)
             self.broadcast_bytes(mq.export_handle().to_bytes(), writer_rank)
             return mq
         raw = self.broadcast_bytes(None, writer_rank)
         return MessageQueue.create_from_handle(raw, readers.index(me), spin_us=queue_kwargs.get("spin_us"))
 
-    def create_single_reader_mq_broadcasters(self, reader_rank_in_group: int = 0, blocking: bool = False,
-                                             **queue_kwargs: Any) -> tuple[MessageQueue, list[Handle]]:
+    def create_single_reader_mq_broadcasters(
+        self, reader_rank_in_group: int = 0, blocking: bool = False, **queue_kwargs: Any
+    ) -> tuple[MessageQueue, list[Handle]]:
         """Each rank makes a one-reader queue toward group rank `reader_rank_in_group`'s node.
 
         Shared memory if this rank shares that node, else TCP. The handles are
@@ -241,5 +267,6 @@ class Group:
 
 def _to_bytes(t: torch.Tensor) -> bytes:
     import ctypes
+
     n = t.numel()
     return ctypes.string_at(t.data_ptr(), n) if n else b""

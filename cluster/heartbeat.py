@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 
@@ -146,8 +146,10 @@ class _Beater:
         if now - since > self.timeout:
             return f"no heartbeat for {now - since:.1f}s (heartbeat_timeout_s={self.timeout})"
         if self.suspect_at is not None and since < self.suspect_at and now - self.suspect_at > self.suspect_window:
-            return (f"its connection dropped and it did not beat again within {self.suspect_window:.1f}s "
-                    f"(its process died, or its host went down)")
+            return (
+                f"its connection dropped and it did not beat again within {self.suspect_window:.1f}s "
+                f"(its process died, or its host went down)"
+            )
         return None
 
     def _run_guarded(self) -> None:
@@ -163,8 +165,15 @@ class _Beater:
 class HeartbeatServer(_Beater):
     """On the leader: answers every follower's beat and reports a follower that falls silent."""
 
-    def __init__(self, bind_ip: str, port: int, followers: dict[int, list[int]], interval: float, timeout: float,
-                 on_lost: LostCallback) -> None:
+    def __init__(
+        self,
+        bind_ip: str,
+        port: int,
+        followers: dict[int, list[int]],
+        interval: float,
+        timeout: float,
+        on_lost: LostCallback,
+    ) -> None:
         super().__init__(interval, timeout, "RayfreeHeartbeatServer")
         self.endpoint = tcp_endpoint(bind_ip, port)
         self.peers = {k: _Peer(k, ranks) for k, ranks in followers.items()}
@@ -207,8 +216,10 @@ class HeartbeatServer(_Beater):
             return
         peer = self.peers.get(msg.node_rank)
         if peer is None:
-            self._dropped(f"a message from node {msg.node_rank}, which is not a follower of this leader "
-                          f"(followers: {sorted(self.peers)})")
+            self._dropped(
+                f"a message from node {msg.node_rank}, which is not a follower of this leader "
+                f"(followers: {sorted(self.peers)})"
+            )
             return
         if peer.gone:
             return
@@ -251,8 +262,10 @@ class HeartbeatServer(_Beater):
     def peer_views(self) -> list[tuple[int, str, list[int], float | None, bool, bytes]]:
         """(node, ip, ranks, seconds since its last beat or None, lost or gone, its last status) per follower."""
         now = time.monotonic()
-        return [(p.node_rank, p.ip, p.ranks, None if p.last_seen is None else now - p.last_seen, p.gone, p.status)
-                for p in list(self.peers.values())]
+        return [
+            (p.node_rank, p.ip, p.ranks, None if p.last_seen is None else now - p.last_seen, p.gone, p.status)
+            for p in list(self.peers.values())
+        ]
 
     def all_done(self, nodes: list[int]) -> bool:
         """Have these nodes all reported `done`?"""
@@ -287,8 +300,18 @@ class HeartbeatServer(_Beater):
 class HeartbeatClient(_Beater):
     """On a follower: beats toward the leader; reports the leader lost, or gone on purpose (`Bye`)."""
 
-    def __init__(self, master_addr: str, port: int, node_rank: int, ranks: list[int], ip: str, interval: float,
-                 timeout: float, on_lost: Callable[[str], None], on_bye: ByeCallback) -> None:
+    def __init__(
+        self,
+        master_addr: str,
+        port: int,
+        node_rank: int,
+        ranks: list[int],
+        ip: str,
+        interval: float,
+        timeout: float,
+        on_lost: Callable[[str], None],
+        on_bye: ByeCallback,
+    ) -> None:
         super().__init__(interval, timeout, "RayfreeHeartbeatClient")
         self.endpoint = tcp_endpoint(master_addr, port)
         self.node_rank = node_rank
@@ -324,8 +347,9 @@ class HeartbeatClient(_Beater):
                 now = time.monotonic()
                 if now >= next_beat:
                     seq += 1
-                    if sock.try_send([_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done,
-                                                   self._status()))]):
+                    if sock.try_send(
+                        [_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status()))]
+                    ):
                         self._sent_at = time.monotonic()
                     # (else not connected yet, or the link is down: the timeout decides)
                     next_beat = now + self.interval
@@ -334,9 +358,13 @@ class HeartbeatClient(_Beater):
                         return
                 now = time.monotonic()
                 if not self.contact.is_set() and now >= next_log:
-                    logger.warning("node %d: still waiting for the leader (node 0) to answer at %s after %.0fs; "
-                                   "is node 0 started, and is that port reachable from here?", self.node_rank,
-                                   self.endpoint, now - started)
+                    logger.warning(
+                        "node %d: still waiting for the leader (node 0) to answer at %s after %.0fs; "
+                        "is node 0 started, and is that port reachable from here?",
+                        self.node_rank,
+                        self.endpoint,
+                        now - started,
+                    )
                     next_log = now + WAIT_LOG_S
                 if self.armed_at is not None:
                     silent = self._silent(self.last_reply, now)
@@ -359,8 +387,10 @@ class HeartbeatClient(_Beater):
             logger.debug("heartbeat: could not build this node's status", exc_info=True)
             return b""
         if len(status) > STATUS_MAX_BYTES:
-            self._dropped(f"this node's status ({len(status)} bytes, over {STATUS_MAX_BYTES}): node 0 shows "
-                          f"only what its heartbeats say")
+            self._dropped(
+                f"this node's status ({len(status)} bytes, over {STATUS_MAX_BYTES}): node 0 shows "
+                f"only what its heartbeats say"
+            )
             return b""
         return status
 
@@ -394,9 +424,11 @@ def query_status(master_addr: str, port: int, timeout: float) -> bytes:
     try:
         reply = sock.request(_encode(StatusQuery()), timeout)
         if reply is None:
-            raise TimeoutError(f"node 0 did not answer at {tcp_endpoint(master_addr, port)} within {timeout:.0f}s: "
-                               f"is the cluster running, is that its heartbeat port (master_port + 1, or "
-                               f"heartbeat_port), and does this machine hold the cluster's secret?")
+            raise TimeoutError(
+                f"node 0 did not answer at {tcp_endpoint(master_addr, port)} within {timeout:.0f}s: "
+                f"is the cluster running, is that its heartbeat port (master_port + 1, or "
+                f"heartbeat_port), and does this machine hold the cluster's secret?"
+            )
         return reply
     finally:
         sock.close()

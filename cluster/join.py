@@ -41,8 +41,10 @@ class JoinError(GroupError):
 
 def shape_of(par: ParallelConfig) -> str:
     """What a rank believes the cluster is, in the words of the flags that set it."""
-    return (f"tp={par.tensor_parallel_size} pp={par.pipeline_parallel_size} pcp={par.prefill_context_parallel_size} "
-            f"dp={par.data_parallel_size} nnodes={par.nnodes}")
+    return (
+        f"tp={par.tensor_parallel_size} pp={par.pipeline_parallel_size} pcp={par.prefill_context_parallel_size} "
+        f"dp={par.data_parallel_size} nnodes={par.nnodes}"
+    )
 
 
 def _wait_for_port(host: str, port: int, deadline: float) -> bool:
@@ -62,22 +64,35 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
     """The TCPStore of the world at host:port, once every rank has registered; JoinError otherwise."""
     from rayfree.transport import get_ip
     from rayfree.transport.secure.policy import fingerprint
+
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     if rank != 0 and not _wait_for_port(host, port, deadline):
-        raise JoinError(f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s "
-                        f"(join_timeout_s): node 0 never started it, or master_addr/master_port is wrong or "
-                        f"unreachable from here")
+        raise JoinError(
+            f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s "
+            f"(join_timeout_s): node 0 never started it, or master_addr/master_port is wrong or "
+            f"unreachable from here"
+        )
     try:
         left = max(1.0, deadline - time.monotonic())
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0),
-                              timeout=datetime.timedelta(seconds=left), wait_for_workers=False)
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=(rank == 0),
+            timeout=datetime.timedelta(seconds=left),
+            wait_for_workers=False,
+        )
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError/...
         if rank == 0:
-            raise JoinError(f"rank 0 could not host the rendezvous at {host}:{port}: {e}. Is the port free and "
-                            f"the address one of this node's?") from e
-        raise JoinError(f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s: "
-                        f"rank 0 never started it, or master_addr/master_port is wrong or unreachable") from e
+            raise JoinError(
+                f"rank 0 could not host the rendezvous at {host}:{port}: {e}. Is the port free and "
+                f"the address one of this node's?"
+            ) from e
+        raise JoinError(
+            f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s: "
+            f"rank 0 never started it, or master_addr/master_port is wrong or unreachable"
+        ) from e
     ip = host if rank == 0 else get_ip(peer=host)
     me = f"{rank}|{world_size}|{node}|{ip}|{fingerprint()}|{shape}"
     keys = [f"rayfree/join/{r}" for r in range(world_size)]
@@ -95,16 +110,20 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
                 seen = _check_agreement(store, seen, me, rank, deadline)
                 next_scan = now + _SCAN_S
             if now >= deadline:
-                raise JoinError(f"rank {rank}: rank(s) {missing} of {world_size} never joined the world at "
-                                f"{host}:{port} within {timeout_s:.0f}s (join_timeout_s); check that their node "
-                                f"started and can reach {host}")
+                raise JoinError(
+                    f"rank {rank}: rank(s) {missing} of {world_size} never joined the world at "
+                    f"{host}:{port} within {timeout_s:.0f}s (join_timeout_s); check that their node "
+                    f"started and can reach {host}"
+                )
             time.sleep(0.02)
         _check_agreement(store, seen, me, rank, deadline)
     except JoinError:
         raise
     except Exception as e:  # noqa: BLE001 - the store went away: rank 0 gave up or died
-        raise JoinError(f"rank {rank}: the rendezvous at {host}:{port} (hosted by rank 0) closed while waiting "
-                        f"for rank(s) {missing} of {world_size} to join") from e
+        raise JoinError(
+            f"rank {rank}: the rendezvous at {host}:{port} (hosted by rank 0) closed while waiting "
+            f"for rank(s) {missing} of {world_size} to join"
+        ) from e
     return store
 
 
@@ -119,9 +138,11 @@ def _check_agreement(store, seen: int, me: str, rank: int, deadline: float) -> i
                 _tell_late_ranks(store, err, deadline)
             raise err
         if _world_and_shape(other) != _world_and_shape(me):
-            err = JoinError(f"the nodes disagree on the cluster's shape: {_describe(me)} but "
-                            f"{_describe(other)}; start every node with the same sizes (--tp, --pp, --dp, "
-                            f"--nnodes, ...)")
+            err = JoinError(
+                f"the nodes disagree on the cluster's shape: {_describe(me)} but "
+                f"{_describe(other)}; start every node with the same sizes (--tp, --pp, --dp, "
+                f"--nnodes, ...)"
+            )
             if rank == 0:
                 _tell_late_ranks(store, err, deadline)
             raise err
@@ -135,8 +156,7 @@ def _tell_late_ranks(store, err: JoinError, deadline: float) -> None:
     try:
         while time.monotonic() < until:
             count = int(store.add("rayfree/arrivals", 0))
-            worlds = [int(_world_and_shape(store.get(f"rayfree/arrival/{i}").decode())[0])
-                      for i in range(1, count + 1)]
+            worlds = [int(_world_and_shape(store.get(f"rayfree/arrival/{i}").decode())[0]) for i in range(1, count + 1)]
             if all(store.check([f"rayfree/join/{r}"]) for r in range(max(worlds))):
                 time.sleep(2 * _SCAN_S)  # the last to come reads the arrivals at its next scan
                 return
@@ -166,9 +186,11 @@ def _secrets_differ(a: str, b: str) -> str:
     def kind(f: list[str]) -> str:
         return "no cluster secret (--insecure)" if f[4] == "none" else f"secret {f[4]}"
 
-    return (f"{name(odd)} uses a different cluster secret than {name(ref)} (fingerprints: {kind(odd)} vs "
-            f"{kind(ref)}): give every node the same secret file (--secret-file / RAYFREE_SECRET_FILE; "
-            f"`rayfree keygen FILE` once, then copy that file to each node)")
+    return (
+        f"{name(odd)} uses a different cluster secret than {name(ref)} (fingerprints: {kind(odd)} vs "
+        f"{kind(ref)}): give every node the same secret file (--secret-file / RAYFREE_SECRET_FILE; "
+        f"`rayfree keygen FILE` once, then copy that file to each node)"
+    )
 
 
 def _describe(entry: str) -> str:

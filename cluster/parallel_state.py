@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+from typing import Any
 from urllib.parse import urlparse
 
 import torch
@@ -25,10 +26,21 @@ from .group import Group, GroupError
 from .join import JoinError, join
 
 __all__ = [
-    "init_distributed_environment", "initialize_model_parallel", "model_parallel_is_initialized",
-    "get_world_group", "get_tp_group", "get_pp_group", "get_dp_group", "get_pcp_group", "get_dcp_group",
-    "get_ep_group", "get_inner_dp_world_group", "destroy_model_parallel", "destroy_distributed_environment",
-    "adopt_distributed_environment", "JoinError",
+    "init_distributed_environment",
+    "initialize_model_parallel",
+    "model_parallel_is_initialized",
+    "get_world_group",
+    "get_tp_group",
+    "get_pp_group",
+    "get_dp_group",
+    "get_pcp_group",
+    "get_dcp_group",
+    "get_ep_group",
+    "get_inner_dp_world_group",
+    "destroy_model_parallel",
+    "destroy_distributed_environment",
+    "adopt_distributed_environment",
+    "JoinError",
 ]
 
 logger = logging.getLogger("rayfree.cluster")
@@ -51,9 +63,18 @@ def _parse_init_method(method: str) -> tuple[str, int]:
     return u.hostname, u.port
 
 
-def init_distributed_environment(world_size: int, rank: int, distributed_init_method: str,
-                                 local_rank: int = -1, backend: str = "gloo", *, timeout_s: float = 120.0,
-                                 force_remote: bool | None = None, shape: str = "", node: int = -1) -> Group:
+def init_distributed_environment(
+    world_size: int,
+    rank: int,
+    distributed_init_method: str,
+    local_rank: int = -1,
+    backend: str = "gloo",
+    *,
+    timeout_s: float = 120.0,
+    force_remote: bool | None = None,
+    shape: str = "",
+    node: int = -1,
+) -> Group:
     """Join the world (torch.distributed, gloo on CPU) and return the world group.
 
     `shape` (join.shape_of) and `node` let a rank that finds others with another shape say so.
@@ -67,15 +88,17 @@ def init_distributed_environment(world_size: int, rank: int, distributed_init_me
         raise GroupError(f"rank {rank} is out of range for world_size {world_size}")
     host, port = _parse_init_method(distributed_init_method)
     store = join(host, port, world_size, rank, timeout_s, shape, node)
-    dist.init_process_group(backend, store=store, world_size=world_size, rank=rank,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, store=store, world_size=world_size, rank=rank, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER = store, timeout_s, force_remote, host
     _WORLD = _make_group("world", list(range(world_size)), dist.group.WORLD)
     return _WORLD
 
 
-def adopt_distributed_environment(parallel: ParallelConfig, *, timeout_s: float = 120.0,
-                                  force_remote: bool | None = None) -> Group:
+def adopt_distributed_environment(
+    parallel: ParallelConfig, *, timeout_s: float = 120.0, force_remote: bool | None = None
+) -> Group:
     """Build rayfree's groups on a torch.distributed world the engine joined itself (vLLM's workers do).
 
     Rayfree's groups exchange bytes over gloo, so on a world whose default backend is another (NCCL)
@@ -84,26 +107,40 @@ def adopt_distributed_environment(parallel: ParallelConfig, *, timeout_s: float 
     """
     global _WORLD, _TIMEOUT_S, _FORCE_REMOTE, _MASTER, _ADOPTED
     if not dist.is_initialized():
-        raise GroupError("adopt_distributed_environment: torch.distributed is not initialized; call "
-                         "init_distributed_environment() instead")
+        raise GroupError(
+            "adopt_distributed_environment: torch.distributed is not initialized; call "
+            "init_distributed_environment() instead"
+        )
     if _WORLD is not None:
         return _WORLD
     n = dist.get_world_size()
     if n != parallel.world_size_across_dp:
-        raise GroupError(f"the engine's world has {n} ranks but the configuration has "
-                         f"{parallel.world_size_across_dp}: give rayfree the engine's parallel sizes")
+        raise GroupError(
+            f"the engine's world has {n} ranks but the configuration has "
+            f"{parallel.world_size_across_dp}: give rayfree the engine's parallel sizes"
+        )
     _TIMEOUT_S, _FORCE_REMOTE, _MASTER, _ADOPTED = timeout_s, force_remote, parallel.master_addr, True
-    pg = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(
-        list(range(n)), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    pg = (
+        dist.group.WORLD
+        if dist.get_backend() == "gloo"
+        else dist.new_group(list(range(n)), backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    )
     _WORLD = _make_group("world", list(range(n)), pg)
     initialize_model_parallel(parallel)
     return _WORLD
 
 
-def _make_group(name: str, ranks: list[int], pg) -> Group:
+def _make_group(name: str, ranks: list[int], pg: Any) -> Group:
     # Publishers bind to the address that routes toward the master: the cluster network.
-    return Group(ranks, dist.get_rank(), pg, name=name, advertise_ip=get_ip(peer=_MASTER),
-                 force_remote=_FORCE_REMOTE, queue_timeout_s=_TIMEOUT_S)
+    return Group(
+        ranks,
+        dist.get_rank(),
+        pg,
+        name=name,
+        advertise_ip=get_ip(peer=_MASTER),
+        force_remote=_FORCE_REMOTE,
+        queue_timeout_s=_TIMEOUT_S,
+    )
 
 
 def _layout(parallel: ParallelConfig, world_size: int) -> dict[str, list[list[int]]]:
@@ -111,12 +148,15 @@ def _layout(parallel: ParallelConfig, world_size: int) -> dict[str, list[list[in
     tp, pp, pcp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.prefill_context_parallel_size
     inner = tp * pp * pcp
     if world_size % inner:
-        raise GroupError(f"world size {world_size} is not a multiple of tensor x pipeline x prefill-context "
-                         f"parallel = {inner}")
+        raise GroupError(
+            f"world size {world_size} is not a multiple of tensor x pipeline x prefill-context parallel = {inner}"
+        )
     dp = world_size // inner
     if dp not in (1, parallel.data_parallel_size):
-        raise GroupError(f"world size {world_size} holds {dp} replicas of {inner} ranks, but "
-                         f"data_parallel_size={parallel.data_parallel_size}")
+        raise GroupError(
+            f"world size {world_size} holds {dp} replicas of {inner} ranks, but "
+            f"data_parallel_size={parallel.data_parallel_size}"
+        )
     r = torch.arange(world_size).reshape(dp, pp, pcp, tp)
     dcp = parallel.decode_context_parallel_size
 
@@ -161,8 +201,10 @@ def model_parallel_is_initialized() -> bool:
 def _get(kind: str, what: str) -> Group:
     g = _GROUPS.get(kind)
     if g is None:
-        raise GroupError(f"the {what} group is not initialized: call init_distributed_environment() and then "
-                         f"initialize_model_parallel(parallel_config) first")
+        raise GroupError(
+            f"the {what} group is not initialized: call init_distributed_environment() and then "
+            f"initialize_model_parallel(parallel_config) first"
+        )
     return g
 
 

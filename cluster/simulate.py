@@ -25,7 +25,7 @@ import subprocess
 import threading
 import time
 import weakref
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["SimulatedCluster", "SimulatedNode", "can_use_netns"]
 
@@ -51,8 +51,9 @@ def _ip(*args: str) -> None:
 class SimulatedNode:
     """One node: where its processes run and how to reach it."""
 
-    def __init__(self, cluster: SimulatedCluster, index: int, ip: str, netns: str | None,
-                 shm_dir: str | None = None) -> None:
+    def __init__(
+        self, cluster: SimulatedCluster, index: int, ip: str, netns: str | None, shm_dir: str | None = None
+    ) -> None:
         self.cluster = cluster
         self.index = index
         self.ip = ip
@@ -68,8 +69,17 @@ class SimulatedNode:
         inner = argv
         if self.shm_dir:
             # Every process of the node sees the node's tmpfs as its /dev/shm.
-            inner = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                     f'mount --bind {self.shm_dir} /dev/shm && exec "$@"', "sh", *argv]
+            inner = [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                f'mount --bind {self.shm_dir} /dev/shm && exec "$@"',
+                "sh",
+                *argv,
+            ]
         return ["ip", "netns", "exec", self.netns, *inner]
 
     def popen(self, argv: Sequence[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
@@ -101,8 +111,9 @@ class SimulatedNode:
 class SimulatedCluster:
     """`nnodes` simulated nodes; a context manager (see the module docstring)."""
 
-    def __init__(self, nnodes: int, *, private_shm: bool = True, shm_size: str = "1g",
-                 use_netns: bool | None = None) -> None:
+    def __init__(
+        self, nnodes: int, *, private_shm: bool = True, shm_size: str = "1g", use_netns: bool | None = None
+    ) -> None:
         if nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {nnodes}")
         self.nnodes = nnodes
@@ -132,8 +143,10 @@ class SimulatedCluster:
 
     def __enter__(self) -> SimulatedCluster:
         if not self.use_netns:
-            logger.warning("simulated nodes without root: all nodes share loopback and /dev/shm, and ranks are "
-                           "forced to treat each other as remote (RAYFREE_FORCE_REMOTE=1)")
+            logger.warning(
+                "simulated nodes without root: all nodes share loopback and /dev/shm, and ranks are "
+                "forced to treat each other as remote (RAYFREE_FORCE_REMOTE=1)"
+            )
             self.nodes = [SimulatedNode(self, k, "127.0.0.1", None) for k in range(self.nnodes)]
             return self
         self._finalizer = weakref.finalize(self, _remove_all, self._made, self._mounts)
@@ -145,8 +158,9 @@ class SimulatedCluster:
                 ns = f"{self.tag}-n{k}"
                 self._add_ns(ns)
                 ip = f"{SUBNET}.{k + 1}"
-                _ip("link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{k}",
-                    "netns", self.switch_ns)
+                _ip(
+                    "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", f"p{k}", "netns", self.switch_ns
+                )
                 _ip("-n", self.switch_ns, "link", "set", f"p{k}", "master", "br0")
                 _ip("-n", self.switch_ns, "link", "set", f"p{k}", "up")
                 _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
@@ -164,8 +178,12 @@ class SimulatedCluster:
             return None
         d = os.path.join(_SHM_BASE, f"{self.tag}-n{k}")
         os.makedirs(d, mode=0o755, exist_ok=True)
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.shm_size},mode=1777", "rayfree-sim-shm", d],
-                           capture_output=True, text=True, timeout=30)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={self.shm_size},mode=1777", "rayfree-sim-shm", d],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if r.returncode:
             os.rmdir(d)
             raise RuntimeError(f"mounting a tmpfs for node {k}'s /dev/shm at {d} failed: {r.stderr.strip()}")

@@ -44,7 +44,9 @@ class CheckFailed(Exception):
     pass
 
 
-def run(*argv: str, timeout: float = 600, check: bool = True, capture: bool = True, **kw) -> subprocess.CompletedProcess:
+def run(
+    *argv: str, timeout: float = 600, check: bool = True, capture: bool = True, **kw
+) -> subprocess.CompletedProcess:
     try:
         r = subprocess.run(argv, timeout=timeout, text=True, capture_output=capture, **kw)
     except subprocess.TimeoutExpired as e:
@@ -71,22 +73,33 @@ class Docker:
             say("docker daemon already running: using it")
             return
         if os.geteuid() != 0:
-            raise CheckFailed("no docker daemon answers, and only root may install and start one here: start "
-                              "dockerd (or run this as root)")
-        missing = [pkg for pkg, exe in (("docker.io", "dockerd"), ("docker-compose", "docker-compose"))
-                   if not shutil.which(exe)]
+            raise CheckFailed(
+                "no docker daemon answers, and only root may install and start one here: start "
+                "dockerd (or run this as root)"
+            )
+        missing = [
+            pkg
+            for pkg, exe in (("docker.io", "dockerd"), ("docker-compose", "docker-compose"))
+            if not shutil.which(exe)
+        ]
         if missing:
             say(f"installing {' '.join(missing)} from the OS packages")
             run("apt-get", "update", "-q", timeout=600)
-            run("apt-get", "install", "-y", "-q", *missing, timeout=900,
-                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+            run(
+                "apt-get",
+                "install",
+                "-y",
+                "-q",
+                *missing,
+                timeout=900,
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+            )
         if docker_up():
             say("docker daemon running (started by its package)")
             return
         say("starting dockerd")
         self.log = tempfile.NamedTemporaryFile("w+", prefix="rf-dockerd-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(["dockerd"], stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(["dockerd"], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while not docker_up():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -125,13 +138,27 @@ def base_rootfs() -> Path:
         return tar
     if not shutil.which("debootstrap"):
         say("installing debootstrap from the OS packages")
-        run("apt-get", "install", "-y", "-q", "debootstrap", timeout=600,
-            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        run(
+            "apt-get",
+            "install",
+            "-y",
+            "-q",
+            "debootstrap",
+            timeout=600,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
     CACHE.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rf-rootfs-", dir=CACHE) as d:
         say(f"making a {SUITE} base from OS packages (debootstrap, about a minute)")
-        run("debootstrap", "--variant=minbase", "--include=python3,python3-venv,iproute2,ca-certificates",
-            SUITE, d, MIRROR, timeout=1200)
+        run(
+            "debootstrap",
+            "--variant=minbase",
+            "--include=python3,python3-venv,iproute2,ca-certificates",
+            SUITE,
+            d,
+            MIRROR,
+            timeout=1200,
+        )
         shutil.rmtree(Path(d) / "var/cache/apt/archives", ignore_errors=True)
         part = tar.with_suffix(".part")
         run("tar", "-C", d, "-cf", str(part), ".", timeout=600)
@@ -145,8 +172,13 @@ class Check:
         self.images: list[str] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="rf-compose-"))
         self.secret = self.tmp / "rayfree.secret"
-        self.env = {**os.environ, "RAYFREE_SECRET_FILE": str(self.secret), "RAYFREE_IMAGE": f"rayfree-check:{TAG}",
-                    "COMPOSE_PROJECT_NAME": TAG, "DOCKER_BUILDKIT": "0"}
+        self.env = {
+            **os.environ,
+            "RAYFREE_SECRET_FILE": str(self.secret),
+            "RAYFREE_IMAGE": f"rayfree-check:{TAG}",
+            "COMPOSE_PROJECT_NAME": TAG,
+            "DOCKER_BUILDKIT": "0",
+        }
         run(sys.executable, "-m", "rayfree.cli", "keygen", str(self.secret), cwd=ROOT)
 
     def images_made(self) -> None:
@@ -162,13 +194,33 @@ class Check:
             raise CheckFailed("docker/wheelhouse is empty: run `make wheelhouse` first (`make compose-check` does)")
         say("building the image from the Dockerfile and the wheelhouse (no index)")
         self.images.append(self.env["RAYFREE_IMAGE"])
-        run("docker", "build", "-q", "--build-arg", f"BASE_IMAGE={base}", "-t", self.env["RAYFREE_IMAGE"], ".",
-            cwd=ROOT, env=self.env, timeout=1200)
+        run(
+            "docker",
+            "build",
+            "-q",
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+            "-t",
+            self.env["RAYFREE_IMAGE"],
+            ".",
+            cwd=ROOT,
+            env=self.env,
+            timeout=1200,
+        )
 
     def dc(self, *args: str, files: list[Path] = (), timeout: float = 300, check: bool = True):
         fs = [x for f in [ROOT / "docker-compose.yml", *files] for x in ("-f", str(f))]
-        return run(*self.compose, *fs, "--project-directory", str(ROOT), *args, env=self.env, cwd=ROOT,
-                   timeout=timeout, check=check)
+        return run(
+            *self.compose,
+            *fs,
+            "--project-directory",
+            str(ROOT),
+            *args,
+            env=self.env,
+            cwd=ROOT,
+            timeout=timeout,
+            check=check,
+        )
 
     def container(self, service: str, files: list[Path] = ()) -> str:
         cid = self.dc("ps", "-q", service, files=files).stdout.strip()
@@ -205,7 +257,7 @@ class Check:
 
     def run_killed(self) -> None:
         override = self.tmp / "long-run.yml"
-        override.write_text("services:\n  head-cpu:\n    environment:\n      RAYFREE_DEMO_STEPS: \"1000000\"\n")
+        override.write_text('services:\n  head-cpu:\n    environment:\n      RAYFREE_DEMO_STEPS: "1000000"\n')
         files = [override]
         say("run 2: the same, a long run; the follower is killed mid-run")
         self.dc("--profile", "cpu", "up", "-d", "--no-build", "head-cpu", "follower-cpu", files=files, timeout=300)
@@ -230,26 +282,36 @@ class Check:
             raise CheckFailed(f"run 2: the head's log does not name node 1 as lost:\n{_indent(hl)}")
         after = _stamp(lost[0]) - t_kill
         if after > HEARTBEAT_TIMEOUT_S + 0.5:
-            raise CheckFailed(f"run 2: the head noticed the loss {after:.2f}s after the kill (heartbeat timeout "
-                              f"{HEARTBEAT_TIMEOUT_S}s)")
-        say(f"run 2 passed: the head named node 1 lost {after:.2f}s after `docker kill` (heartbeat timeout "
-            f"{HEARTBEAT_TIMEOUT_S:.0f}s) and exited {code}")
+            raise CheckFailed(
+                f"run 2: the head noticed the loss {after:.2f}s after the kill (heartbeat timeout "
+                f"{HEARTBEAT_TIMEOUT_S}s)"
+            )
+        say(
+            f"run 2 passed: the head named node 1 lost {after:.2f}s after `docker kill` (heartbeat timeout "
+            f"{HEARTBEAT_TIMEOUT_S:.0f}s) and exited {code}"
+        )
 
     @staticmethod
     def _status(cid: str) -> dict:
         """`rayfree status --json` inside a node's container (its environment and the compose secret)."""
         import json
+
         r = run("docker", "exec", cid, "rayfree", "status", "--json", "--timeout", "10", check=False, timeout=60)
         if r.returncode != 0:
-            raise CheckFailed(f"run 2: `rayfree status` in the follower's container exited {r.returncode}: "
-                              f"{r.stderr.strip()}")
+            raise CheckFailed(
+                f"run 2: `rayfree status` in the follower's container exited {r.returncode}: {r.stderr.strip()}"
+            )
         st = json.loads(r.stdout)
         workers = sorted((n["node"], w["rank"]) for n in st["nodes"] for w in n["workers"])
         if [n["node"] for n in st["nodes"]] != [0, 1] or workers != [(0, 0), (0, 1), (1, 2), (1, 3)]:
             raise CheckFailed(f"run 2: `rayfree status` does not show both nodes and all four ranks: {r.stdout}")
-        say("run 2: `rayfree status` in the follower's container shows " + "; ".join(
-            f"node {n['node']} {n['ip']} {n['state']} ranks {n['ranks']} pids "
-            f"{[w['pid'] for w in n['workers']]}" for n in st["nodes"]))
+        say(
+            "run 2: `rayfree status` in the follower's container shows "
+            + "; ".join(
+                f"node {n['node']} {n['ip']} {n['state']} ranks {n['ranks']} pids {[w['pid'] for w in n['workers']]}"
+                for n in st["nodes"]
+            )
+        )
         return st
 
     @staticmethod
@@ -265,8 +327,7 @@ class Check:
             run("docker", "rmi", "-f", image, check=False, timeout=120)
         shutil.rmtree(self.tmp, ignore_errors=True)
         left = run("docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={TAG}", check=False)
-        nets = run("docker", "network", "ls", "-q", "--filter", f"label=com.docker.compose.project={TAG}",
-                   check=False)
+        nets = run("docker", "network", "ls", "-q", "--filter", f"label=com.docker.compose.project={TAG}", check=False)
         if left.stdout.strip() or nets.stdout.strip():
             raise CheckFailed(f"left behind: containers {left.stdout.split()} networks {nets.stdout.split()}")
         say(f"removed the containers, network and image(s) {self.images} this check made")
@@ -279,10 +340,12 @@ def _indent(text: str) -> str:
 def _stamp(line: str) -> float:
     """The time of a `docker logs -t` line (RFC 3339, nanoseconds) as a Unix time."""
     from datetime import datetime, timezone
+
     ts = line.split(" ", 1)[0]
     head, _, frac = ts.rstrip("Z").partition(".")
-    return datetime.strptime(head, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp() \
-        + float("0." + (frac or "0"))
+    return datetime.strptime(head, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=timezone.utc).timestamp() + float(
+        "0." + (frac or "0")
+    )
 
 
 def main() -> int:

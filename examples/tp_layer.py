@@ -30,10 +30,10 @@ class TPLinearWorker(WorkerBase):
         weight = full_layer().weight.detach()
         self.width = IN // self.tp.world_size
         self.lo = self.tp.rank_in_group * self.width
-        self.weight = weight[:, self.lo:self.lo + self.width].clone()  # this rank's columns
+        self.weight = weight[:, self.lo : self.lo + self.width].clone()  # this rank's columns
 
     def execute_model(self, x: torch.Tensor) -> torch.Tensor:
-        partial = x[:, self.lo:self.lo + self.width] @ self.weight.T
+        partial = x[:, self.lo : self.lo + self.width] @ self.weight.T
         dist.all_reduce(partial, group=self.tp.device_group)  # the sum over the TP ranks: the full product
         return partial
 

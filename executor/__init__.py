@@ -1,25 +1,56 @@
 """rayfree's top layer: the executors an engine calls, and the worker group each one owns.
 
-    from rayfree.executor import MultiprocExecutor
-    ex = MultiprocExecutor(config, "my_engine.worker:Worker", {"model": "..."})
-    out = ex.collective_rpc("execute_model", args=(batch,), unique_reply_rank=ex.output_rank)
-    ex.shutdown()
+from rayfree.executor import MultiprocExecutor
+ex = MultiprocExecutor(config, "my_engine.worker:Worker", {"model": "..."})
+out = ex.collective_rpc("execute_model", args=(batch,), unique_reply_rank=ex.output_rank)
+ex.shutdown()
 """
 
 if __name__ != "rayfree.executor":  # the repository's folder imported as a top-level package: two copies of rayfree
-    raise ImportError(f"import rayfree.executor, not {__name__}: this folder installs as rayfree.executor "
-                      f"(pip install -e . puts it there)")
+    raise ImportError(
+        f"import rayfree.executor, not {__name__}: this folder installs as rayfree.executor "
+        f"(pip install -e . puts it there)"
+    )
 
 
 from .abstract import Executor, FailureCallback, UniProcExecutor
-from .errors import (ExecutorError, ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost, NotLeaderError,
-                     ReplicaFailed, RpcTimeout, StartupTimeout, WorkerDied, WorkerError, WorkerStartupError)
-from .rpc import FutureWrapper
+from .errors import (
+    ExecutorError,
+    ExecutorFailed,
+    FatalWorkerError,
+    LeaderLost,
+    NodeLost,
+    NotLeaderError,
+    ReplicaFailed,
+    RpcTimeout,
+    StartupTimeout,
+    WorkerDied,
+    WorkerError,
+    WorkerStartupError,
+)
 from .multiproc import MultiprocExecutor
 from .replicas import NodeReplicas
+from .rpc import FutureWrapper
 from .workers import WorkerGroup
 
-__all__ = ["Executor", "FailureCallback", "UniProcExecutor", "MultiprocExecutor", "FutureWrapper",
-           "ExecutorError", "ExecutorFailed", "FatalWorkerError", "NotLeaderError", "RpcTimeout", "WorkerDied",
-           "WorkerError", "NodeLost", "LeaderLost", "ReplicaFailed", "WorkerStartupError", "StartupTimeout",
-           "WorkerGroup", "NodeReplicas"]
+__all__ = [
+    "Executor",
+    "FailureCallback",
+    "UniProcExecutor",
+    "MultiprocExecutor",
+    "FutureWrapper",
+    "ExecutorError",
+    "ExecutorFailed",
+    "FatalWorkerError",
+    "NotLeaderError",
+    "RpcTimeout",
+    "WorkerDied",
+    "WorkerError",
+    "NodeLost",
+    "LeaderLost",
+    "ReplicaFailed",
+    "WorkerStartupError",
+    "StartupTimeout",
+    "WorkerGroup",
+    "NodeReplicas",
+]

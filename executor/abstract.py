@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rayfree.cluster.config import ClusterConfig, require_config
 from rayfree.transport import get_open_port
@@ -24,8 +25,9 @@ FailureCallback = Callable[[], None]
 class Executor(ABC):
     """Runs a worker class on every rank of a cluster and calls its methods on all of them."""
 
-    def __init__(self, config: ClusterConfig, worker_cls: type | str, worker_kwargs: dict[str, Any] | None = None
-                 ) -> None:
+    def __init__(
+        self, config: ClusterConfig, worker_cls: type | str, worker_kwargs: dict[str, Any] | None = None
+    ) -> None:
         """Build the executor and start its worker(s).
 
         Args:
@@ -49,11 +51,18 @@ class Executor(ABC):
     def _init_executor(self) -> None: ...
 
     @abstractmethod
-    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None, non_block: bool = False,
-                       unique_reply_rank: int | None = None,
-                       aggregator: Callable[[list[Any]], Any] | None = None,
-                       kv_output_aggregator: Any = None, ec_output_aggregator: Any = None) -> Any:
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+        aggregator: Callable[[list[Any]], Any] | None = None,
+        kv_output_aggregator: Any = None,
+        ec_output_aggregator: Any = None,
+    ) -> Any:
         """Call `method` on every worker.
 
         `method` is a worker method's name, or a callable taking the worker as
@@ -85,23 +94,40 @@ class Executor(ABC):
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
         if self.kv_output_aggregator is not None:
-            return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank,
-                                       non_block=non_block, timeout=self.config.rpc_timeout_s,
-                                       kv_output_aggregator=self.kv_output_aggregator)
-        return self.collective_rpc("execute_model", args=(scheduler_output,), unique_reply_rank=self.output_rank,
-                                   non_block=non_block, timeout=self.config.rpc_timeout_s)
+            return self.collective_rpc(
+                "execute_model",
+                args=(scheduler_output,),
+                unique_reply_rank=self.output_rank,
+                non_block=non_block,
+                timeout=self.config.rpc_timeout_s,
+                kv_output_aggregator=self.kv_output_aggregator,
+            )
+        return self.collective_rpc(
+            "execute_model",
+            args=(scheduler_output,),
+            unique_reply_rank=self.output_rank,
+            non_block=non_block,
+            timeout=self.config.rpc_timeout_s,
+        )
 
     def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
-        return self.collective_rpc("sample_tokens", args=(grammar_output,), unique_reply_rank=self.output_rank,
-                                   non_block=non_block, timeout=self.config.rpc_timeout_s)
+        return self.collective_rpc(
+            "sample_tokens",
+            args=(grammar_output,),
+            unique_reply_rank=self.output_rank,
+            non_block=non_block,
+            timeout=self.config.rpc_timeout_s,
+        )
 
     def execute_dummy_batch(self) -> None:
-        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank,
-                            timeout=self.config.rpc_timeout_s)
+        self.collective_rpc(
+            "execute_dummy_batch", unique_reply_rank=self.output_rank, timeout=self.config.rpc_timeout_s
+        )
 
     def take_draft_token_ids(self) -> Any:
-        return self.collective_rpc("take_draft_token_ids", unique_reply_rank=self.output_rank,
-                                   timeout=self.config.rpc_timeout_s)
+        return self.collective_rpc(
+            "take_draft_token_ids", unique_reply_rank=self.output_rank, timeout=self.config.rpc_timeout_s
+        )
 
     def check_health(self) -> None:
         timeout = self.config.rpc_timeout_s
@@ -133,23 +159,32 @@ class UniProcExecutor(Executor):
 
     def _init_executor(self) -> None:
         if self.parallel_config.world_size != 1 or self.parallel_config.nnodes != 1:
-            raise ValueError(f"UniProcExecutor runs one rank on one node; this config has world size "
-                             f"{self.parallel_config.world_size} on {self.parallel_config.nnodes} node(s): use "
-                             f"MultiprocExecutor")
+            raise ValueError(
+                f"UniProcExecutor runs one rank on one node; this config has world size "
+                f"{self.parallel_config.world_size} on {self.parallel_config.nnodes} node(s): use "
+                f"MultiprocExecutor"
+            )
         cls = resolve_worker_cls(self.worker_cls)
         method = f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}"
         self.worker = cls(self.config, 0, 0, method, True, **self.worker_kwargs)
         self.worker.init_device()
         self.worker.load_model()
-        self._futures: deque = deque()
+        self._futures: deque[FutureWrapper] = deque()
         self._lock = threading.RLock()
         self._closed = False
 
-    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None, non_block: bool = False,
-                       unique_reply_rank: int | None = None,
-                       aggregator: Callable[[list[Any]], Any] | None = None,
-                       kv_output_aggregator: Any = None, ec_output_aggregator: Any = None) -> Any:
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+        aggregator: Callable[[list[Any]], Any] | None = None,
+        kv_output_aggregator: Any = None,
+        ec_output_aggregator: Any = None,
+    ) -> Any:
         if self._closed:
             raise ExecutorFailed("the executor was shut down")
         connector = kv_output_aggregator if kv_output_aggregator is not None else ec_output_aggregator
@@ -166,8 +201,9 @@ class UniProcExecutor(Executor):
 
         def collect(deadline: float | None) -> Any:
             if error is not None:
-                raise WorkerError(0, error.error_type, error.message, error.traceback,
-                                  method if isinstance(method, str) else "")
+                raise WorkerError(
+                    0, error.error_type, error.message, error.traceback, method if isinstance(method, str) else ""
+                )
             if aggregator is not None:
                 return aggregator([value])
             return value if unique_reply_rank is not None else [value]
@@ -183,5 +219,5 @@ class UniProcExecutor(Executor):
             self.worker.shutdown()
         finally:
             from rayfree.cluster.parallel_state import destroy_distributed_environment
-            destroy_distributed_environment()
 
+            destroy_distributed_environment()

@@ -9,9 +9,21 @@ or later call raises: the same class, with the call named in the message.
 
 from __future__ import annotations
 
-__all__ = ["ExecutorError", "WorkerError", "WorkerDied", "RpcTimeout", "ExecutorFailed", "NotLeaderError",
-           "NodeLost", "LeaderLost", "ReplicaFailed", "WorkerStartupError", "StartupTimeout", "FatalWorkerError",
-           "failed_as"]
+__all__ = [
+    "ExecutorError",
+    "WorkerError",
+    "WorkerDied",
+    "RpcTimeout",
+    "ExecutorFailed",
+    "NotLeaderError",
+    "NodeLost",
+    "LeaderLost",
+    "ReplicaFailed",
+    "WorkerStartupError",
+    "StartupTimeout",
+    "FatalWorkerError",
+    "failed_as",
+]
 
 
 class ExecutorError(RuntimeError):
@@ -27,11 +39,15 @@ class ExecutorFailed(ExecutorError):
 class WorkerError(ExecutorError):
     """A worker's method raised: its rank, exception type, message and the worker's traceback."""
 
-    def __init__(self, rank: int, error_type: str, message: str, remote_traceback: str, method: str = "",
-                 note: str = "") -> None:
+    def __init__(
+        self, rank: int, error_type: str, message: str, remote_traceback: str, method: str = "", note: str = ""
+    ) -> None:
         where = f" in {method}" if method else ""
-        super().__init__(f"worker rank {rank} raised {error_type}{where}: {message}"
-                         + (f" ({note})" if note else "") + f"\n\nWorker traceback (rank {rank}):\n{remote_traceback}")
+        super().__init__(
+            f"worker rank {rank} raised {error_type}{where}: {message}"
+            + (f" ({note})" if note else "")
+            + f"\n\nWorker traceback (rank {rank}):\n{remote_traceback}"
+        )
         self.rank = rank
         self.error_type = error_type
         self.message = message
@@ -48,8 +64,10 @@ class WorkerDied(ExecutorFailed):
 
     def __init__(self, rank: int, how: str, pid: int | None = None, title: str = "") -> None:
         name = f"pid {pid}, rayfree::{title}" if title else f"pid {pid}"
-        super().__init__(f"worker rank {rank} ({name}) died ({how}); the executor has shut down. "
-                         f"Look at that worker's log for the cause.")
+        super().__init__(
+            f"worker rank {rank} ({name}) died ({how}); the executor has shut down. "
+            f"Look at that worker's log for the cause."
+        )
         self.rank = rank
         self.how = how
 
@@ -65,11 +83,12 @@ class NotLeaderError(ExecutorError):
 class NodeLost(ExecutorFailed):
     """A follower node fell silent (killed, crashed, or its link cut), or stopped while the leader ran."""
 
-    def __init__(self, node_rank: int, ranks: list[int], ip: str, why: str, replicas: list[int] | None = None
-                 ) -> None:
+    def __init__(self, node_rank: int, ranks: list[int], ip: str, why: str, replicas: list[int] | None = None) -> None:
         dp = f", DP replica {', '.join(map(str, replicas))}" if replicas else ""
-        super().__init__(f"node {node_rank} ({ip}{dp}, ranks {ranks}) was lost: {why}; the executor has shut down. "
-                         f"Check that node's log and its network link to node 0.")
+        super().__init__(
+            f"node {node_rank} ({ip}{dp}, ranks {ranks}) was lost: {why}; the executor has shut down. "
+            f"Check that node's log and its network link to node 0."
+        )
         self.node_rank = node_rank
         self.ranks = ranks
         self.replicas = replicas or []
@@ -87,8 +106,10 @@ class ReplicaFailed(ExecutorFailed):
     """Another DP replica on this node failed: the replicas share collectives, so this one stops too."""
 
     def __init__(self, dp_rank: int, why: str) -> None:
-        super().__init__(f"DP replica {dp_rank} on this node failed ({why}); every replica stops with it, since "
-                         f"their ranks share collectives (DP, expert parallel)")
+        super().__init__(
+            f"DP replica {dp_rank} on this node failed ({why}); every replica stops with it, since "
+            f"their ranks share collectives (DP, expert parallel)"
+        )
         self.dp_rank = dp_rank
 
 

@@ -30,7 +30,6 @@ from rayfree.transport.net import bind_address
 
 from .errors import LeaderLost, NodeLost, ReplicaFailed
 from .status import ClusterStatus, NodeStatus, decode_node, encode, replica_status, worker_statuses
-
 from .view import ReplicaView
 
 __all__ = ["NodeLiveness"]
@@ -68,28 +67,52 @@ class NodeLiveness:
         if par.nnodes > 1:
             self.beater = self._server() if self.node == 0 else self._client()
             # Node 0 answers `rayfree status`; the others send their status with every beat.
-            self.beater.status_fn = (lambda: encode(self.cluster_status())) if self.node == 0 else \
-                (lambda: encode(self.node_status()))
+            self.beater.status_fn = (
+                (lambda: encode(self.cluster_status())) if self.node == 0 else (lambda: encode(self.node_status()))
+            )
 
     # -- heartbeats ------------------------------------------------------------------
 
     def _server(self) -> HeartbeatServer:
         par, cfg = self.par, self.config
         others = {k: par.node_ranks(k) for k in range(1, par.nnodes)}
-        server = HeartbeatServer(bind_address(par.master_addr), cfg.heartbeat_endpoint_port, others,
-                                 cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s, self._node_lost)
-        logger.info("node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
-                    server.endpoint, len(others), cfg.join_timeout_s)
+        server = HeartbeatServer(
+            bind_address(par.master_addr),
+            cfg.heartbeat_endpoint_port,
+            others,
+            cfg.heartbeat_interval_s,
+            cfg.heartbeat_timeout_s,
+            self._node_lost,
+        )
+        logger.info(
+            "node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
+            server.endpoint,
+            len(others),
+            cfg.join_timeout_s,
+        )
         return server
 
     def _client(self) -> HeartbeatClient:
         par, cfg = self.par, self.config
-        client = HeartbeatClient(par.master_addr, cfg.heartbeat_endpoint_port, self.node, par.node_ranks(self.node),
-                                 get_ip(peer=par.master_addr), cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s,
-                                 lambda why: self._fail_soon(LeaderLost(self.node, why)), self._head_bye)
-        logger.info("node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world "
-                    "(join_timeout_s=%.0f)", self.node, par.master_addr, par.master_port, client.endpoint,
-                    cfg.join_timeout_s)
+        client = HeartbeatClient(
+            par.master_addr,
+            cfg.heartbeat_endpoint_port,
+            self.node,
+            par.node_ranks(self.node),
+            get_ip(peer=par.master_addr),
+            cfg.heartbeat_interval_s,
+            cfg.heartbeat_timeout_s,
+            lambda why: self._fail_soon(LeaderLost(self.node, why)),
+            self._head_bye,
+        )
+        logger.info(
+            "node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
+            self.node,
+            par.master_addr,
+            par.master_port,
+            client.endpoint,
+            cfg.join_timeout_s,
+        )
         return client
 
     def _node_lost(self, node: int, ranks: list[int], ip: str, why: str) -> None:
@@ -167,8 +190,13 @@ class NodeLiveness:
             self._stopped += 1
             last = self._stopped >= len(self._executors)
         if last:
-            self._close(Bye(self.node, True, f"stopped on request ({self.stop_requested})" if self.stop_requested
-                            else "shut down"))
+            self._close(
+                Bye(
+                    self.node,
+                    True,
+                    f"stopped on request ({self.stop_requested})" if self.stop_requested else "shut down",
+                )
+            )
 
     def _close(self, bye: Bye) -> None:
         with self._lock:
@@ -185,15 +213,22 @@ class NodeLiveness:
         par = self.par
         exs = self.executors()
         rtt = self.beater.rtt_s if isinstance(self.beater, HeartbeatClient) else None
-        return NodeStatus(node=self.node, ip=self.ip, pid=os.getpid(), ranks=par.node_ranks(self.node),
-                          replicas=par.node_replicas, workers=[w for ex in exs for w in worker_statuses(ex)],
-                          leads=[replica_status(ex) for ex in exs if ex.is_leader],
-                          heartbeat_rtt_ms=None if rtt is None else round(rtt * 1000, 3),
-                          state="failed" if self.failure is not None else "ok")
+        return NodeStatus(
+            node=self.node,
+            ip=self.ip,
+            pid=os.getpid(),
+            ranks=par.node_ranks(self.node),
+            replicas=par.node_replicas,
+            workers=[w for ex in exs for w in worker_statuses(ex)],
+            leads=[replica_status(ex) for ex in exs if ex.is_leader],
+            heartbeat_rtt_ms=None if rtt is None else round(rtt * 1000, 3),
+            state="failed" if self.failure is not None else "ok",
+        )
 
     def cluster_status(self) -> ClusterStatus:
         """Every node (node 0's view: the others' last reported status and the age of their last beat)."""
         from rayfree.cluster.join import shape_of
+
         par = self.par
         nodes = [self.node_status()]
         if isinstance(self.beater, HeartbeatServer):
@@ -209,8 +244,13 @@ class NodeLiveness:
                 ns.heartbeat_age_s = None if age is None else round(age, 3)
                 ns.state = "lost" if gone else ("not joined" if age is None else ns.state)
                 nodes.append(ns)
-        return ClusterStatus(nnodes=par.nnodes, world_size=par.world_size,
-                             data_parallel_size=par.data_parallel_size, shape=shape_of(par), nodes=nodes)
+        return ClusterStatus(
+            nnodes=par.nnodes,
+            world_size=par.world_size,
+            data_parallel_size=par.data_parallel_size,
+            shape=shape_of(par),
+            nodes=nodes,
+        )
 
     # -- a clean stop ---------------------------------------------------------------------
 
@@ -225,8 +265,9 @@ class NodeLiveness:
             return self.failure is None
         leaders = [k for k in range(1, self.par.nnodes) if self.par.leads(k)]
         if leaders:
-            logger.info("node 0: this node's replicas are done; waiting for the replica leader(s) on node(s) %s",
-                        leaders)
+            logger.info(
+                "node 0: this node's replicas are done; waiting for the replica leader(s) on node(s) %s", leaders
+            )
         while not self.settled.wait(_FINISH_POLL_S):
             if self.beater.all_done(leaders):
                 return True

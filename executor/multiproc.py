@@ -22,19 +22,20 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import cloudpickle
 
 from rayfree.cluster.config import ClusterConfig, ConfigError, require_config
-from rayfree.transport import MessageQueue, QueueClosed, QueueShutdown, get_ip, get_open_port
+from rayfree.transport import MessageQueue, get_ip, get_open_port
 from rayfree.transport.secure import policy as security
 from rayfree.transport.secure.policy import require_secret
-from rayfree.worker.proc import check_worker_path
 from rayfree.worker.messages import Fatal
+from rayfree.worker.proc import check_worker_path
 
 from .abstract import Executor
-from .errors import FatalWorkerError, failed_as, LeaderLost, NodeLost, NotLeaderError, WorkerDied, WorkerStartupError
+from .errors import FatalWorkerError, LeaderLost, NodeLost, NotLeaderError, WorkerDied, WorkerStartupError, failed_as
 from .liveness import NodeLiveness
 from .observe import StallWatch
 from .peers import peer_gone
@@ -58,9 +59,16 @@ class MultiprocExecutor(Executor):
 
     supports_pp: bool = True
 
-    def __init__(self, config: ClusterConfig, worker_cls: type | str, worker_kwargs: dict[str, Any] | None = None,
-                 monitor_workers: bool = True, liveness: NodeLiveness | None = None, *,
-                 secret: bytes | str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        worker_cls: type | str,
+        worker_kwargs: dict[str, Any] | None = None,
+        monitor_workers: bool = True,
+        liveness: NodeLiveness | None = None,
+        *,
+        secret: bytes | str | os.PathLike[str] | None = None,
+    ) -> None:
         """Start one worker process per rank of this node and, on the leader, the queues that reach every rank.
 
         Returns once every worker is ready; a worker that fails or hangs at start-up is named and nothing is
@@ -133,33 +141,54 @@ class MultiprocExecutor(Executor):
                 require_secret(f"a cluster of {par.nnodes} nodes")  # before anything starts
             if self.liveness is None:
                 if par.nnodes > 1 and par.replicas_per_node > 1:
-                    raise ValueError(f"node {par.node_rank} runs {par.replicas_per_node} DP replicas: start them "
-                                     f"together with rayfree.executor.NodeReplicas (or `rayfree node`)")
+                    raise ValueError(
+                        f"node {par.node_rank} runs {par.replicas_per_node} DP replicas: start them "
+                        f"together with rayfree.executor.NodeReplicas (or `rayfree node`)"
+                    )
                 self.liveness = NodeLiveness(self.config)
             self.liveness.attach(self)
             handle = None
             if self.is_leader:
                 connect_ip = get_ip(peer=par.master_addr) if multi_node else "127.0.0.1"
                 n_local = 0 if self.config.force_remote and not multi_node else self.local_world_size
-                broadcast = MessageQueue(self.world_size, n_local, list(range(n_local)), connect_ip=connect_ip,
-                                         spin_us=self.config.spin_us)
+                broadcast = MessageQueue(
+                    self.world_size, n_local, list(range(n_local)), connect_ip=connect_ip, spin_us=self.config.spin_us
+                )
                 interrupted = weakref.WeakMethod(self._interrupted)  # the pipe must not keep us alive
-                self.pipe = RpcPipe(broadcast, self.world_size, self.config.collective_methods,
-                                    lambda f: bool((m := interrupted()) and m(f)), self.config.spin_us)
+                self.pipe = RpcPipe(
+                    broadcast,
+                    self.world_size,
+                    frozenset(self.config.collective_methods),
+                    lambda f: bool((m := interrupted()) and m(f)),
+                    self.config.spin_us,
+                )
                 self.pipe.recorder.histograms = self._latencies
                 handle = broadcast.export_handle().to_bytes()
             start = par.global_start_rank
-            self.group = WorkerGroup(self.config, worker_cls, self.worker_kwargs,
-                                     list(range(start, start + self.local_world_size)), distributed_init_method,
-                                     handle)
+            self.group = WorkerGroup(
+                self.config,
+                worker_cls,
+                self.worker_kwargs,
+                list(range(start, start + self.local_world_size)),
+                distributed_init_method,
+                handle,
+            )
             if self.is_failed:  # failed while spawning (another node, a replica): `_fail` found no group to wake
                 self.group.abort()
             self.group.wait_ready(self.config.ready_timeout_s)
             if self.monitor_workers:
                 on_death = weakref.WeakMethod(self._on_worker_death)  # the monitor must not keep us alive
                 on_fatal = weakref.WeakMethod(self._on_worker_fatal)
-                self.group.start_monitor(lambda w: on_death() and on_death()(w),
-                                         lambda w, msg: on_fatal() and on_fatal()(w, msg))
+
+                def death(w: WorkerHandle) -> None:
+                    if (m := on_death()) is not None:
+                        m(w)
+
+                def fatal(w: WorkerHandle, msg: Fatal) -> None:
+                    if (m := on_fatal()) is not None:
+                        m(w, msg)
+
+                self.group.start_monitor(death, fatal)
             self.liveness.ready()
             if self.pipe is not None:
                 self.pipe.attach_replies(self.group.reply_handles(self.world_size))
@@ -170,13 +199,19 @@ class MultiprocExecutor(Executor):
         except BaseException as e:
             self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             lv = self.liveness
-            if (self._failure is None and lv is not None and lv.verdict_s() and isinstance(e, Exception)
-                    and peer_gone(type(e).__name__, str(e), timeouts=False)):
+            if (
+                self._failure is None
+                and lv is not None
+                and lv.verdict_s()
+                and isinstance(e, Exception)
+                and peer_gone(type(e).__name__, str(e), timeouts=False)
+            ):
                 # A rank's rendezvous or handshake broke because another node went away: the heartbeats' verdict
                 # (that node, or the leader's own failure) is the cause to report, and it comes within this window.
                 lv.settled.wait(lv.verdict_s())
-            failure = self._failure or (lv.failure if lv is not None and isinstance(lv.failure, (NodeLost, LeaderLost))
-                                        else None)
+            failure = self._failure or (
+                lv.failure if lv is not None and isinstance(lv.failure, (NodeLost, LeaderLost)) else None
+            )
             if failure is not None and not isinstance(e, KeyboardInterrupt):
                 raise failure from e  # a node left during start-up: that, not its fallout, is the cause
             raise
@@ -204,8 +239,10 @@ class MultiprocExecutor(Executor):
         if unique_reply_rank == -1:
             return list(self.response_mqs)
         if not isinstance(unique_reply_rank, int) or not 0 <= unique_reply_rank < len(self.response_mqs):
-            raise ValueError(f"unique_reply_rank={unique_reply_rank!r} is not a rank with a reply queue here "
-                             f"(0..{len(self.response_mqs) - 1}, or -1 for all)")
+            raise ValueError(
+                f"unique_reply_rank={unique_reply_rank!r} is not a rank with a reply queue here "
+                f"(0..{len(self.response_mqs) - 1}, or -1 for all)"
+            )
         return [self.response_mqs[unique_reply_rank]]
 
     @classmethod
@@ -240,6 +277,10 @@ class MultiprocExecutor(Executor):
         if self.pipe is not None:
             self.pipe.recorder.histograms = True
 
+    def note_stop_reason(self, reason: str) -> None:
+        """Why this executor is about to stop, for the other nodes (say, the engine's entry point raised)."""
+        self._stop_reason = reason
+
     def fail(self, error: Exception) -> None:
         self._fast_stop = True  # another node or replica failed: peers may hang in gloo, do not wait long
         self._fail(error)
@@ -262,16 +303,30 @@ class MultiprocExecutor(Executor):
         if lv is not None and lv.verdict_s() and peer_gone(msg.error_type, msg.message):
             # A rank on another node that died shows up here first, as a collective's connection error; the
             # heartbeats name that node within their suspect window, and that is the cause to report.
-            logger.info("%s: %s in %s looks like a lost peer; waiting up to %.1fs for the heartbeats' verdict",
-                        w.describe(), msg.error_type, msg.method, lv.verdict_s())
+            logger.info(
+                "%s: %s in %s looks like a lost peer; waiting up to %.1fs for the heartbeats' verdict",
+                w.describe(),
+                msg.error_type,
+                msg.method,
+                lv.verdict_s(),
+            )
             lv.settled.wait(lv.verdict_s())
             if self.shutting_down or self.is_failed:
                 return
-        logger.error("%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type,
-                     msg.method)
+        logger.error(
+            "%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type, msg.method
+        )
         self._fast_stop = True
-        self._fail(FatalWorkerError(msg.rank, msg.error_type, msg.message, msg.traceback, msg.method,
-                                    note="a collective step: the executor has stopped every worker"))
+        self._fail(
+            FatalWorkerError(
+                msg.rank,
+                msg.error_type,
+                msg.message,
+                msg.traceback,
+                msg.method,
+                note="a collective step: the executor has stopped every worker",
+            )
+        )
 
     def _fail(self, error: Exception) -> None:
         """Mark failed, wake every pending call with `error`, shut down, fire the callback once."""
@@ -294,19 +349,33 @@ class MultiprocExecutor(Executor):
 
     # -- RPC -----------------------------------------------------------------------------
 
-    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None,
-                       args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None, non_block: bool = False,
-                       unique_reply_rank: int | None = None, aggregator: Callable[[list[Any]], Any] | None = None,
-                       kv_output_aggregator: Any = None, ec_output_aggregator: Any = None) -> Any:
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+        aggregator: Callable[[list[Any]], Any] | None = None,
+        kv_output_aggregator: Any = None,
+        ec_output_aggregator: Any = None,
+    ) -> Any:
         """See `Executor.collective_rpc`. Calls from several threads take turns (send and receive together)."""
         pipe = self.pipe
         if pipe is None:
             if not self.is_leader:
-                raise NotLeaderError(f"this is follower node {self.parallel_config.node_rank} (node "
-                                     f"{self.parallel_config.node_rank_within_dp} of its DP replica): only the "
-                                     f"leader node calls collective_rpc")
-            raise failed_as(self._failure, "the executor was shut down" if self._failure is None else
-                            f"the executor failed earlier and takes no more calls: {self._failure}")
+                raise NotLeaderError(
+                    f"this is follower node {self.parallel_config.node_rank} (node "
+                    f"{self.parallel_config.node_rank_within_dp} of its DP replica): only the "
+                    f"leader node calls collective_rpc"
+                )
+            raise failed_as(
+                self._failure,
+                "the executor was shut down"
+                if self._failure is None
+                else f"the executor failed earlier and takes no more calls: {self._failure}",
+            )
         connector = kv_output_aggregator if kv_output_aggregator is not None else ec_output_aggregator
         if connector is not None:
             if kv_output_aggregator is not None and ec_output_aggregator is not None:
@@ -370,8 +439,7 @@ class MultiprocExecutor(Executor):
             self._finalizer.detach()
 
     @staticmethod
-    def _finalize(ref: weakref.ref) -> None:
+    def _finalize(ref: weakref.ref[MultiprocExecutor]) -> None:
         me = ref()
         if me is not None:
             me.shutdown()
-

@@ -35,8 +35,28 @@ logger = logging.getLogger("rayfree.executor")
 _perf = time.perf_counter
 
 #: upper bounds (seconds) of the latency histogram's buckets; the last bucket is +Inf
-LATENCY_BOUNDS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3,
-                  250e-3, 500e-3, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BOUNDS = (
+    25e-6,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    100e-3,
+    250e-3,
+    500e-3,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 
 
 class Histogram:
@@ -159,12 +179,17 @@ class StallWatch:
         suspects = sorted(set(waiting) | set(behind))
         parts = [f"RPC {name} has waited {age:.0f}s for the reply of rank(s) {waiting}"]
         if behind:
-            parts.append("rank(s) " + ", ".join(f"{r} ({n} message(s))" for r, n in sorted(behind.items()))
-                         + " have not read the broadcast ring")
+            parts.append(
+                "rank(s) "
+                + ", ".join(f"{r} ({n} message(s))" for r, n in sorted(behind.items()))
+                + " have not read the broadcast ring"
+            )
         for r in suspects:
             w = local.get(r)
             if w is None:
-                parts.append(f"rank {r} is on node {ex.parallel_config.cluster_node_of(r, ex.dp_rank)}: see that node's log")
+                parts.append(
+                    f"rank {r} is on node {ex.parallel_config.cluster_node_of(r, ex.dp_rank)}: see that node's log"
+                )
             else:
                 parts.append(f"rank {r} (pid {w.proc.pid}, rayfree::{w.title}) is {proc_state(w.proc.pid)}")
         logger.warning("%s", "; ".join(parts))
@@ -172,7 +197,12 @@ class StallWatch:
             self._dumped.add(key)
             stuck = [local[r] for r in suspects if r in local]
             if stuck:
-                logger.warning("RPC %s still waits after %.0fs (stall_dump_s=%.0f): dumping the Python stacks of "
-                               "rank(s) %s (a stopped process prints its stack when it resumes)", name, age,
-                               self.dump_s, [w.rank for w in stuck])
+                logger.warning(
+                    "RPC %s still waits after %.0fs (stall_dump_s=%.0f): dumping the Python stacks of "
+                    "rank(s) %s (a stopped process prints its stack when it resumes)",
+                    name,
+                    age,
+                    self.dump_s,
+                    [w.rank for w in stuck],
+                )
                 ex.dump_stacks([w.rank for w in stuck])

@@ -14,8 +14,17 @@ from __future__ import annotations
 __all__ = ["peer_gone", "GLOO_GONE_PHRASES", "GLOO_TIMEOUT_PHRASES"]
 
 #: exception classes (as a worker reports them, by name) raised when the other end of a link went away
-GONE_TYPES = frozenset({"ConnectionError", "ConnectionResetError", "ConnectionAbortedError", "ConnectionRefusedError",
-                        "BrokenPipeError", "DistNetworkError", "QueueBroken"})
+GONE_TYPES = frozenset(
+    {
+        "ConnectionError",
+        "ConnectionResetError",
+        "ConnectionAbortedError",
+        "ConnectionRefusedError",
+        "BrokenPipeError",
+        "DistNetworkError",
+        "QueueBroken",
+    }
+)
 #: ... and when a wait for a peer ran out
 TIMEOUT_TYPES = frozenset({"TimeoutError", "DistStoreError", "QueueTimeout", "RpcTimeout"})
 #: gloo's RuntimeError texts for a peer that went away ("Connection closed by peer [10.0.0.2]:1234", "Read error

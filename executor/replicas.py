@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -34,8 +35,13 @@ class NodeReplicas:
     share collectives, so one failing stops them all); the first start-up failure is raised after the rest are
     stopped."""
 
-    def __init__(self, config: ClusterConfig, worker_cls: Any, worker_kwargs: dict[str, Any] | None = None,
-                 on_liveness: Callable[[NodeLiveness], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        worker_cls: Any,
+        worker_kwargs: dict[str, Any] | None = None,
+        on_liveness: Callable[[NodeLiveness], None] | None = None,
+    ) -> None:
         """Start this node's replicas; returns once every one is ready.
 
         Args:
@@ -51,8 +57,10 @@ class NodeReplicas:
         if on_liveness is not None:
             on_liveness(self.liveness)
         self.executors: list[MultiprocExecutor] = []
-        configs = [msgspec.structs.replace(config, parallel=msgspec.structs.replace(par, data_parallel_rank=r))
-                   for r in self.dp_ranks]
+        configs = [
+            msgspec.structs.replace(config, parallel=msgspec.structs.replace(par, data_parallel_rank=r))
+            for r in self.dp_ranks
+        ]
         if len(configs) == 1:
             self.executors = [MultiprocExecutor(configs[0], worker_cls, worker_kwargs, liveness=self.liveness)]
             return
@@ -66,8 +74,10 @@ class NodeReplicas:
                 errors[i] = e
                 self.liveness.fail_all(e)
 
-        threads = [threading.Thread(target=start, args=(i,), name=f"RayfreeStartReplica-{r}", daemon=True)
-                   for i, r in enumerate(self.dp_ranks)]
+        threads = [
+            threading.Thread(target=start, args=(i,), name=f"RayfreeStartReplica-{r}", daemon=True)
+            for i, r in enumerate(self.dp_ranks)
+        ]
         for t in threads:
             t.start()
         try:
@@ -99,8 +109,10 @@ class NodeReplicas:
         def call(i: int) -> None:
             results[i] = self._call(entry, leaders[i])
 
-        threads = [threading.Thread(target=call, args=(i,), name=f"RayfreeEntry-{ex.dp_rank}", daemon=True)
-                   for i, ex in enumerate(leaders)]
+        threads = [
+            threading.Thread(target=call, args=(i,), name=f"RayfreeEntry-{ex.dp_rank}", daemon=True)
+            for i, ex in enumerate(leaders)
+        ]
         for t in threads:
             t.start()
         for t in threads:

@@ -26,10 +26,11 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import suppress
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 
@@ -46,16 +47,26 @@ logger = logging.getLogger("rayfree.executor")
 
 
 def unreadable_reply(rank: int, e: Exception) -> RemoteError:
-    return RemoteError(rank, type(e).__name__, f"its reply arrived but could not be read here: {e}",
-                       "(raised while unpickling the reply in the calling process)")
+    return RemoteError(
+        rank,
+        type(e).__name__,
+        f"its reply arrived but could not be read here: {e}",
+        "(raised while unpickling the reply in the calling process)",
+    )
 
 
 def unwrap_error(r: RemoteError, name: str, fatal: bool = False) -> WorkerError:
     """The caller's error for a rank's exception; in a collective step (`fatal`) that also failed the executor,
     a FatalWorkerError, whichever of the reply and the rank's fatal report came first."""
     if fatal:
-        return FatalWorkerError(r.rank, r.error_type, r.message, r.traceback, name,
-                                note="a collective step: the executor has stopped every worker")
+        return FatalWorkerError(
+            r.rank,
+            r.error_type,
+            r.message,
+            r.traceback,
+            name,
+            note="a collective step: the executor has stopped every worker",
+        )
     return WorkerError(r.rank, r.error_type, r.message, r.traceback, name)
 
 
@@ -73,8 +84,14 @@ class RpcPipe:
     more calls); `failure_known` is set once the executor knows why it failed.
     """
 
-    def __init__(self, broadcast: MessageQueue, world_size: int, collective_methods: frozenset[str] | set[str],
-                 on_interrupted: Callable[[Exception], bool], spin_us: float | None) -> None:
+    def __init__(
+        self,
+        broadcast: MessageQueue,
+        world_size: int,
+        collective_methods: frozenset[str],
+        on_interrupted: Callable[[Exception], bool],
+        spin_us: float | None,
+    ) -> None:
         self.broadcast = broadcast
         self.replies: list[MessageQueue] = []
         self.world_size = world_size
@@ -120,20 +137,33 @@ class RpcPipe:
 
     def snapshot(self) -> RpcSnapshot:
         rec = self.recorder
-        return RpcSnapshot(rec.in_flight(), rec.since_last_reply(), rec.failures, self.broadcast.status(),
-                           {m: (list(h.counts), h.sum) for m, h in list(rec.hist.items())})
+        return RpcSnapshot(
+            rec.in_flight(),
+            rec.since_last_reply(),
+            rec.failures,
+            self.broadcast.status(),
+            {m: (list(h.counts), h.sum) for m, h in list(rec.hist.items())},
+        )
 
     # -- a call ----------------------------------------------------------------------------------
 
-    def call(self, method: str | Callable[..., Any], timeout: float | None, args: tuple[Any, ...],
-             kwargs: dict[str, Any] | None, non_block: bool, unique_reply_rank: int | None,
-             aggregator: Callable[[Any], Any] | None) -> Any:
+    def call(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        non_block: bool,
+        unique_reply_rank: int | None,
+        aggregator: Callable[[Any], Any] | None,
+    ) -> Any:
         with self.lock:
             if self.failure is not None or self.stopping:
                 raise self.failed()
             output_rank = None if aggregator is not None else unique_reply_rank
-            if unique_reply_rank is not None and (type(unique_reply_rank) is not int
-                                                  or not 0 <= unique_reply_rank < self.world_size):
+            if unique_reply_rank is not None and (
+                type(unique_reply_rank) is not int or not 0 <= unique_reply_rank < self.world_size
+            ):
                 raise ValueError(f"unique_reply_rank={unique_reply_rank!r} is not a rank (0..{self.world_size - 1})")
             deadline = None if timeout is None else time.monotonic() + timeout
             if type(method) is str:
@@ -145,8 +175,9 @@ class RpcPipe:
             collect = Collector(self, name, ranks, deadline, timeout, output_rank is not None)
             try:
                 # While the ring is full, read the replies of older calls: the workers may wait for that room.
-                self.broadcast.enqueue((send, args, kwargs, output_rank), timeout,
-                                       self._drain if self.futures else None)
+                self.broadcast.enqueue(
+                    (send, args, kwargs, output_rank), timeout, self._drain if self.futures else None
+                )
             except (QueueShutdown, QueueClosed):
                 self.recorder.end(collect.call, False)
                 if self.failure is None and not self.stopping:
@@ -154,7 +185,7 @@ class RpcPipe:
                 raise self.failed() from None
             except BaseException as e:
                 self.recorder.end(collect.call, False)
-                raise self.map_failure(e, name, "sending it", timeout)
+                raise self.map_failure(e, name, "sending it", timeout)  # noqa: B904 - map_failure sets the cause
             if not non_block and not self.futures:
                 # Nothing older is pending: read the replies here, without a Future.
                 value = collect(None)
@@ -187,8 +218,9 @@ class RpcPipe:
             return failed_as(f, f"RPC {name} failed: {f}")
         return failed_as(None, f"RPC {name} was cut short: the executor was shut down")
 
-    def map_failure(self, e: BaseException, name: str, where: str, timeout: float | None,
-                    ranks: list[int] | None = None) -> BaseException:
+    def map_failure(
+        self, e: BaseException, name: str, where: str, timeout: float | None, ranks: list[int] | None = None
+    ) -> BaseException:
         """What the caller of RPC `name` gets for `e`, raised while `where` ("sending it", "waiting for its
         replies"); an interrupt (a BaseException that is not an Exception) also fails the executor."""
         out = self._mapped(e, name, where, timeout, ranks)
@@ -196,8 +228,9 @@ class RpcPipe:
             out.__suppress_context__ = True  # the queue's own error says nothing more
         return out
 
-    def _mapped(self, e: BaseException, name: str, where: str, timeout: float | None,
-                ranks: list[int] | None) -> BaseException:
+    def _mapped(
+        self, e: BaseException, name: str, where: str, timeout: float | None, ranks: list[int] | None
+    ) -> BaseException:
         if isinstance(e, QueueTimeout):
             if where == "sending it":
                 return RpcTimeout(f"RPC {name}: could not even send it before the {timeout}s deadline: {e}")
@@ -205,8 +238,10 @@ class RpcPipe:
             for r in late:  # these ranks will still send a reply nobody waits for: skip it before reading theirs
                 self.owed[r] += 1
             busy = [r for r in late if self.owed[r] > 1]
-            return RpcTimeout(f"RPC {name} timed out after {timeout}s: rank(s) {late} have not replied"
-                              + (f" (ranks {busy} are still busy with earlier calls that timed out)" if busy else ""))
+            return RpcTimeout(
+                f"RPC {name} timed out after {timeout}s: rank(s) {late} have not replied"
+                + (f" (ranks {busy} are still busy with earlier calls that timed out)" if busy else "")
+            )
         if isinstance(e, QueueBroken):  # a reply queue's TCP link dropped: say so, it is the cause
             failed = failed_as(None, f"RPC {name} failed: {e}")
             failed.__cause__ = e
@@ -220,9 +255,14 @@ class RpcPipe:
             return unwrap_error(unreadable_reply(rank, e), name)
         # An interrupt (Ctrl-C, an exception from a signal handler) cut the call off mid-way: it may have landed
         # between a reply's read and its hand-over, so which replies are still owed is unknown from now on.
-        self._on_interrupted(failed_as(None, f"RPC {name} was interrupted ({type(e).__name__}) while {where}; "
-                                             f"its replies can no longer be matched to their calls for certain: "
-                                             f"shut this executor down and start a new one"))
+        self._on_interrupted(
+            failed_as(
+                None,
+                f"RPC {name} was interrupted ({type(e).__name__}) while {where}; "
+                f"its replies can no longer be matched to their calls for certain: "
+                f"shut this executor down and start a new one",
+            )
+        )
         return e
 
 
@@ -235,8 +275,9 @@ class Collector:
 
     __slots__ = ("pipe", "name", "ranks", "deadline", "timeout", "single", "got", "call")
 
-    def __init__(self, pipe: RpcPipe, name: str, ranks: list[int], deadline: float | None,
-                 timeout: float | None, single: bool) -> None:
+    def __init__(
+        self, pipe: RpcPipe, name: str, ranks: list[int], deadline: float | None, timeout: float | None, single: bool
+    ) -> None:
         self.pipe = pipe
         self.name = name
         self.ranks = ranks
@@ -264,22 +305,25 @@ class Collector:
         for rank in self.ranks:
             if rank in got:
                 continue
-            end = self.deadline if wait_deadline is None else (
-                wait_deadline if self.deadline is None else min(self.deadline, wait_deadline))
+            end = (
+                self.deadline
+                if wait_deadline is None
+                else (wait_deadline if self.deadline is None else min(self.deadline, wait_deadline))
+            )
             try:
                 got[rank] = self._read(rank, end)
             except QueueTimeout as e:
                 if self.deadline is not None and time.monotonic() >= self.deadline:
                     missing = [r for r in self.ranks if r not in got]
-                    raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout, missing)
+                    raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout, missing)  # noqa: B904 - map_failure sets the cause
                 raise WaitExpired() from None
             except (TransportError, IndexError) as e:
-                raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout)
+                raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout)  # noqa: B904 - map_failure sets the cause
             except Exception as e:  # read, but not understood here: that rank's answer is this error
                 logger.error("RPC %s: the reply of rank %d could not be read: %s", self.name, rank, e)
                 got[rank] = unreadable_reply(rank, e)
             except BaseException as e:
-                raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout, [rank])
+                raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout, [rank])  # noqa: B904 - map_failure sets the cause
         # Every expected reply is read (so none is left for the next call) before a failure is raised.
         if self.single:
             value = got[self.ranks[0]]
@@ -308,11 +352,16 @@ class WaitExpired(Exception):
     """The caller's own wait ran out (not the RPC's deadline): try again later."""
 
 
-class FutureWrapper(Future):
+class FutureWrapper(Future[Any]):
     """A Future filled by `collect(deadline)`, in the order the calls were made."""
 
-    def __init__(self, queue: deque[FutureWrapper], lock: threading.RLock,
-                 collect: Callable[[float | None], Any], aggregate: Callable[[Any], Any] = lambda x: x) -> None:
+    def __init__(
+        self,
+        queue: deque[FutureWrapper],
+        lock: threading.RLock,
+        collect: Callable[[float | None], Any],
+        aggregate: Callable[[Any], Any] = lambda x: x,
+    ) -> None:
         super().__init__()
         self._queue = queue
         self._lock = lock

@@ -15,8 +15,18 @@ from rayfree.procs import proc_state
 
 from .view import ReplicaView
 
-__all__ = ["WorkerStatus", "CallStatus", "ReplicaStatus", "NodeStatus", "ClusterStatus", "replica_status",
-           "worker_statuses", "encode", "decode_node", "decode_cluster"]
+__all__ = [
+    "WorkerStatus",
+    "CallStatus",
+    "ReplicaStatus",
+    "NodeStatus",
+    "ClusterStatus",
+    "replica_status",
+    "worker_statuses",
+    "encode",
+    "decode_node",
+    "decode_cluster",
+]
 
 
 class WorkerStatus(msgspec.Struct):
@@ -75,8 +85,16 @@ class ClusterStatus(msgspec.Struct):
 
 def worker_statuses(ex: ReplicaView) -> list[WorkerStatus]:
     par = ex.parallel_config
-    return [WorkerStatus(w.rank, par.global_rank(w.rank, ex.dp_rank), w.proc.pid or -1, w.title,
-                         proc_state(w.proc.pid) if w.proc.pid else "not started") for w in ex.workers]
+    return [
+        WorkerStatus(
+            w.rank,
+            par.global_rank(w.rank, ex.dp_rank),
+            w.proc.pid or -1,
+            w.title,
+            proc_state(w.proc.pid) if w.proc.pid else "not started",
+        )
+        for w in ex.workers
+    ]
 
 
 def replica_status(ex: ReplicaView) -> ReplicaStatus:
@@ -85,12 +103,18 @@ def replica_status(ex: ReplicaView) -> ReplicaStatus:
     behind = {int(r): int(n) for r, n in (ring.get("behind") or {}).items()}
     slowest = max(behind, key=lambda r: behind[r]) if behind and max(behind.values()) > 0 else -1
     return ReplicaStatus(
-        replica=ex.dp_rank, world_size=ex.world_size, failed=str(ex.failure or "")[:500],
+        replica=ex.dp_rank,
+        world_size=ex.world_size,
+        failed=str(ex.failure or "")[:500],
         calls=[CallStatus(m, round(a, 3), w) for m, a, w, _ in (snap.calls if snap is not None else [])],
         since_reply_s=[None if t is None else round(t, 3) for t in (snap.since_reply_s if snap is not None else [])],
-        ring_chunks=ring.get("chunks", 0), ring_occupied=ring.get("occupied", 0), ring_behind=behind,
-        slowest_reader=slowest, bytes_broadcast=dict(ring.get("bytes") or {}),
-        rpc_failures=snap.failures if snap is not None else 0)
+        ring_chunks=ring.get("chunks", 0),
+        ring_occupied=ring.get("occupied", 0),
+        ring_behind=behind,
+        slowest_reader=slowest,
+        bytes_broadcast=dict(ring.get("bytes") or {}),
+        rpc_failures=snap.failures if snap is not None else 0,
+    )
 
 
 encode = msgspec.msgpack.Encoder().encode

@@ -23,10 +23,11 @@ import pickle
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from rayfree import settings
 from rayfree.cluster.config import ClusterConfig
@@ -128,8 +129,15 @@ class WorkerGroup:
     """The worker processes of ranks `ranks` on this node (see the module docstring): it owns the processes,
     as torch elastic's PContext does; the queues to them belong to the leader's RPC pipe (rpc.py)."""
 
-    def __init__(self, config: ClusterConfig, worker_cls: type | str | bytes, worker_kwargs: dict[str, Any],
-                 ranks: list[int], distributed_init_method: str, broadcast_handle: bytes | None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        worker_cls: type | str | bytes,
+        worker_kwargs: dict[str, Any],
+        ranks: list[int],
+        distributed_init_method: str,
+        broadcast_handle: bytes | None,
+    ) -> None:
         self.config = config
         self.ranks = list(ranks)
         self.workers: list[WorkerHandle] = []
@@ -153,20 +161,31 @@ class WorkerGroup:
                 death_r, death_w = context.Pipe(duplex=False)
                 if inherited is not None:  # fork: the child closes the parent ends of earlier workers' pipes
                     inherited += [ready_r.fileno(), death_w.fileno()]
-                kwargs = dict(config=self.config, worker_cls=worker_cls, worker_kwargs=worker_kwargs,
-                              local_rank=local_rank, rank=rank, distributed_init_method=init_method,
-                              input_shm_handle=handle, is_driver_worker=par.is_driver_rank(rank),
-                              ready_pipe=ready_w, death_pipe=death_r, inherited_fds=list(inherited or []),
-                              security_policy=policy)
-                proc = context.Process(target=worker_main, kwargs=kwargs, name=f"RayfreeWorker-{rank}",
-                                       daemon=True)
+                kwargs = dict(
+                    config=self.config,
+                    worker_cls=worker_cls,
+                    worker_kwargs=worker_kwargs,
+                    local_rank=local_rank,
+                    rank=rank,
+                    distributed_init_method=init_method,
+                    input_shm_handle=handle,
+                    is_driver_worker=par.is_driver_rank(rank),
+                    ready_pipe=ready_w,
+                    death_pipe=death_r,
+                    inherited_fds=list(inherited or []),
+                    security_policy=policy,
+                )
+                proc = context.Process(target=worker_main, kwargs=kwargs, name=f"RayfreeWorker-{rank}", daemon=True)
                 try:
                     proc.start()
                 except (pickle.PicklingError, TypeError, AttributeError) as e:
                     for c in (ready_r, death_w):
                         c.close()
-                    raise WorkerStartupError(f"cannot start worker rank {rank}: its arguments must be picklable "
-                                             f"(worker_kwargs, worker class): {e}", rank) from e
+                    raise WorkerStartupError(
+                        f"cannot start worker rank {rank}: its arguments must be picklable "
+                        f"(worker_kwargs, worker class): {e}",
+                        rank,
+                    ) from e
                 finally:
                     ready_w.close()
                     death_r.close()
@@ -187,9 +206,12 @@ class WorkerGroup:
             if not ready:
                 late = sorted(w.rank for w in pending.values())
                 self.dump_stacks([w for w in pending.values()])
-                raise StartupTimeout(f"worker rank(s) {late} did not become ready within {timeout:.0f}s "
-                                     f"(ready_timeout_s); they may be stuck loading the model or joining the world "
-                                     f"(their stacks are on their stderr)", late)
+                raise StartupTimeout(
+                    f"worker rank(s) {late} did not become ready within {timeout:.0f}s "
+                    f"(ready_timeout_s); they may be stuck loading the model or joining the world "
+                    f"(their stacks are on their stderr)",
+                    late,
+                )
             for obj in ready:
                 if isinstance(obj, int):  # a sentinel: that process exited
                     w = sentinels[obj]
@@ -208,8 +230,9 @@ class WorkerGroup:
         w.proc.join(1)
         self._close_status(w)
         self._remove_leftovers(w)
-        raise WorkerStartupError(f"{w.describe()} died before becoming ready ({exit_description(w.proc.exitcode)})",
-                                 w.rank)
+        raise WorkerStartupError(
+            f"{w.describe()} died before becoming ready ({exit_description(w.proc.exitcode)})", w.rank
+        )
 
     def _on_ready_message(self, w: WorkerHandle) -> None:
         pipe = w.ready_pipe
@@ -222,8 +245,12 @@ class WorkerGroup:
         if isinstance(msg, StartupFailed):
             self._close_status(w)
             w.proc.join(_STARTUP_EXIT_WAIT_S)  # it leaves right after its report: name its exit too
-            raise WorkerStartupError(f"{w.describe()} failed to start ({exit_description(w.proc.exitcode)}): "
-                                     f"{msg.error_type}: {msg.message}", msg.rank, msg.traceback)
+            raise WorkerStartupError(
+                f"{w.describe()} failed to start ({exit_description(w.proc.exitcode)}): "
+                f"{msg.error_type}: {msg.message}",
+                msg.rank,
+                msg.traceback,
+            )
         if not isinstance(msg, Ready):
             self._close_status(w)
             raise WorkerStartupError(f"{w.describe()} sent {type(msg).__name__} before READY", w.rank)
@@ -254,8 +281,9 @@ class WorkerGroup:
             out.append(raw)
         return out
 
-    def start_monitor(self, on_death: Callable[[WorkerHandle], None],
-                      on_fatal: Callable[[WorkerHandle, Fatal], None]) -> None:
+    def start_monitor(
+        self, on_death: Callable[[WorkerHandle], None], on_fatal: Callable[[WorkerHandle, Fatal], None]
+    ) -> None:
         """A thread that wakes when a worker reports a fatal failure on its status pipe or exits (or when
         `close()` stops it); it reports the first of each and removes what a dead worker left behind."""
         workers = list(self.workers)
@@ -346,6 +374,7 @@ class WorkerGroup:
 
 def _terminate(procs: list[BaseProcess], grace_s: float, term_s: float) -> None:
     """Stage 1: wait for a clean exit; 2: SIGTERM and wait; 3: SIGKILL."""
+
     def wait_all(limit: float) -> bool:
         end = time.monotonic() + limit
         for p in procs:

@@ -6,86 +6,147 @@ The four layers live below this root, each importing only the ones beneath it:
 `rayfree.transport` <- `rayfree.cluster` <- `rayfree.worker` <- `rayfree.executor`;
 `rayfree.cli` (the `rayfree` command, node runner, doctor, demo) sits above them.
 
-Names are loaded on first use (PEP 562), so `import rayfree.transport` does not
-pull in torch through the executor.
+The public names are the imports in the `TYPE_CHECKING` block below: the one
+list (type checkers read it as it is; at run time it is read from this file's
+source and each name is loaded on first use, PEP 562, so `import
+rayfree.transport` does not pull in torch through the executor).
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
 
-#: public name -> module that defines it
-_EXPORTS = {
-    "MultiprocExecutor": "rayfree.executor.multiproc",
-    "UniProcExecutor": "rayfree.executor.abstract",
-    "Executor": "rayfree.executor.abstract",
-    "FailureCallback": "rayfree.executor.abstract",
-    "FutureWrapper": "rayfree.executor.rpc",
-    "ExecutorError": "rayfree.executor.errors",
-    "ExecutorFailed": "rayfree.executor.errors",
-    "WorkerError": "rayfree.executor.errors",
-    "WorkerDied": "rayfree.executor.errors",
-    "RpcTimeout": "rayfree.executor.errors",
-    "NodeLost": "rayfree.executor.errors",
-    "LeaderLost": "rayfree.executor.errors",
-    "ReplicaFailed": "rayfree.executor.errors",
-    "NodeReplicas": "rayfree.executor.replicas",
-    "NotLeaderError": "rayfree.executor.errors",
-    "WorkerStartupError": "rayfree.executor.errors",
-    "StartupTimeout": "rayfree.executor.errors",
-    "ClusterConfig": "rayfree.cluster.config",
-    "ParallelConfig": "rayfree.cluster.config",
-    "ConfigError": "rayfree.cluster.config",
-    "WorkerBase": "rayfree.worker.base",
-    "MessageQueue": "rayfree.cluster.pg_queues",  # the class, with its process-group constructors attached
-    "Handle": "rayfree.transport.queue.handle",
-    "TransportError": "rayfree.transport.errors",
-    "QueueTimeout": "rayfree.transport.errors",
-    "QueueShutdown": "rayfree.transport.errors",
-    "QueueClosed": "rayfree.transport.errors",
-    "QueueBroken": "rayfree.transport.errors",
-    "MessageTooLarge": "rayfree.transport.errors",
-    "HandleError": "rayfree.transport.errors",
-    "SocketError": "rayfree.transport.zmq.sockets",
-    "SegmentNotFound": "rayfree.transport.errors",
-    "ShmSpaceError": "rayfree.transport.errors",
-    "SecretError": "rayfree.transport.secure.policy",
-    "FatalWorkerError": "rayfree.executor.errors",
-    # a worker's groups (tensor, pipeline, data, expert parallel, ...), each with cpu_group / device_group
-    "Group": "rayfree.cluster.group",
-    "get_world_group": "rayfree.cluster.parallel_state",
-    "get_tp_group": "rayfree.cluster.parallel_state",
-    "get_pp_group": "rayfree.cluster.parallel_state",
-    "get_dp_group": "rayfree.cluster.parallel_state",
-    "get_ep_group": "rayfree.cluster.parallel_state",
-    "get_pcp_group": "rayfree.cluster.parallel_state",
-    "get_dcp_group": "rayfree.cluster.parallel_state",
-}
+if TYPE_CHECKING:  # pragma: no cover - the list of public names
+    from rayfree.cluster.config import (
+        ClusterConfig as ClusterConfig,
+    )
+    from rayfree.cluster.config import (
+        ConfigError as ConfigError,
+    )
+    from rayfree.cluster.config import (
+        ParallelConfig as ParallelConfig,
+    )
+    from rayfree.cluster.group import Group as Group
+    from rayfree.cluster.parallel_state import (
+        get_dcp_group as get_dcp_group,
+    )
+    from rayfree.cluster.parallel_state import (
+        get_dp_group as get_dp_group,
+    )
+    from rayfree.cluster.parallel_state import (
+        get_ep_group as get_ep_group,
+    )
+    from rayfree.cluster.parallel_state import (
+        get_pcp_group as get_pcp_group,
+    )
+    from rayfree.cluster.parallel_state import (
+        get_pp_group as get_pp_group,
+    )
+    from rayfree.cluster.parallel_state import (
+        get_tp_group as get_tp_group,
+    )
+    from rayfree.cluster.parallel_state import (
+        get_world_group as get_world_group,
+    )
+    from rayfree.cluster.pg_queues import MessageQueue as MessageQueue
+    from rayfree.executor.abstract import (
+        Executor as Executor,
+    )
+    from rayfree.executor.abstract import (
+        FailureCallback as FailureCallback,
+    )
+    from rayfree.executor.abstract import (
+        UniProcExecutor as UniProcExecutor,
+    )
+    from rayfree.executor.errors import (
+        ExecutorError as ExecutorError,
+    )
+    from rayfree.executor.errors import (
+        ExecutorFailed as ExecutorFailed,
+    )
+    from rayfree.executor.errors import (
+        FatalWorkerError as FatalWorkerError,
+    )
+    from rayfree.executor.errors import (
+        LeaderLost as LeaderLost,
+    )
+    from rayfree.executor.errors import (
+        NodeLost as NodeLost,
+    )
+    from rayfree.executor.errors import (
+        NotLeaderError as NotLeaderError,
+    )
+    from rayfree.executor.errors import (
+        ReplicaFailed as ReplicaFailed,
+    )
+    from rayfree.executor.errors import (
+        RpcTimeout as RpcTimeout,
+    )
+    from rayfree.executor.errors import (
+        StartupTimeout as StartupTimeout,
+    )
+    from rayfree.executor.errors import (
+        WorkerDied as WorkerDied,
+    )
+    from rayfree.executor.errors import (
+        WorkerError as WorkerError,
+    )
+    from rayfree.executor.errors import (
+        WorkerStartupError as WorkerStartupError,
+    )
+    from rayfree.executor.multiproc import MultiprocExecutor as MultiprocExecutor
+    from rayfree.executor.replicas import NodeReplicas as NodeReplicas
+    from rayfree.executor.rpc import FutureWrapper as FutureWrapper
+    from rayfree.transport.errors import (
+        HandleError as HandleError,
+    )
+    from rayfree.transport.errors import (
+        MessageTooLarge as MessageTooLarge,
+    )
+    from rayfree.transport.errors import (
+        QueueBroken as QueueBroken,
+    )
+    from rayfree.transport.errors import (
+        QueueClosed as QueueClosed,
+    )
+    from rayfree.transport.errors import (
+        QueueShutdown as QueueShutdown,
+    )
+    from rayfree.transport.errors import (
+        QueueTimeout as QueueTimeout,
+    )
+    from rayfree.transport.errors import (
+        SegmentNotFound as SegmentNotFound,
+    )
+    from rayfree.transport.errors import (
+        ShmSpaceError as ShmSpaceError,
+    )
+    from rayfree.transport.errors import (
+        TransportError as TransportError,
+    )
+    from rayfree.transport.queue.handle import Handle as Handle
+    from rayfree.transport.secure.policy import SecretError as SecretError
+    from rayfree.transport.zmq.sockets import SocketError as SocketError
+    from rayfree.worker.base import WorkerBase as WorkerBase
 
-__all__ = sorted(_EXPORTS)  # one list: the table above
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
-    from rayfree.cluster.group import Group
-    from rayfree.cluster.parallel_state import (get_dcp_group, get_dp_group, get_ep_group, get_pcp_group,
-                                                get_pp_group, get_tp_group, get_world_group)
-    from rayfree.executor.abstract import Executor, FailureCallback, UniProcExecutor
-    from rayfree.executor.errors import (ExecutorError, ExecutorFailed, FatalWorkerError, LeaderLost, NodeLost,
-                                         NotLeaderError, ReplicaFailed, RpcTimeout, StartupTimeout, WorkerDied,
-                                         WorkerError, WorkerStartupError)
-    from rayfree.executor.replicas import NodeReplicas
-    from rayfree.executor.rpc import FutureWrapper
-    from rayfree.executor.multiproc import MultiprocExecutor
-    from rayfree.transport.errors import (HandleError, MessageTooLarge, QueueBroken, QueueClosed, QueueShutdown,
-                                          QueueTimeout, SegmentNotFound, ShmSpaceError, TransportError)
-    from rayfree.transport.secure.policy import SecretError
-    from rayfree.transport.queue.handle import Handle
-    from rayfree.transport.zmq.sockets import SocketError
-    from rayfree.transport.queue.message_queue import MessageQueue
-    from rayfree.worker.base import WorkerBase
+def _exports() -> dict[str, str]:
+    """public name -> module that defines it, from the block above."""
+    with open(os.path.join(os.path.dirname(__file__), "__init__.py")) as f:
+        tree = ast.parse(f.read())
+    block = next(n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "TYPE_CHECKING")
+    return {
+        a.name: imp.module for imp in block.body if isinstance(imp, ast.ImportFrom) and imp.module for a in imp.names
+    }
+
+
+_EXPORTS = _exports()
+__all__ = sorted(_EXPORTS)  # noqa: PLE0605 - the block above, read at run time
 
 
 def __getattr__(name: str) -> Any:

@@ -27,8 +27,16 @@ def is_alive(pid: int) -> bool:
     return fields is not None and fields[0] != "Z"
 
 
-_STATES = {"R": "running", "S": "sleeping (waiting)", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP?)",
-           "t": "stopped by a debugger", "Z": "a zombie (exited)", "X": "gone", "I": "idle"}
+_STATES = {
+    "R": "running",
+    "S": "sleeping (waiting)",
+    "D": "in uninterruptible I/O",
+    "T": "stopped (SIGSTOP?)",
+    "t": "stopped by a debugger",
+    "Z": "a zombie (exited)",
+    "X": "gone",
+    "I": "idle",
+}
 
 
 def proc_state(pid: int) -> str:

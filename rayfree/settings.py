@@ -10,7 +10,8 @@ The cluster's shape and timeouts (RAYFREE_<ClusterConfig field>) are read by
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 __all__ = ["Setting", "TABLE", "get", "is_set"]
 
@@ -39,54 +40,109 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
-TABLE: dict[str, Setting] = {s.name: s for s in (
-    # transport
-    Setting("RAYFREE_SPIN_US", 200.0, float,
-            "how long a waiting queue call may spin before it parks, in microseconds (0: always park)"),
-    Setting("RAYFREE_YIELD_US", None, float,
+TABLE: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        # transport
+        Setting(
+            "RAYFREE_SPIN_US",
+            200.0,
+            float,
+            "how long a waiting queue call may spin before it parks, in microseconds (0: always park)",
+        ),
+        Setting(
+            "RAYFREE_YIELD_US",
+            None,
+            float,
             "a spinner yields its core every this many microseconds (unset: 50, or at every check on a "
-            "ring with at least twice as many processes as cores)"),
-    Setting("RAYFREE_COPY_THREADS", lambda: min(4, _cores()), int,
-            "threads that copy a big payload into shared memory (unset: min(4, cores); 1: the caller alone)"),
-    Setting("RAYFREE_RING_FENCES", "auto", _str,
-            "the ring's payload<->flag fences: auto (only on CPUs that reorder them, not x86) or always"),
-    Setting("RAYFREE_POOL_MIN_BYTES", 1 << 20, int,
+            "ring with at least twice as many processes as cores)",
+        ),
+        Setting(
+            "RAYFREE_COPY_THREADS",
+            lambda: min(4, _cores()),
+            int,
+            "threads that copy a big payload into shared memory (unset: min(4, cores); 1: the caller alone)",
+        ),
+        Setting(
+            "RAYFREE_RING_FENCES",
+            "auto",
+            _str,
+            "the ring's payload<->flag fences: auto (only on CPUs that reorder them, not x86) or always",
+        ),
+        Setting(
+            "RAYFREE_POOL_MIN_BYTES",
+            1 << 20,
+            int,
             "a reader copies buffers at least this big into warm memory from its pool (zero_copy readers: views them "
-            "in place)"),
-    Setting("RAYFREE_READER_POOL_BYTES", 128 << 20, int,
-            "most idle memory a reader's pool keeps for the next big payloads"),
-    Setting("RAYFREE_WAIT_LOG_INTERVAL_S", 60.0, float, "a blocked queue call says so in the log this often"),
-    Setting("RAYFREE_CLOSE_FLUSH_S", 5.0, float,
-            "a closed writer keeps its remote publisher up to this long for readers to confirm CLOSE"),
-    Setting("RAYFREE_LINK_GRACE_S", 10.0, float,
+            "in place)",
+        ),
+        Setting(
+            "RAYFREE_READER_POOL_BYTES",
+            128 << 20,
+            int,
+            "most idle memory a reader's pool keeps for the next big payloads",
+        ),
+        Setting("RAYFREE_WAIT_LOG_INTERVAL_S", 60.0, float, "a blocked queue call says so in the log this often"),
+        Setting(
+            "RAYFREE_CLOSE_FLUSH_S",
+            5.0,
+            float,
+            "a closed writer keeps its remote publisher up to this long for readers to confirm CLOSE",
+        ),
+        Setting(
+            "RAYFREE_LINK_GRACE_S",
+            10.0,
+            float,
             "a remote reader whose TCP connection to the writer dropped raises QueueBroken once it has waited "
-            "this long for a message since"),
-    Setting("RAYFREE_HEAP_TUNE", True, _flag,
+            "this long for a message since",
+        ),
+        Setting(
+            "RAYFREE_HEAP_TUNE",
+            True,
+            _flag,
             "1: a process with a remote reader sets glibc's mmap and trim thresholds to 32 and 64 MiB (where glibc's "
-            "own rule ends), so what ZeroMQ receives lands in warm memory; 0: glibc's defaults"),
-    Setting("RAYFREE_HOST_IP", None, _str,
-            "this node's address for cluster traffic (unset: the interface that routes to master_addr)"),
-    Setting("RAYFREE_SECRET_FILE", None, _str,
-            "the cluster secret file (`rayfree keygen`); compose mounts it at /run/secrets/rayfree_secret"),
-    Setting("RAYFREE_INSECURE", False, _flag, "1: plain TCP without a cluster secret (trusted networks only)"),
-    Setting("RAYFREE_HANDLE_MAX_AGE_S", 3600.0, float, "a signed queue handle older than this is refused"),
-    # cluster
-    Setting("RAYFREE_FORCE_REMOTE", False, _flag,
-            "1: treat every other rank as on another node (no shared memory between ranks)"),
-    Setting("RAYFREE_CONFIG", None, _str, "a TOML or JSON file with the cluster configuration"),
-    # worker and executor
-    Setting("RAYFREE_WORKER_MULTIPROC_METHOD", "spawn", _str, "how worker processes start: spawn, fork or forkserver"),
-    Setting("RAYFREE_LOG_LEVEL", "INFO", _str, "log level of rayfree's processes (node, workers)"),
-    # `rayfree node`
-    Setting("RAYFREE_WORKER", None, _str, "`rayfree node --worker`: the engine's worker class, pkg.mod:Class"),
-    Setting("RAYFREE_WORKER_KWARGS", None, _str, "`rayfree node --worker-kwargs`: a JSON object"),
-    Setting("RAYFREE_ENTRY", None, _str, "`rayfree node --entry`: node 0's driver, pkg.mod:func"),
-    Setting("RAYFREE_HEADLESS", False, _flag, "`rayfree node --headless`: a follower node"),
-    Setting("RAYFREE_METRICS_PORT", None, _str, "`rayfree node --metrics-port`: serve Prometheus metrics on this port"),
-    # the demo's nodes
-    Setting("RAYFREE_DEMO_STEPS", 200, int, "steps the demo's driver runs on a node"),
-    Setting("RAYFREE_DEMO_T0", None, float, "when the demo started (time.time()), for its wall-time line"),
-)}
+            "own rule ends), so what ZeroMQ receives lands in warm memory; 0: glibc's defaults",
+        ),
+        Setting(
+            "RAYFREE_HOST_IP",
+            None,
+            _str,
+            "this node's address for cluster traffic (unset: the interface that routes to master_addr)",
+        ),
+        Setting(
+            "RAYFREE_SECRET_FILE",
+            None,
+            _str,
+            "the cluster secret file (`rayfree keygen`); compose mounts it at /run/secrets/rayfree_secret",
+        ),
+        Setting("RAYFREE_INSECURE", False, _flag, "1: plain TCP without a cluster secret (trusted networks only)"),
+        Setting("RAYFREE_HANDLE_MAX_AGE_S", 3600.0, float, "a signed queue handle older than this is refused"),
+        # cluster
+        Setting(
+            "RAYFREE_FORCE_REMOTE",
+            False,
+            _flag,
+            "1: treat every other rank as on another node (no shared memory between ranks)",
+        ),
+        Setting("RAYFREE_CONFIG", None, _str, "a TOML or JSON file with the cluster configuration"),
+        # worker and executor
+        Setting(
+            "RAYFREE_WORKER_MULTIPROC_METHOD", "spawn", _str, "how worker processes start: spawn, fork or forkserver"
+        ),
+        Setting("RAYFREE_LOG_LEVEL", "INFO", _str, "log level of rayfree's processes (node, workers)"),
+        # `rayfree node`
+        Setting("RAYFREE_WORKER", None, _str, "`rayfree node --worker`: the engine's worker class, pkg.mod:Class"),
+        Setting("RAYFREE_WORKER_KWARGS", None, _str, "`rayfree node --worker-kwargs`: a JSON object"),
+        Setting("RAYFREE_ENTRY", None, _str, "`rayfree node --entry`: node 0's driver, pkg.mod:func"),
+        Setting("RAYFREE_HEADLESS", False, _flag, "`rayfree node --headless`: a follower node"),
+        Setting(
+            "RAYFREE_METRICS_PORT", None, _str, "`rayfree node --metrics-port`: serve Prometheus metrics on this port"
+        ),
+        # the demo's nodes
+        Setting("RAYFREE_DEMO_STEPS", 200, int, "steps the demo's driver runs on a node"),
+        Setting("RAYFREE_DEMO_T0", None, float, "when the demo started (time.time()), for its wall-time line"),
+    )
+}
 
 
 def get(name: str, env: Any = None) -> Any:

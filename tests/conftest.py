@@ -14,8 +14,7 @@ import time
 import pytest
 
 from rayfree.transport.secure.policy import SECRET_FILE_ENV, write_secret
-from rayfree.transport.shm.segment import creator_alive, entries
-from rayfree.transport.shm.segment import SEGMENT_PREFIX
+from rayfree.transport.shm.segment import SEGMENT_PREFIX, creator_alive, entries
 
 
 def _session_secret() -> None:
@@ -56,9 +55,9 @@ def leak_guard():
         leaked &= orphan_segments()
     for n in leaked:  # do not let one test's leak fail the next one too
         shutil.rmtree(n, ignore_errors=True) if os.path.isdir(n) else os.unlink(n)
-    from rayfree.transport.zmq import lingering
-    from rayfree.transport.zmq import sockets
     from rayfree.transport.secure import zap
+    from rayfree.transport.zmq import lingering, sockets
+
     lingering.flush()  # what the process would do at exit: closed writers' publishers wait for their readers
     ctx = sockets._ctx
     open_socks = []

@@ -10,21 +10,47 @@ addresses.
 """
 
 if __name__ != "rayfree.transport":  # the repository's folder imported as a top-level package: two copies of rayfree
-    raise ImportError(f"import rayfree.transport, not {__name__}: this folder installs as rayfree.transport "
-                      f"(pip install -e . puts it there)")
+    raise ImportError(
+        f"import rayfree.transport, not {__name__}: this folder installs as rayfree.transport "
+        f"(pip install -e . puts it there)"
+    )
 
 
-from rayfree.transport.errors import (BadFrame, HandleError, MessageTooLarge, QueueBroken, QueueClosed, QueueShutdown,
-                     QueueTimeout, SegmentNotFound, ShmSpaceError, TransportError)
+from rayfree.transport.errors import (
+    BadFrame,
+    HandleError,
+    MessageTooLarge,
+    QueueBroken,
+    QueueClosed,
+    QueueShutdown,
+    QueueTimeout,
+    SegmentNotFound,
+    ShmSpaceError,
+    TransportError,
+)
+from rayfree.transport.net import get_ip, get_open_port
 from rayfree.transport.queue.handle import Handle
 from rayfree.transport.queue.message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, MessageQueue
-from rayfree.transport.net import get_ip, get_open_port
 from rayfree.transport.shm.segment import ShmRingBuffer
 from rayfree.transport.zmq.sockets import SocketError
 
 __all__ = [
-    "MessageQueue", "Handle", "ShmRingBuffer", "get_ip", "get_open_port", "SocketError",
-    "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS",
-    "TransportError", "QueueTimeout", "QueueShutdown", "QueueClosed", "QueueBroken", "MessageTooLarge",
-    "HandleError", "ShmSpaceError", "SegmentNotFound", "BadFrame",
+    "MessageQueue",
+    "Handle",
+    "ShmRingBuffer",
+    "get_ip",
+    "get_open_port",
+    "SocketError",
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "DEFAULT_MAX_CHUNKS",
+    "TransportError",
+    "QueueTimeout",
+    "QueueShutdown",
+    "QueueClosed",
+    "QueueBroken",
+    "MessageTooLarge",
+    "HandleError",
+    "ShmSpaceError",
+    "SegmentNotFound",
+    "BadFrame",
 ]

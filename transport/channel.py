@@ -1,7 +1,7 @@
 """The one small face every path of a queue has: a `Sender` on the writer, a `Receiver` per reader.
 
-Two backends: shared memory (`shm/channel.py`: the ring, plus its overflow
-socket) and sockets (`zmq/channel.py`: ZeroMQ pub/sub over TCP for remote
+Two backends: shared memory (`shm/sender.py`, `shm/receiver.py`: the ring, plus its overflow
+socket) and sockets (`zmq/sender.py`, `zmq/receiver.py`: ZeroMQ pub/sub over TCP for remote
 readers, or ipc). The queue (`queue/writer.py`, `queue/reader.py`) holds a
 list of these and nothing below them.
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from rayfree import settings
 from rayfree.transport.errors import QueueShutdown, QueueTimeout
@@ -80,10 +81,19 @@ class Endpoint:
         self.waiters = Waiters()
         self.log_interval: float = settings.get("RAYFREE_WAIT_LOG_INTERVAL_S")
 
-    def wait(self, attempt: Callable[[float], T | None], deadline: float | None, what: str,
-             late: Callable[[float], str], *, slice_s: float = 0.1, on_wait: Callable[[], None] | None = None,
-             log: Callable[[float], str] | None = None, log_level: int = logging.INFO,
-             t0: float | None = None) -> T:
+    def wait(
+        self,
+        attempt: Callable[[float], T | None],
+        deadline: float | None,
+        what: str,
+        late: Callable[[float], str],
+        *,
+        slice_s: float = 0.1,
+        on_wait: Callable[[], None] | None = None,
+        log: Callable[[float], str] | None = None,
+        log_level: int = logging.INFO,
+        t0: float | None = None,
+    ) -> T:
         """Call `attempt(seconds)` (it may block up to that long) until it returns something not None.
 
         Before each attempt: QueueShutdown once `shutdown()` was called. After a fruitless one:
@@ -135,8 +145,13 @@ class Sender(Endpoint, ABC):
         path if that can be done now; False (nothing sent) if a reader lags. The hot path."""
 
     @abstractmethod
-    def send(self, frames: list[Any], sizes: list[int] | None, deadline: float | None,
-             on_wait: Callable[[], None] | None = None) -> None:
+    def send(
+        self,
+        frames: list[Any],
+        sizes: list[int] | None,
+        deadline: float | None,
+        on_wait: Callable[[], None] | None = None,
+    ) -> None:
         """`try_send`, waiting while readers lag, until `deadline` (QueueTimeout naming them), calling
         `on_wait` every few milliseconds meanwhile; QueueShutdown after `shutdown()`. Nothing is sent when it
         raises."""

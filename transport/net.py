@@ -17,8 +17,19 @@ import tempfile
 
 from rayfree import settings
 
-__all__ = ["get_ip", "get_open_port", "tcp_endpoint", "is_ipv6", "IpcDir", "route_to", "default_route_ip",
-           "local_addresses", "is_local_address", "interface_of", "bind_address"]
+__all__ = [
+    "get_ip",
+    "get_open_port",
+    "tcp_endpoint",
+    "is_ipv6",
+    "IpcDir",
+    "route_to",
+    "default_route_ip",
+    "local_addresses",
+    "is_local_address",
+    "interface_of",
+    "bind_address",
+]
 
 logger = logging.getLogger("rayfree.transport")
 
@@ -160,6 +171,7 @@ def local_addresses() -> set[str]:
     out = {"127.0.0.1", "::1"}
     try:
         import netifaces
+
         for iface in netifaces.interfaces():
             for fam in (netifaces.AF_INET, netifaces.AF_INET6):
                 for a in netifaces.ifaddresses(iface).get(fam, []):
@@ -189,6 +201,7 @@ def interface_of(ip: str) -> str | None:
     """The name of the interface that has address `ip` (None if none does)."""
     try:
         import netifaces
+
         for iface in netifaces.interfaces():
             for fam in (netifaces.AF_INET, netifaces.AF_INET6):
                 if any(a.get("addr", "").split("%")[0] == ip for a in netifaces.ifaddresses(iface).get(fam, [])):

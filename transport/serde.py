@@ -49,9 +49,29 @@ def _tensor_cls() -> type | None:
 
 
 # dtypes sent raw (all have whole-byte elements); others keep torch's own pickling.
-_RAW_DTYPES = ("float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
-               "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-               "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+_RAW_DTYPES = (
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "complex32",
+    "complex64",
+    "complex128",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e8m0fnu",
+)
 _by_dtype: dict[Any, str] = {}
 
 

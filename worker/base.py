@@ -19,8 +19,15 @@ __all__ = ["WorkerBase"]
 class WorkerBase:
     """One rank's worker: device, model and the step methods the executor calls."""
 
-    def __init__(self, config: ClusterConfig, local_rank: int, rank: int, distributed_init_method: str,
-                 is_driver_worker: bool, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool,
+        **kwargs: Any,
+    ) -> None:
         self.config = config
         self.parallel_config = config.parallel
         self.local_rank = local_rank
@@ -37,13 +44,19 @@ class WorkerBase:
         """
         from rayfree.cluster.join import shape_of
         from rayfree.cluster.parallel_state import init_distributed_environment, initialize_model_parallel
+
         par = self.parallel_config
         # `rank` is the rank within this DP replica (the executor's); the world spans every replica.
-        init_distributed_environment(par.world_size_across_dp, par.global_rank(self.rank),
-                                     self.distributed_init_method, self.local_rank,
-                                     timeout_s=self.config.join_timeout_s,
-                                     force_remote=self.config.force_remote or None, shape=shape_of(par),
-                                     node=par.node_rank if par.nnodes > 1 else -1)
+        init_distributed_environment(
+            par.world_size_across_dp,
+            par.global_rank(self.rank),
+            self.distributed_init_method,
+            self.local_rank,
+            timeout_s=self.config.join_timeout_s,
+            force_remote=self.config.force_remote or None,
+            shape=shape_of(par),
+            node=par.node_rank if par.nnodes > 1 else -1,
+        )
         initialize_model_parallel(self.parallel_config)
 
     def load_model(self) -> None:

@@ -26,8 +26,9 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 from rayfree import logs
 from rayfree.transport import MessageQueue
@@ -42,8 +43,8 @@ __all__ = ["worker_main", "Lifeline", "EXIT_FATAL", "EXIT_ORPHANED"]
 logger = logging.getLogger("rayfree.worker")
 
 #: exit codes the parent can tell apart
-EXIT_FATAL = 1      # a collective step raised (its Fatal is on the status pipe)
-EXIT_ORPHANED = 3   # the parent died
+EXIT_FATAL = 1  # a collective step raised (its Fatal is on the status pipe)
+EXIT_ORPHANED = 3  # the parent died
 #: how long a worker whose parent died lets the running method unwind before it leaves anyway
 LIFELINE_GRACE_S = 0.5
 
@@ -59,7 +60,7 @@ class Lifeline:
         self.parent = parent.pid if parent is not None and parent.pid else os.getppid()
         self.stopping = threading.Event()  # the parent is gone or shutting down: do not report failures
         self.parent_died = False
-        self.exiting = threading.Event()   # this process is on its way out: signals no longer interrupt
+        self.exiting = threading.Event()  # this process is on its way out: signals no longer interrupt
         self.main_done = threading.Event()
         self.queues: list[MessageQueue] = []
         #: the worker's `leftovers()`, if it has one: paths its engine made that only its own clean shutdown
@@ -147,8 +148,15 @@ def worker_main(**kwargs: Any) -> None:
     try:
         worker = WorkerProc(lifeline=lifeline, **kwargs)
         assert status is not None and worker.worker_response_mq is not None
-        status.send_bytes(encode(Ready(rank, worker.worker_response_mq.export_handle().to_bytes(),
-                                       [h.to_bytes() for h in worker.peer_response_handles])))
+        status.send_bytes(
+            encode(
+                Ready(
+                    rank,
+                    worker.worker_response_mq.export_handle().to_bytes(),
+                    [h.to_bytes() for h in worker.peer_response_handles],
+                )
+            )
+        )
         ready = True
         timeout = kwargs["config"].ready_timeout_s
         if worker.rpc_broadcast_mq is not None:
@@ -172,9 +180,14 @@ def worker_main(**kwargs: Any) -> None:
             # A start-up failure delivered to the parent is reported there, once for the node (not once per
             # worker); only one that could not be delivered is logged here.
             told = not ready and _send(status, StartupFailed(rank, err.error_type, err.message, err.traceback))
-            (logger.debug if told else logger.error)("worker rank %d %s: %s: %s\n%s", rank,
-                                                     "failed" if ready else "failed to start", err.error_type,
-                                                     err.message, err.traceback)
+            (logger.debug if told else logger.error)(
+                "worker rank %d %s: %s: %s\n%s",
+                rank,
+                "failed" if ready else "failed to start",
+                err.error_type,
+                err.message,
+                err.traceback,
+            )
             code = 1
     finally:
         lifeline.exiting.set()

@@ -6,8 +6,18 @@ import traceback
 
 import msgspec
 
-__all__ = ["Ready", "StartupFailed", "Fatal", "PipeMsg", "encode", "decode", "RemoteError", "Boxed", "is_special",
-           "describe"]
+__all__ = [
+    "Ready",
+    "StartupFailed",
+    "Fatal",
+    "PipeMsg",
+    "encode",
+    "decode",
+    "RemoteError",
+    "Boxed",
+    "is_special",
+    "describe",
+]
 
 
 class Ready(msgspec.Struct, tag="ready", frozen=True):
@@ -92,6 +102,8 @@ class Boxed(msgspec.Struct, frozen=True):
 
 
 def is_special(value: object) -> bool:
-    """The reader's one check: is this reply a failure or a wrapped value (only a RemoteError or Boxed result is wrapped)?"""
+    """The reader's one check: is this reply a failure or a wrapped value?
+
+    Only a RemoteError or a Boxed result is wrapped."""
     t = type(value)
     return t is RemoteError or t is Boxed

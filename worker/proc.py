@@ -63,6 +63,7 @@ def check_worker_path(spec: str) -> None:
     something that is not a class). A module this process cannot import at all (it exists only where the
     workers run) is left to the workers."""
     from rayfree.cluster.config import ConfigError
+
     try:
         resolve_worker_cls(spec)
     except (SpecError, TypeError) as e:
@@ -74,9 +75,18 @@ def check_worker_path(spec: str) -> None:
 class WorkerProc:
     """Runs one worker in this (child) process. `lifeline.watch(mq)` learns of every queue it makes."""
 
-    def __init__(self, config: ClusterConfig, worker_cls: type | str | bytes, worker_kwargs: dict[str, Any],
-                 local_rank: int, rank: int, distributed_init_method: str, input_shm_handle: bytes | None,
-                 is_driver_worker: bool, lifeline: Any = None) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        worker_cls: type | str | bytes,
+        worker_kwargs: dict[str, Any],
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        input_shm_handle: bytes | None,
+        is_driver_worker: bool,
+        lifeline: Any = None,
+    ) -> None:
         self.config = config
         self.rank = rank
         self.collective = frozenset(config.collective_methods)
@@ -108,24 +118,41 @@ class WorkerProc:
     def _init_message_queues(self, input_shm_handle: bytes | None) -> None:
         if self.config.parallel.nnodes_within_dp == 1:
             if input_shm_handle is None:
-                raise RuntimeError(f"worker rank {self.rank}: a one-node worker started without the broadcast "
-                                   f"queue's handle")
-            self.rpc_broadcast_mq = self._watched(MessageQueue.create_from_handle(input_shm_handle, self.rank,
-                                                                                  spin_us=self.config.spin_us))
+                raise RuntimeError(
+                    f"worker rank {self.rank}: a one-node worker started without the broadcast queue's handle"
+                )
+            self.rpc_broadcast_mq = self._watched(
+                MessageQueue.create_from_handle(input_shm_handle, self.rank, spin_us=self.config.spin_us)
+            )
             local = 0 if self.config.force_remote else 1
-            self.worker_response_mq = self._watched(MessageQueue(
-                1, local, max_chunk_bytes=REPLY_CHUNK_BYTES, max_chunks=REPLY_CHUNKS, connect_ip="127.0.0.1",
-                spin_us=self.config.spin_us))
+            self.worker_response_mq = self._watched(
+                MessageQueue(
+                    1,
+                    local,
+                    max_chunk_bytes=REPLY_CHUNK_BYTES,
+                    max_chunks=REPLY_CHUNKS,
+                    connect_ip="127.0.0.1",
+                    spin_us=self.config.spin_us,
+                )
+            )
             return
         from rayfree.cluster.parallel_state import get_inner_dp_world_group
+
         group = get_inner_dp_world_group()
         # Rank 0 (on the leader node) holds the executor's handle and relays it.
-        self.rpc_broadcast_mq = self._watched(group.create_mq_broadcaster(
-            external_writer_handle=input_shm_handle if group.rank_in_group == 0 else None, blocking=False,
-            spin_us=self.config.spin_us))
+        self.rpc_broadcast_mq = self._watched(
+            group.create_mq_broadcaster(
+                external_writer_handle=input_shm_handle if group.rank_in_group == 0 else None,
+                blocking=False,
+                spin_us=self.config.spin_us,
+            )
+        )
         mq, self.peer_response_handles = group.create_single_reader_mq_broadcasters(
-            reader_rank_in_group=0, max_chunk_bytes=REPLY_CHUNK_BYTES, max_chunks=REPLY_CHUNKS,
-            spin_us=self.config.spin_us)
+            reader_rank_in_group=0,
+            max_chunk_bytes=REPLY_CHUNK_BYTES,
+            max_chunks=REPLY_CHUNKS,
+            spin_us=self.config.spin_us,
+        )
         self.worker_response_mq = self._watched(mq)
 
     def _watched(self, mq: MessageQueue) -> MessageQueue:
@@ -183,8 +210,14 @@ class WorkerProc:
         """Reply with the error (if this rank replies); in a collective step, then leave (FatalRpc)."""
         name = method if isinstance(method, str) else "<callable>"
         error = RemoteError.of(self.rank, e)
-        logger.error("worker rank %d: RPC %s raised %s: %s\n%s", self.rank, name, error.error_type, error.message,
-                     error.traceback)
+        logger.error(
+            "worker rank %d: RPC %s raised %s: %s\n%s",
+            self.rank,
+            name,
+            error.error_type,
+            error.message,
+            error.traceback,
+        )
         if output_rank is None or self.rank == output_rank:
             if self.async_output_queue is not None:
                 self.async_output_queue.put(error)
@@ -211,9 +244,14 @@ class WorkerProc:
         logger.error("worker rank %d: cannot send a result of type %s: %s", self.rank, type(output).__name__, e)
         assert self.worker_response_mq is not None
         err = RemoteError.of(self.rank, e)
-        self.worker_response_mq.enqueue(RemoteError(self.rank, err.error_type,
-                                                    f"the result ({type(output).__name__}) could not be sent: "
-                                                    f"{err.message}", err.traceback))
+        self.worker_response_mq.enqueue(
+            RemoteError(
+                self.rank,
+                err.error_type,
+                f"the result ({type(output).__name__}) could not be sent: {err.message}",
+                err.traceback,
+            )
+        )
 
     def async_output_busy_loop(self) -> None:
         """Send outputs from a thread so the busy loop can start the next step at once."""
@@ -227,8 +265,9 @@ class WorkerProc:
                 output.set()
                 continue
             try:
-                self.enqueue_output(output if self._finish is None or type(output) is RemoteError
-                                    else self._finished(output))  # a RemoteError here is a failed call
+                self.enqueue_output(
+                    output if self._finish is None or type(output) is RemoteError else self._finished(output)
+                )  # a RemoteError here is a failed call
             except TransportError:
                 return
 
@@ -239,8 +278,13 @@ class WorkerProc:
         try:
             return self._finish(output)
         except Exception as e:
-            logger.error("worker rank %d: finishing an output of type %s raised %s: %s", self.rank,
-                         type(output).__name__, type(e).__name__, e)
+            logger.error(
+                "worker rank %d: finishing an output of type %s raised %s: %s",
+                self.rank,
+                type(output).__name__,
+                type(e).__name__,
+                e,
+            )
             return RemoteError.of(self.rank, e)
 
     def flush_outputs(self, timeout: float) -> None:
@@ -271,7 +315,9 @@ _this: WorkerProc | None = None
 def worker_info(_worker: Any = None) -> dict[str, Any]:
     """Where this rank runs and how its queues travel; `collective_rpc(worker_info)` gives the topology."""
     import socket
+
     from rayfree.transport import get_ip
+
     wp = _this
     par = wp.config.parallel if wp is not None else None
 
@@ -298,7 +344,7 @@ def worker_info(_worker: Any = None) -> dict[str, Any]:
 
 def destroy_distributed() -> None:
     import sys
+
     ps = sys.modules.get("rayfree.cluster.parallel_state")
     if ps is not None:
         ps.destroy_distributed_environment()
-

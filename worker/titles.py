@@ -17,10 +17,19 @@ def process_name(dims: list[tuple[str, int, int]]) -> str:
 
 def title_for(par: ParallelConfig, rank: int) -> str:
     """The title rank `rank` of a DP replica will have, from the layout alone ([DP][PP][PCP][TP], TP fastest)."""
-    tp, pcp, pp, dcp = (par.tensor_parallel_size, par.prefill_context_parallel_size, par.pipeline_parallel_size,
-                        par.decode_context_parallel_size)
-    dims = [("DP", par.data_parallel_size, par.dp_rank), ("PP", pp, rank // (tp * pcp) % pp), ("PCP", pcp, rank // tp % pcp), ("TP", tp, rank % tp),
-            ("DCP", dcp, rank % dcp)]
+    tp, pcp, pp, dcp = (
+        par.tensor_parallel_size,
+        par.prefill_context_parallel_size,
+        par.pipeline_parallel_size,
+        par.decode_context_parallel_size,
+    )
+    dims = [
+        ("DP", par.data_parallel_size, par.dp_rank),
+        ("PP", pp, rank // (tp * pcp) % pp),
+        ("PCP", pcp, rank // tp % pcp),
+        ("TP", tp, rank % tp),
+        ("DCP", dcp, rank % dcp),
+    ]
     return process_name(dims)
 
 
@@ -30,13 +39,19 @@ def set_title(enable_ep: bool = False, fallback: str = "Worker") -> str:
     ps = sys.modules.get("rayfree.cluster.parallel_state")  # not imported: no groups (and no torch import here)
     name = fallback
     if ps is not None and ps.model_parallel_is_initialized():
-        dims = [("DP", ps.get_dp_group()), ("PP", ps.get_pp_group()), ("PCP", ps.get_pcp_group()),
-                ("TP", ps.get_tp_group()), ("DCP", ps.get_dcp_group())]
+        dims = [
+            ("DP", ps.get_dp_group()),
+            ("PP", ps.get_pp_group()),
+            ("PCP", ps.get_pcp_group()),
+            ("TP", ps.get_tp_group()),
+            ("DCP", ps.get_dcp_group()),
+        ]
         if enable_ep:
             dims.append(("EP", ps.get_ep_group()))
         name = process_name([(tag, g.world_size, g.rank_in_group) for tag, g in dims])
     try:
         import setproctitle
+
         setproctitle.setproctitle(f"rayfree::{name}")
     except ImportError:  # pragma: no cover - it is a dependency
         pass

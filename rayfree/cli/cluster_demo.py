@@ -19,8 +19,7 @@ from rayfree.cluster.config import ParallelConfig
 from rayfree.cluster.simulate import SimulatedCluster
 from rayfree.procs import cmdline, group_members
 from rayfree.transport.net import get_open_port
-from rayfree.transport.shm.segment import creator_alive, entries
-from rayfree.transport.shm.segment import SHM_DIR
+from rayfree.transport.shm.segment import SHM_DIR, creator_alive, entries
 
 WORKER = "rayfree.cli.toy_engine:ToyWorker"
 ENTRY = "rayfree.cli.demo:drive"
@@ -31,12 +30,29 @@ def node_command() -> list[str]:
     return [sys.executable, "-m", "rayfree.cli", "node"]
 
 
-def node_env(nnodes: int, node_rank: int, master_addr: str, master_port: int, tp: int, pp: int,
-             worker: str = WORKER, entry: str | None = ENTRY, dp: int = 1, **extra: str) -> dict[str, str]:
+def node_env(
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    tp: int,
+    pp: int,
+    worker: str = WORKER,
+    entry: str | None = ENTRY,
+    dp: int = 1,
+    **extra: str,
+) -> dict[str, str]:
     """The environment that makes `rayfree node` node `node_rank` (as the compose file sets it)."""
-    env = {"RAYFREE_NNODES": str(nnodes), "RAYFREE_NODE_RANK": str(node_rank), "RAYFREE_MASTER_ADDR": master_addr,
-           "RAYFREE_MASTER_PORT": str(master_port), "RAYFREE_TENSOR_PARALLEL_SIZE": str(tp),
-           "RAYFREE_PIPELINE_PARALLEL_SIZE": str(pp), "RAYFREE_DATA_PARALLEL_SIZE": str(dp), "RAYFREE_WORKER": worker}
+    env = {
+        "RAYFREE_NNODES": str(nnodes),
+        "RAYFREE_NODE_RANK": str(node_rank),
+        "RAYFREE_MASTER_ADDR": master_addr,
+        "RAYFREE_MASTER_PORT": str(master_port),
+        "RAYFREE_TENSOR_PARALLEL_SIZE": str(tp),
+        "RAYFREE_PIPELINE_PARALLEL_SIZE": str(pp),
+        "RAYFREE_DATA_PARALLEL_SIZE": str(dp),
+        "RAYFREE_WORKER": worker,
+    }
     if ParallelConfig(data_parallel_size=dp, nnodes=nnodes).leads(node_rank):  # the first node of a DP replica
         env["RAYFREE_ENTRY"] = entry or ENTRY
     else:
@@ -73,44 +89,59 @@ def _group_members(pgid: int, wait_s: float = 5.0) -> list[str]:
 
 def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, timeout_s: float = 300.0) -> int:
     from rayfree.cluster.config import ConfigError
+
     if steps < 1 or nnodes < 2:
         print("rayfree demo: --steps must be >= 1 and --nodes >= 2 here", file=sys.stderr)
         return 2
     try:
-        par = ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
-                             nnodes=nnodes).validate()
+        par = ParallelConfig(
+            tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, nnodes=nnodes
+        ).validate()
     except ConfigError as e:
         print(f"rayfree demo: {e}", file=sys.stderr)
         return 2
     world = par.world_size_across_dp
     t0 = time.time()
     shape = f"DP={dp} x TP={tp} x PP={pp}" if dp > 1 else f"TP={tp} x PP={pp}"
-    print(f"rayfree demo: toy engine, {shape} = {world} workers on {nnodes} simulated nodes "
-          f"({world // nnodes} each), {steps} steps")
+    print(
+        f"rayfree demo: toy engine, {shape} = {world} workers on {nnodes} simulated nodes "
+        f"({world // nnodes} each), {steps} steps"
+    )
     if dp > 1:
         for r in range(dp):
             print(f"  DP replica {r}: node(s) {par.nodes_of_replica(r)} (leader: node {par.nodes_of_replica(r)[0]})")
     from .demo import demo_secret
+
     with demo_secret() as secret, SimulatedCluster(nnodes) as sim:
-        how = ("own network namespace, IP and /dev/shm each" if sim.mode == "netns"
-               else "loopback, shared /dev/shm, ranks forced remote (not root)")
+        how = (
+            "own network namespace, IP and /dev/shm each"
+            if sim.mode == "netns"
+            else "loopback, shared /dev/shm, ranks forced remote (not root)"
+        )
         print(f"  nodes: {', '.join(f'node {n.index} = {n.ip}' for n in sim.nodes)} ({how})")
-        print(f"  security: queues sealed with AES-256-GCM, heartbeats over CURVE, signed handles (cluster secret "
-              f"{secret})")
+        print(
+            f"  security: queues sealed with AES-256-GCM, heartbeats over CURVE, signed handles (cluster secret "
+            f"{secret})"
+        )
         print("  starting `rayfree node` on each node (spawn, torch, gloo world, model, queues) ...", flush=True)
         master = sim.nodes[0].ip
         port = 29500 if sim.mode == "netns" else get_open_port("127.0.0.1")
-        extra = {"RAYFREE_SECRET_FILE": secret, "RAYFREE_DEMO_STEPS": str(steps), "RAYFREE_DEMO_T0": repr(t0),
-                 "RAYFREE_LOG_LEVEL": os.environ.get("RAYFREE_LOG_LEVEL", "WARNING"),
-                 # torch warns that a namespace has no reverse DNS for its peers: true, and harmless here
-                 "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+        extra = {
+            "RAYFREE_SECRET_FILE": secret,
+            "RAYFREE_DEMO_STEPS": str(steps),
+            "RAYFREE_DEMO_T0": repr(t0),
+            "RAYFREE_LOG_LEVEL": os.environ.get("RAYFREE_LOG_LEVEL", "WARNING"),
+            # torch warns that a namespace has no reverse DNS for its peers: true, and harmless here
+            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        }
         if sim.mode != "netns":
             extra["RAYFREE_HEARTBEAT_PORT"] = str(get_open_port("127.0.0.1"))
         procs = []
         # Followers first: start order does not matter, and this shows it.
         for k in reversed(range(nnodes)):
-            procs.insert(0, sim.nodes[k].popen(node_command(), env=node_env(nnodes, k, master, port, tp, pp,
-                                                                                dp=dp, **extra)))
+            procs.insert(
+                0, sim.nodes[k].popen(node_command(), env=node_env(nnodes, k, master, port, tp, pp, dp=dp, **extra))
+            )
         codes: list[int | None] = []
         deadline = time.monotonic() + timeout_s
         try:
@@ -120,16 +151,19 @@ def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, tim
             print(f"rayfree demo: the nodes did not finish within {timeout_s:.0f} s; stopping them", file=sys.stderr)
             codes = [p.poll() for p in procs]
         left = _leftovers(sim, t0)
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout \
-        if sim.mode == "netns" else ""
+    listed = (
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if sim.mode == "netns" else ""
+    )
     ns_left = sim.tag in listed
     print()
     print(f"  {'node exit codes':<34}{' '.join(str(c) for c in codes):>10}")
     print(f"  {'wall time (s)':<34}{time.time() - t0:>10.1f}")
     ok = all(c == 0 for c in codes) and not left and not ns_left
     if ok:
-        print("  all outputs match the single-process model; every node stopped cleanly; no process, shm segment "
-              "or namespace left behind")
+        print(
+            "  all outputs match the single-process model; every node stopped cleanly; no process, shm segment "
+            "or namespace left behind"
+        )
     else:
         print(f"  FAILED: exit codes {codes}; leftovers {left}{' and namespaces' if ns_left else ''}")
     return 0 if ok else 1

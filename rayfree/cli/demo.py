@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import zlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from rayfree import settings
 from rayfree.transport import MessageQueue
@@ -37,6 +37,7 @@ def demo_secret() -> Iterator[str]:
     """The configured cluster secret's file or, if there is none, a throwaway one for this demo run: this
     process's policy while it lasts; give the path to the node processes the demo starts."""
     from rayfree.transport.secure import policy as security
+
     existing = security.process_secret()
     if existing is not None:
         yield existing.source
@@ -54,6 +55,7 @@ def demo_secret() -> Iterator[str]:
 
 def _checksum(obj) -> int:
     import torch
+
     if isinstance(obj, torch.Tensor):
         words = obj.view(torch.uint8)
         if words.numel() % 8 == 0:  # sum 64-bit words: 8x fewer additions than bytes
@@ -81,6 +83,7 @@ def _reader(handle: bytes, rank: int, local: bool, conn, policy) -> None:
 
 def _payload(i: int):
     import torch
+
     if i % 50 == 49:
         return torch.full((32 << 20,), i % 7, dtype=torch.uint8)
     if i % 10 == 9:
@@ -97,6 +100,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def _topology(ex) -> list[dict]:
     from rayfree.worker.proc import worker_info
+
     return sorted(ex.collective_rpc(worker_info, timeout=60), key=lambda r: r["rank"])
 
 
@@ -110,6 +114,7 @@ def drive(ex, steps: int | None = None) -> int:
     import torch
 
     from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
+
     steps = steps if steps is not None else settings.get("RAYFREE_DEMO_STEPS")
     t0 = settings.get("RAYFREE_DEMO_T0")
     par = ex.parallel_config
@@ -119,15 +124,26 @@ def drive(ex, steps: int | None = None) -> int:
     def say(text: str = "") -> None:
         print(f"  {tag}{text}" if text else "", flush=True)
 
-    say(f"{par.world_size} workers on {par.nnodes_within_dp} node(s) ready"
-        + (f" after {time.time() - float(t0):.1f} s" if t0 else "") + f"; output rank {ex.output_rank}")
+    say(
+        f"{par.world_size} workers on {par.nnodes_within_dp} node(s) ready"
+        + (f" after {time.time() - float(t0):.1f} s" if t0 else "")
+        + f"; output rank {ex.output_rank}"
+    )
     # With DP: the replica, and each rank's place in the world all replicas share.
-    lines = [(f"{'replica':<9}" if dp > 1 else "") + f"{'rank':<6}" + (f"{'world':<7}" if dp > 1 else "")
-             + f"{'node':<6}{'ip':<16}{'process':<20}{'pid':>8}  {'broadcast':<10}{'replies':<8}"]
+    lines = [
+        (f"{'replica':<9}" if dp > 1 else "")
+        + f"{'rank':<6}"
+        + (f"{'world':<7}" if dp > 1 else "")
+        + f"{'node':<6}{'ip':<16}{'process':<20}{'pid':>8}  {'broadcast':<10}{'replies':<8}"
+    ]
     for r in _topology(ex):
-        lines.append((f"{r['replica']:<9}" if dp > 1 else "") + f"{r['rank']:<6}"
-                     + (f"{r['global_rank']:<7}" if dp > 1 else "") + f"{r['node']:<6}{r['ip']:<16}"
-                     f"{r['process']:<20}{r['pid']:>8}  {r['broadcast']:<10}{r['replies']:<8}")
+        lines.append(
+            (f"{r['replica']:<9}" if dp > 1 else "")
+            + f"{r['rank']:<6}"
+            + (f"{r['global_rank']:<7}" if dp > 1 else "")
+            + f"{r['node']:<6}{r['ip']:<16}"
+            f"{r['process']:<20}{r['pid']:>8}  {r['broadcast']:<10}{r['replies']:<8}"
+        )
     for line in lines:
         say(line)
     lat: list[float] = []
@@ -153,12 +169,15 @@ def drive(ex, steps: int | None = None) -> int:
     if tty:
         print()
     run_s = time.perf_counter() - t_run
-    rows = [("steps", steps), ("steps per second", round(steps / run_s)),
-            ("step latency p50 (us)", round(_pct(lat, 0.5) * 1e6)),
-            ("step latency p99 (us)", round(_pct(lat, 0.99) * 1e6)),
-            ("executor overhead p50 (us)", round(_pct(over, 0.5) * 1e6)),
-            ("executor overhead p99 (us)", round(_pct(over, 0.99) * 1e6)),
-            ("outputs equal to 1-process model", steps - bad)]
+    rows = [
+        ("steps", steps),
+        ("steps per second", round(steps / run_s)),
+        ("step latency p50 (us)", round(_pct(lat, 0.5) * 1e6)),
+        ("step latency p99 (us)", round(_pct(lat, 0.99) * 1e6)),
+        ("executor overhead p50 (us)", round(_pct(over, 0.5) * 1e6)),
+        ("executor overhead p99 (us)", round(_pct(over, 0.99) * 1e6)),
+        ("outputs equal to 1-process model", steps - bad),
+    ]
     if dp > 1:
         rows.append(("cross-replica all-reduce correct", steps - bad_dp))
     for name, value in rows:
@@ -171,15 +190,23 @@ def run_engine_demo(tp: int, pp: int, steps: int, dp: int = 1) -> int:
     from rayfree.cluster.config import ClusterConfig, ParallelConfig
     from rayfree.executor.replicas import NodeReplicas
     from rayfree.transport.net import get_open_port
+
     if steps < 1 or dp < 1:
         print("rayfree demo: --steps and --dp must be >= 1", file=sys.stderr)
         return 2
-    config = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                                   data_parallel_size=dp,
-                                                   master_port=get_open_port("127.0.0.1")))
+    config = ClusterConfig(
+        parallel=ParallelConfig(
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            data_parallel_size=dp,
+            master_port=get_open_port("127.0.0.1"),
+        )
+    )
     n = config.parallel.world_size_across_dp
-    print(f"rayfree demo: toy engine, {f'DP={dp} x ' if dp > 1 else ''}TP={tp} x PP={pp} = {n} workers on this "
-          f"node, {steps} steps")
+    print(
+        f"rayfree demo: toy engine, {f'DP={dp} x ' if dp > 1 else ''}TP={tp} x PP={pp} = {n} workers on this "
+        f"node, {steps} steps"
+    )
     print(f"  starting {n} workers (spawn, torch, gloo world and groups, model, queues) ...", flush=True)
     t0 = time.perf_counter()
     reps = NodeReplicas(config, "rayfree.cli.toy_engine:ToyWorker")
@@ -203,14 +230,17 @@ def run_transport_demo(n_local: int, n_remote: int, n_messages: int) -> int:
 
 def _run_transport_demo(n_local: int, n_remote: int, n_messages: int) -> int:
     import torch
+
     if n_local < 0 or n_remote < 0 or n_local + n_remote < 1:
         print("rayfree demo: need at least one reader (--readers / --remote)", file=sys.stderr)
         return 2
     n = n_local + n_remote
     ctx = mp.get_context("spawn")
     t_start = time.perf_counter()
-    print(f"rayfree demo: 1 writer -> {n_local} local reader(s) over shared memory, "
-          f"{n_remote} remote over TCP 127.0.0.1; {n_messages} messages")
+    print(
+        f"rayfree demo: 1 writer -> {n_local} local reader(s) over shared memory, "
+        f"{n_remote} remote over TCP 127.0.0.1; {n_messages} messages"
+    )
     bq = MessageQueue(n, n_local, connect_ip="127.0.0.1")
     procs, replies = [], []
     try:
@@ -218,8 +248,9 @@ def _run_transport_demo(n_local: int, n_remote: int, n_messages: int) -> int:
         conns = []
         for r in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=_reader, args=(h, r, r < n_local, b, security.current()), name=f"reader-{r}",
-                            daemon=True)
+            p = ctx.Process(
+                target=_reader, args=(h, r, r < n_local, b, security.current()), name=f"reader-{r}", daemon=True
+            )
             p.start()
             procs.append(p)
             conns.append(a)
@@ -273,11 +304,17 @@ def _run_transport_demo(n_local: int, n_remote: int, n_messages: int) -> int:
         print(f"  {r:<8}{'shm' if r < n_local else 'tcp':<6}{n_messages:>10}{'ok' if not bad else 'BAD':>8}")
     print()
     span = t_end - t_ready
-    print(f"  payload bytes broadcast: {sent_bytes / 2**20:.0f} MiB in {span:.2f} s "
-          f"({sent_bytes * n / span / 1e9:.2f} GB/s delivered to {n} readers)")
+    print(
+        f"  payload bytes broadcast: {sent_bytes / 2**20:.0f} MiB in {span:.2f} s "
+        f"({sent_bytes * n / span / 1e9:.2f} GB/s delivered to {n} readers)"
+    )
     if rtts:
-        print(f"  control-message round trip (all readers answer): p50 {statistics.median(rtts) * 1e6:.0f} us, "
-              f"p99 {rtts[int(0.99 * (len(rtts) - 1))] * 1e6:.0f} us")
+        print(
+            f"  control-message round trip (all readers answer): p50 {statistics.median(rtts) * 1e6:.0f} us, "
+            f"p99 {rtts[int(0.99 * (len(rtts) - 1))] * 1e6:.0f} us"
+        )
     ok = bad == 0 and all(c == 0 for c in exitcodes)
-    print(f"  {'all payloads verified, readers exited cleanly' if ok else f'FAILED: {bad} bad replies, exit codes {exitcodes}'}")
+    print(
+        f"  {'all payloads verified, readers exited cleanly' if ok else f'FAILED: {bad} bad replies, exit codes {exitcodes}'}"  # noqa: E501
+    )
     return 0 if ok else 1

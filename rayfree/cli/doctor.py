@@ -39,18 +39,29 @@ def check_shm(config: ClusterConfig) -> Check:
     from rayfree.transport import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
     from rayfree.transport.shm.segment import shm_free_bytes
     from rayfree.worker.proc import REPLY_CHUNK_BYTES, REPLY_CHUNKS
+
     par = config.parallel
-    per_replica = (DEFAULT_MAX_CHUNK_BYTES * DEFAULT_MAX_CHUNKS if par.node_rank_within_dp == 0 else 0) \
-        + par.local_ranks * REPLY_CHUNK_BYTES * REPLY_CHUNKS
+    per_replica = (
+        DEFAULT_MAX_CHUNK_BYTES * DEFAULT_MAX_CHUNKS if par.node_rank_within_dp == 0 else 0
+    ) + par.local_ranks * REPLY_CHUNK_BYTES * REPLY_CHUNKS
     need = per_replica * len(par.node_replicas)
     free = shm_free_bytes()
     if free is None:
-        return Check("/dev/shm", "FAIL", "/dev/shm is missing or unreadable",
-                     "mount a tmpfs on /dev/shm (docker: --ipc=host or --shm-size=2g)")
+        return Check(
+            "/dev/shm",
+            "FAIL",
+            "/dev/shm is missing or unreadable",
+            "mount a tmpfs on /dev/shm (docker: --ipc=host or --shm-size=2g)",
+        )
     detail = f"{_fmt(free)} free; this node's queues need {_fmt(need)} (broadcast ring + one reply ring per rank)"
     if free < need:
-        return Check("/dev/shm", "FAIL", detail, f"give it at least {_fmt(2 * need)}: docker run --shm-size="
-                     f"{max(1, 2 * need // GiB + 1)}g (compose: shm_size, or ipc: host)")
+        return Check(
+            "/dev/shm",
+            "FAIL",
+            detail,
+            f"give it at least {_fmt(2 * need)}: docker run --shm-size="
+            f"{max(1, 2 * need // GiB + 1)}g (compose: shm_size, or ipc: host)",
+        )
     if free < 2 * need:
         return Check("/dev/shm", "warn", detail, "little headroom for large messages: enlarge /dev/shm")
     return Check("/dev/shm", "ok", detail)
@@ -58,6 +69,7 @@ def check_shm(config: ClusterConfig) -> Check:
 
 def check_ip(config: ClusterConfig) -> tuple[Check, str]:
     from rayfree.transport.net import HOST_IP_ENV, default_route_ip, get_ip, interface_of, route_to
+
     par = config.parallel
     multi = par.nnodes > 1
     ip = get_ip(peer=par.master_addr if multi else None)
@@ -72,38 +84,58 @@ def check_ip(config: ClusterConfig) -> tuple[Check, str]:
     iface = interface_of(ip) or "?"
     detail = f"{ip} on {iface} ({why})"
     if multi and (ip.startswith("127.") or ip == "::1"):
-        return Check("address", "FAIL", detail,
-                     f"other nodes cannot reach loopback: set {HOST_IP_ENV} to this node's cluster address"), ip
+        return Check(
+            "address",
+            "FAIL",
+            detail,
+            f"other nodes cannot reach loopback: set {HOST_IP_ENV} to this node's cluster address",
+        ), ip
     return Check("address", "ok", detail), ip
 
 
 def check_master(config: ClusterConfig, quick: bool) -> Check:
-    from rayfree.transport.net import is_local_address
-    from rayfree.transport.net import route_to
+    from rayfree.transport.net import is_local_address, route_to
+
     par = config.parallel
     where = f"{par.master_addr}:{par.master_port}"
     try:
         socket.getaddrinfo(par.master_addr, None)
     except OSError as e:
-        return Check("master_addr", "FAIL", f"{par.master_addr!r} does not resolve ({e})",
-                     "give node 0's IP address (RAYFREE_MASTER_ADDR / --master-addr)")
+        return Check(
+            "master_addr",
+            "FAIL",
+            f"{par.master_addr!r} does not resolve ({e})",
+            "give node 0's IP address (RAYFREE_MASTER_ADDR / --master-addr)",
+        )
     if par.node_rank == 0:
         if not is_local_address(par.master_addr):
-            return Check("master_addr", "FAIL", f"{par.master_addr} is not an address of this machine, but this "
-                         f"is node 0, which hosts the rendezvous", "set master_addr to one of this node's addresses")
+            return Check(
+                "master_addr",
+                "FAIL",
+                f"{par.master_addr} is not an address of this machine, but this is node 0, which hosts the rendezvous",
+                "set master_addr to one of this node's addresses",
+            )
         return Check("master_addr", "ok", f"{where} is local (this node hosts the rendezvous)")
     src = route_to(par.master_addr)
     if src is None:
-        return Check("master_addr", "FAIL", f"no route to {par.master_addr}",
-                     "check the network between the nodes, or the address")
+        return Check(
+            "master_addr",
+            "FAIL",
+            f"no route to {par.master_addr}",
+            "check the network between the nodes, or the address",
+        )
     if quick:
         return Check("master_addr", "ok", f"routes via {src}")
     try:
         with socket.create_connection((par.master_addr, par.master_port), timeout=2):
             return Check("master_addr", "ok", f"{where} answers (routes via {src})")
     except OSError as e:
-        return Check("master_addr", "warn", f"{where} does not answer yet ({e.strerror or e})",
-                     "start node 0 (followers may start first: they wait), or open that port in the firewall")
+        return Check(
+            "master_addr",
+            "warn",
+            f"{where} does not answer yet ({e.strerror or e})",
+            "start node 0 (followers may start first: they wait), or open that port in the firewall",
+        )
 
 
 def check_ports(config: ClusterConfig) -> Check:
@@ -111,6 +143,7 @@ def check_ports(config: ClusterConfig) -> Check:
     if par.node_rank != 0:
         return Check("ports", "ok", "only node 0 listens on fixed ports")
     from rayfree.transport.net import is_local_address
+
     if not is_local_address(par.master_addr):
         return Check("ports", "warn", f"not checked: {par.master_addr} is not an address of this machine")
     busy, ours = [], []
@@ -123,14 +156,23 @@ def check_ports(config: ClusterConfig) -> Check:
                 (ours if owner is not None and _is_rayfree_node(owner[1]) else busy).append((port, owner))
     if ours and not busy:
         pids = sorted({o[0] for _, o in ours if o})
-        return Check("ports", "ok", f"{par.master_port} (rendezvous) and {config.heartbeat_endpoint_port} "
-                     f"(heartbeats) are held by this node's running rayfree node (pid {', '.join(map(str, pids))})")
+        return Check(
+            "ports",
+            "ok",
+            f"{par.master_port} (rendezvous) and {config.heartbeat_endpoint_port} "
+            f"(heartbeats) are held by this node's running rayfree node (pid {', '.join(map(str, pids))})",
+        )
     if busy:
         held = "; ".join(f"{p} by pid {o[0]} ({o[1][:60]})" if o else f"{p}" for p, o in busy)
-        return Check("ports", "FAIL", f"port(s) in use on {par.master_addr}: {held}",
-                     "stop whatever holds them (another rayfree leader?) or change master_port / heartbeat_port")
-    return Check("ports", "ok", f"{par.master_port} (rendezvous) and {config.heartbeat_endpoint_port} (heartbeats) "
-                 f"are free")
+        return Check(
+            "ports",
+            "FAIL",
+            f"port(s) in use on {par.master_addr}: {held}",
+            "stop whatever holds them (another rayfree leader?) or change master_port / heartbeat_port",
+        )
+    return Check(
+        "ports", "ok", f"{par.master_port} (rendezvous) and {config.heartbeat_endpoint_port} (heartbeats) are free"
+    )
 
 
 def listener_of(port: int) -> tuple[int, str] | None:
@@ -170,32 +212,51 @@ def _is_rayfree_node(cmdline: str) -> bool:
 
 def check_ifnames(ip: str) -> Check:
     from rayfree.transport.net import interface_of
+
     gloo, nccl = os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")
     if not gloo and not nccl:
-        return Check("socket ifname", "ok", "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset: gloo uses the "
-                     "hostname's address")
+        return Check(
+            "socket ifname", "ok", "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset: gloo uses the hostname's address"
+        )
     try:
         import netifaces
+
         names = set(netifaces.interfaces())
     except Exception:  # noqa: BLE001
         names = set()
     for var, val in (("GLOO_SOCKET_IFNAME", gloo), ("NCCL_SOCKET_IFNAME", nccl)):
         if val and names and val.split(",")[0].lstrip("^=") not in names:
-            return Check("socket ifname", "FAIL", f"{var}={val} is not an interface here (have {sorted(names)})",
-                         f"set {var} to the interface of the cluster network")
+            return Check(
+                "socket ifname",
+                "FAIL",
+                f"{var}={val} is not an interface here (have {sorted(names)})",
+                f"set {var} to the interface of the cluster network",
+            )
     if gloo and nccl and gloo != nccl:
-        return Check("socket ifname", "warn", f"GLOO_SOCKET_IFNAME={gloo} but NCCL_SOCKET_IFNAME={nccl}",
-                     "use the same interface for both, unless you mean to split the traffic")
+        return Check(
+            "socket ifname",
+            "warn",
+            f"GLOO_SOCKET_IFNAME={gloo} but NCCL_SOCKET_IFNAME={nccl}",
+            "use the same interface for both, unless you mean to split the traffic",
+        )
     mine = interface_of(ip)
     if gloo and mine and gloo != mine:
-        return Check("socket ifname", "warn", f"GLOO_SOCKET_IFNAME={gloo} but rayfree's address {ip} is on {mine}",
-                     f"set GLOO_SOCKET_IFNAME={mine}, or RAYFREE_HOST_IP to an address on {gloo}")
-    return Check("socket ifname", "ok", ", ".join(f"{k}={v}" for k, v in (("GLOO_SOCKET_IFNAME", gloo),
-                                                                             ("NCCL_SOCKET_IFNAME", nccl)) if v))
+        return Check(
+            "socket ifname",
+            "warn",
+            f"GLOO_SOCKET_IFNAME={gloo} but rayfree's address {ip} is on {mine}",
+            f"set GLOO_SOCKET_IFNAME={mine}, or RAYFREE_HOST_IP to an address on {gloo}",
+        )
+    return Check(
+        "socket ifname",
+        "ok",
+        ", ".join(f"{k}={v}" for k, v in (("GLOO_SOCKET_IFNAME", gloo), ("NCCL_SOCKET_IFNAME", nccl)) if v),
+    )
 
 
 def check_stale(fix: bool, ask: bool) -> Check:
     from rayfree.transport.shm.segment import stale_entries
+
     stale = stale_entries()
     if not stale:
         return Check("stale segments", "ok", "no rayfree segment or ipc directory of a dead process")
@@ -206,6 +267,7 @@ def check_stale(fix: bool, ask: bool) -> Check:
         fix = answer.strip().lower() in ("y", "yes")
     if fix:
         import shutil
+
         for p in stale:
             shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
         return Check("stale segments", "ok", detail + " - removed")
@@ -214,6 +276,7 @@ def check_stale(fix: bool, ask: bool) -> Check:
 
 def check_security(config: ClusterConfig, secret_error: SecretError | None = None) -> Check:
     from rayfree.transport.secure.policy import INSECURE_ENV, SecretError, insecure, process_secret
+
     try:
         if secret_error is not None:  # --secret-file / RAYFREE_SECRET_FILE named a file that cannot be used
             raise secret_error
@@ -221,21 +284,37 @@ def check_security(config: ClusterConfig, secret_error: SecretError | None = Non
     except SecretError as e:
         return Check("security", "FAIL", e.problem, e.fix)
     if secret is not None:
-        return Check("security", "ok", f"cluster secret from {secret.source} (fingerprint {secret.fingerprint}): "
-                     f"the queues are sealed with AES-256-GCM, the heartbeats use CURVE, handles are signed")
+        return Check(
+            "security",
+            "ok",
+            f"cluster secret from {secret.source} (fingerprint {secret.fingerprint}): "
+            f"the queues are sealed with AES-256-GCM, the heartbeats use CURVE, handles are signed",
+        )
     if config.parallel.nnodes == 1:
         return Check("security", "ok", "one node: no TCP socket, no secret needed")
     if insecure():
-        return Check("security", "warn", f"INSECURE ({INSECURE_ENV}=1 / --insecure): anyone who reaches this "
-                     f"node's ports can read the broadcasts and run code on the workers",
-                     "run `rayfree keygen FILE` and give every node --secret-file FILE")
-    return Check("security", "FAIL", "no cluster secret: a multi-node run will refuse to start",
-                 "run `rayfree keygen FILE` once and give every node --secret-file FILE (or --insecure on a "
-                 "trusted network)")
+        return Check(
+            "security",
+            "warn",
+            f"INSECURE ({INSECURE_ENV}=1 / --insecure): anyone who reaches this "
+            f"node's ports can read the broadcasts and run code on the workers",
+            "run `rayfree keygen FILE` and give every node --secret-file FILE",
+        )
+    return Check(
+        "security",
+        "FAIL",
+        "no cluster secret: a multi-node run will refuse to start",
+        "run `rayfree keygen FILE` once and give every node --secret-file FILE (or --insecure on a trusted network)",
+    )
 
 
-def diagnose(config: ClusterConfig, quick: bool = False, fix: bool = False, ask: bool = False,
-             secret_error: SecretError | None = None) -> list[Check]:
+def diagnose(
+    config: ClusterConfig,
+    quick: bool = False,
+    fix: bool = False,
+    ask: bool = False,
+    secret_error: SecretError | None = None,
+) -> list[Check]:
     checks = [check_security(config, secret_error), check_shm(config)]
     ip_check, ip = check_ip(config)
     checks += [ip_check, check_master(config, quick)]
@@ -253,20 +332,28 @@ def run_doctor(args: argparse.Namespace) -> int:
         print(f"rayfree doctor: the configuration itself is wrong: {e}")
         return 1
     par = config.parallel
-    print(f"rayfree doctor: node {par.node_rank} of {par.nnodes}, {par.local_ranks * len(par.node_replicas)} "
-          f"rank(s) here, master {par.master_addr}:{par.master_port}")
+    print(
+        f"rayfree doctor: node {par.node_rank} of {par.nnodes}, {par.local_ranks * len(par.node_replicas)} "
+        f"rank(s) here, master {par.master_addr}:{par.master_port}"
+    )
     if par.data_parallel_size > 1:
-        print(f"  DP={par.data_parallel_size} replicas of {par.world_size} rank(s), in one world of "
-              f"{par.world_size_across_dp}:")
+        print(
+            f"  DP={par.data_parallel_size} replicas of {par.world_size} rank(s), in one world of "
+            f"{par.world_size_across_dp}:"
+        )
         for r in range(par.data_parallel_size):
             nodes = par.nodes_of_replica(r)
-            here = " <- this node" + (" (leads it)" if nodes[0] == par.node_rank else "") \
-                if par.node_rank in nodes else ""
-            print(f"    replica {r}: node(s) {nodes}, world ranks {par.global_rank(0, r)}.."
-                  f"{par.global_rank(par.world_size - 1, r)}{here}")
+            here = (
+                " <- this node" + (" (leads it)" if nodes[0] == par.node_rank else "") if par.node_rank in nodes else ""
+            )
+            print(
+                f"    replica {r}: node(s) {nodes}, world ranks {par.global_rank(0, r)}.."
+                f"{par.global_rank(par.world_size - 1, r)}{here}"
+            )
     secret_error = getattr(args, "secret_error", None)
-    checks = diagnose(config, quick=args.quick, fix=args.fix, ask=not args.quick and sys.stdin.isatty(),
-                      secret_error=secret_error)
+    checks = diagnose(
+        config, quick=args.quick, fix=args.fix, ask=not args.quick and sys.stdin.isatty(), secret_error=secret_error
+    )
     for c in checks:
         print(f"  [{c.status:^4}] {c.name:<15} {c.detail}")
         if c.fix and c.status != "ok":

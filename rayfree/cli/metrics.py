@@ -10,7 +10,8 @@ HTTP and read-only: counts and timings, no payloads.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from rayfree.executor.observe import LATENCY_BOUNDS
 
@@ -35,25 +36,38 @@ class _Collector:
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
         lv = self.liveness
         node = str(lv.node)
-        lat = HistogramMetricFamily("rayfree_rpc_latency_seconds", "collective_rpc latency, send to last reply",
-                                    labels=["node", "replica", "method"])
-        inflight = GaugeMetricFamily("rayfree_rpc_in_flight", "calls sent whose replies are not all read",
-                                     labels=["node", "replica"])
-        oldest = GaugeMetricFamily("rayfree_rpc_oldest_in_flight_seconds", "age of the oldest call in flight",
-                                   labels=["node", "replica"])
-        failures = CounterMetricFamily("rayfree_rpc_failures", "calls that failed (raised, timed out, cut short)",
-                                       labels=["node", "replica"])
-        sent = CounterMetricFamily("rayfree_broadcast_bytes", "bytes broadcast to the workers, by path",
-                                   labels=["node", "replica", "path"])
-        occupied = GaugeMetricFamily("rayfree_ring_occupied_chunks", "broadcast ring chunks not yet free",
-                                     labels=["node", "replica"])
+        lat = HistogramMetricFamily(
+            "rayfree_rpc_latency_seconds",
+            "collective_rpc latency, send to last reply",
+            labels=["node", "replica", "method"],
+        )
+        inflight = GaugeMetricFamily(
+            "rayfree_rpc_in_flight", "calls sent whose replies are not all read", labels=["node", "replica"]
+        )
+        oldest = GaugeMetricFamily(
+            "rayfree_rpc_oldest_in_flight_seconds", "age of the oldest call in flight", labels=["node", "replica"]
+        )
+        failures = CounterMetricFamily(
+            "rayfree_rpc_failures", "calls that failed (raised, timed out, cut short)", labels=["node", "replica"]
+        )
+        sent = CounterMetricFamily(
+            "rayfree_broadcast_bytes", "bytes broadcast to the workers, by path", labels=["node", "replica", "path"]
+        )
+        occupied = GaugeMetricFamily(
+            "rayfree_ring_occupied_chunks", "broadcast ring chunks not yet free", labels=["node", "replica"]
+        )
         chunks = GaugeMetricFamily("rayfree_ring_chunks", "broadcast ring size in chunks", labels=["node", "replica"])
-        behind = GaugeMetricFamily("rayfree_ring_reader_behind_chunks", "chunks a local reader has not read",
-                                   labels=["node", "replica", "rank"])
-        workers = GaugeMetricFamily("rayfree_workers_alive", "worker processes of this node that are alive",
-                                    labels=["node"])
+        behind = GaugeMetricFamily(
+            "rayfree_ring_reader_behind_chunks",
+            "chunks a local reader has not read",
+            labels=["node", "replica", "rank"],
+        )
+        workers = GaugeMetricFamily(
+            "rayfree_workers_alive", "worker processes of this node that are alive", labels=["node"]
+        )
         alive = 0
         for ex in lv.executors():
             rep = str(ex.dp_rank)
@@ -87,25 +101,29 @@ class _Collector:
 
     def _heartbeats(self, node: str) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
+
         from rayfree.cluster.heartbeat import HeartbeatClient, HeartbeatServer
+
         lv = self.liveness
         failed = GaugeMetricFamily("rayfree_cluster_failed", "1 once this node's cluster has failed", labels=["node"])
         failed.add_metric([node], 1.0 if lv.failure is not None else 0.0)
         yield failed
         b = lv.beater
         if isinstance(b, HeartbeatClient):
-            last = GaugeMetricFamily("rayfree_heartbeat_last_round_trip_seconds",
-                                     "the last heartbeat round trip to node 0", labels=["node"])
+            last = GaugeMetricFamily(
+                "rayfree_heartbeat_last_round_trip_seconds", "the last heartbeat round trip to node 0", labels=["node"]
+            )
             last.add_metric([node], b.rtt_s or 0.0)
-            rtt = SummaryMetricFamily("rayfree_heartbeat_round_trip_seconds", "heartbeat round trips to node 0",
-                                      labels=["node"])
+            rtt = SummaryMetricFamily(
+                "rayfree_heartbeat_round_trip_seconds", "heartbeat round trips to node 0", labels=["node"]
+            )
             rtt.add_metric([node], b.rtt_count, b.rtt_sum)
             yield from (last, rtt)
         elif isinstance(b, HeartbeatServer):
-            age = GaugeMetricFamily("rayfree_heartbeat_age_seconds", "seconds since each node's last heartbeat",
-                                    labels=["node", "peer"])
-            lost = GaugeMetricFamily("rayfree_node_lost", "1 for a node node 0 counts as lost",
-                                     labels=["node", "peer"])
+            age = GaugeMetricFamily(
+                "rayfree_heartbeat_age_seconds", "seconds since each node's last heartbeat", labels=["node", "peer"]
+            )
+            lost = GaugeMetricFamily("rayfree_node_lost", "1 for a node node 0 counts as lost", labels=["node", "peer"])
             for peer, _ip, _ranks, a, gone, _st in b.peer_views():
                 if a is not None:
                     age.add_metric([node, str(peer)], a)

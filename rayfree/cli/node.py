@@ -27,11 +27,12 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rayfree import logs
-from rayfree.imports import load_object
 from rayfree.cluster.config import ClusterConfig, ConfigError, add_config_arguments, load_config
+from rayfree.imports import load_object
 from rayfree.transport.errors import TransportError
 
 __all__ = ["add_node_arguments", "run_node", "NodeUsageError"]
@@ -56,32 +57,56 @@ class _StopRequested(BaseException):
 
 def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker", metavar="PKG.MOD:CLASS", help="the engine's worker class [RAYFREE_WORKER]")
-    p.add_argument("--worker-kwargs", metavar="JSON", help="keyword arguments for the worker, as a JSON object "
-                   "[RAYFREE_WORKER_KWARGS]")
-    p.add_argument("--entry", metavar="PKG.MOD:FUNC", help="node 0: the engine's driver, called with the executor; "
-                   "its return value is the exit code [RAYFREE_ENTRY]")
-    p.add_argument("--headless", action="store_const", const="1", default=None,
-                   help="a follower node: run this node's workers, no driver [RAYFREE_HEADLESS=1]")
-    p.add_argument("--metrics-port", metavar="PORT", help="serve Prometheus metrics (RPC latency, bytes broadcast, "
-                   "ring occupancy, heartbeats, failures) at http://0.0.0.0:PORT/metrics; needs rayfree[metrics] "
-                   "[RAYFREE_METRICS_PORT]")
+    p.add_argument(
+        "--worker-kwargs",
+        metavar="JSON",
+        help="keyword arguments for the worker, as a JSON object [RAYFREE_WORKER_KWARGS]",
+    )
+    p.add_argument(
+        "--entry",
+        metavar="PKG.MOD:FUNC",
+        help="node 0: the engine's driver, called with the executor; its return value is the exit code [RAYFREE_ENTRY]",
+    )
+    p.add_argument(
+        "--headless",
+        action="store_const",
+        const="1",
+        default=None,
+        help="a follower node: run this node's workers, no driver [RAYFREE_HEADLESS=1]",
+    )
+    p.add_argument(
+        "--metrics-port",
+        metavar="PORT",
+        help="serve Prometheus metrics (RPC latency, bytes broadcast, "
+        "ring occupancy, heartbeats, failures) at http://0.0.0.0:PORT/metrics; needs rayfree[metrics] "
+        "[RAYFREE_METRICS_PORT]",
+    )
     add_security_arguments(p)
     add_config_arguments(p)
 
 
 def add_security_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--secret-file", metavar="FILE", help="the cluster secret (`rayfree keygen FILE`) "
-                   "[RAYFREE_SECRET_FILE; in docker, the rayfree_secret secret]")
-    p.add_argument("--insecure", action="store_true", help="allow plain TCP without a secret, on a trusted "
-                   "network only (logged as a warning on every node) [RAYFREE_INSECURE=1]")
+    p.add_argument(
+        "--secret-file",
+        metavar="FILE",
+        help="the cluster secret (`rayfree keygen FILE`) [RAYFREE_SECRET_FILE; in docker, the rayfree_secret secret]",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plain TCP without a secret, on a trusted "
+        "network only (logged as a warning on every node) [RAYFREE_INSECURE=1]",
+    )
 
 
 def apply_security_arguments(args: argparse.Namespace) -> None:
     """This process's security policy from the flags (else the environment); the executor hands it to every
     worker it starts."""
     from rayfree.transport.secure import policy as security
-    security.use(security.resolve(getattr(args, "secret_file", None), True if getattr(args, "insecure", False)
-                                  else None))
+
+    security.use(
+        security.resolve(getattr(args, "secret_file", None), True if getattr(args, "insecure", False) else None)
+    )
 
 
 def _option(args: argparse.Namespace, name: str, env: dict[str, str] | Any, file: dict[str, Any]) -> str | None:
@@ -97,14 +122,16 @@ def _option(args: argparse.Namespace, name: str, env: dict[str, str] | Any, file
 
 def _file_options(args: argparse.Namespace, env: dict[str, str] | Any) -> dict[str, Any]:
     from rayfree.cluster.config import _read_file
+
     path = getattr(args, "config", None) or env.get("RAYFREE_CONFIG")
     node = _read_file(path).get("node", {}) if path else {}
     if not isinstance(node, dict):
         raise NodeUsageError(f"{path}: [node] must be a table (worker, entry, headless, worker_kwargs)")
     unknown = set(node) - {"worker", "entry", "headless", "worker_kwargs", "metrics_port"}
     if unknown:
-        raise NodeUsageError(f"{path}: unknown [node] key(s) {sorted(unknown)}: use worker, entry, headless, "
-                             f"worker_kwargs, metrics_port")
+        raise NodeUsageError(
+            f"{path}: unknown [node] key(s) {sorted(unknown)}: use worker, entry, headless, worker_kwargs, metrics_port"
+        )
     return node
 
 
@@ -140,14 +167,17 @@ def metrics_port(args: argparse.Namespace, env: dict[str, str] | Any = None) -> 
 def _check_port_free(port: int) -> None:
     """The metrics port is ours to bind, before any worker starts (not an OSError once the cluster is up)."""
     import socket
+
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the HTTP server binds it
         try:
             s.bind(("0.0.0.0", port))
         except OSError as e:
-            raise NodeUsageError(f"--metrics-port {port} (RAYFREE_METRICS_PORT): port {port} cannot be used here "
-                                 f"({e.strerror}): another process holds it; pick a free port or stop that "
-                                 f"process") from None
+            raise NodeUsageError(
+                f"--metrics-port {port} (RAYFREE_METRICS_PORT): port {port} cannot be used here "
+                f"({e.strerror}): another process holds it; pick a free port or stop that "
+                f"process"
+            ) from None
 
 
 def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[ClusterConfig, str, dict, str | None]:
@@ -165,7 +195,7 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
     except json.JSONDecodeError as e:
         raise NodeUsageError(f"--worker-kwargs is not JSON: {e}") from None
     if not isinstance(kwargs, dict):
-        raise NodeUsageError("--worker-kwargs must be a JSON object, e.g. '{\"model\": \"...\"}'")
+        raise NodeUsageError('--worker-kwargs must be a JSON object, e.g. \'{"model": "..."}\'')
     headless = (_option(args, "headless", env, file) or "0").strip().lower() in ("1", "true", "yes")
     entry = _option(args, "entry", env, file)
     leader = par.node_rank_within_dp == 0
@@ -173,24 +203,39 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> tuple[Cl
     followers = par.nodes_of_replica(par.dp_rank)[1:]
     if par.nnodes > 1:
         from rayfree.transport.secure.policy import insecure, process_secret
+
         if process_secret() is None and not insecure():
-            raise NodeUsageError("a multi-node cluster talks over TCP, and rayfree refuses unauthenticated TCP: "
-                                 "run `rayfree keygen FILE` once, give every node --secret-file FILE (or "
-                                 "RAYFREE_SECRET_FILE; in compose, the rayfree_secret secret), or pass "
-                                 "--insecure on a trusted network")
+            raise NodeUsageError(
+                "a multi-node cluster talks over TCP, and rayfree refuses unauthenticated TCP: "
+                "run `rayfree keygen FILE` once, give every node --secret-file FILE (or "
+                "RAYFREE_SECRET_FILE; in compose, the rayfree_secret secret), or pass "
+                "--insecure on a trusted network"
+            )
     if leader and headless:
-        raise NodeUsageError(f"node_rank={par.node_rank} leads {replica}, so it cannot be --headless"
-                             + (f": its followers are node(s) {followers}" if followers else
-                                " (with this many nodes per replica, every node leads one)"))
+        raise NodeUsageError(
+            f"node_rank={par.node_rank} leads {replica}, so it cannot be --headless"
+            + (
+                f": its followers are node(s) {followers}"
+                if followers
+                else " (with this many nodes per replica, every node leads one)"
+            )
+        )
     if leader and not entry:
-        raise NodeUsageError(f"node {par.node_rank} leads {replica} and runs the engine: give --entry "
-                             f"package.module:function (called with the executor)"
-                             + (", or start a follower with --headless and another --node-rank" if followers or
-                                par.nnodes_within_dp > 1 else ""))
+        raise NodeUsageError(
+            f"node {par.node_rank} leads {replica} and runs the engine: give --entry "
+            f"package.module:function (called with the executor)"
+            + (
+                ", or start a follower with --headless and another --node-rank"
+                if followers or par.nnodes_within_dp > 1
+                else ""
+            )
+        )
     if not leader and entry:
-        raise NodeUsageError(f"node {par.node_rank} is a follower of {replica}: only its first node "
-                             f"({par.nodes_of_replica(par.dp_rank)[0]}) runs the entry point; drop --entry "
-                             f"(RAYFREE_ENTRY) here")
+        raise NodeUsageError(
+            f"node {par.node_rank} is a follower of {replica}: only its first node "
+            f"({par.nodes_of_replica(par.dp_rank)[0]}) runs the entry point; drop --entry "
+            f"(RAYFREE_ENTRY) here"
+        )
     return config, worker, kwargs, entry
 
 
@@ -209,8 +254,18 @@ def run_node(args: argparse.Namespace) -> int:
     par = config.parallel
     role = "leader" if entry else "follower"
     dp = f", DP replica(s) {par.node_replicas} of {par.data_parallel_size}" if par.data_parallel_size > 1 else ""
-    logger.info("node %d/%d (%s%s): %d rank(s) from %d, master %s:%d, worker %s", par.node_rank, par.nnodes, role,
-                dp, par.local_ranks, par.global_start_rank, par.master_addr, par.master_port, worker)
+    logger.info(
+        "node %d/%d (%s%s): %d rank(s) from %d, master %s:%d, worker %s",
+        par.node_rank,
+        par.nnodes,
+        role,
+        dp,
+        par.local_ranks,
+        par.global_start_rank,
+        par.master_addr,
+        par.master_port,
+        worker,
+    )
 
     lives: list[Any] = []  # this node's liveness, once made
 
@@ -222,6 +277,7 @@ def run_node(args: argparse.Namespace) -> int:
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     from rayfree.executor.errors import ExecutorError
     from rayfree.executor.replicas import NodeReplicas
+
     reps: NodeReplicas | None = None
     metrics: list[Any] = []
 
@@ -229,6 +285,7 @@ def run_node(args: argparse.Namespace) -> int:
         lives.append(liveness)
         if port is not None:
             from .metrics import serve_metrics
+
             metrics.append(serve_metrics(port, liveness))
 
     try:
@@ -264,7 +321,6 @@ def run_node(args: argparse.Namespace) -> int:
             signal.signal(s, h)
 
 
-
 def _lead(reps: Any, entry: Callable[[Any], Any]) -> int:
     """Run the entry point for every replica this node leads; then wait until the whole cluster may stop.
 
@@ -272,11 +328,12 @@ def _lead(reps: Any, entry: Callable[[Any], Any]) -> int:
     replica cleanly, and the node exits with the first non-zero code once every replica is done.
     """
     from rayfree.executor.errors import ExecutorError
+
     results = reps.run(entry)
     raised = [(ex, r) for ex, r in zip(reps.leaders, results) if isinstance(r, BaseException)]
     for ex, e in raised:
         if not isinstance(e, ExecutorError):  # the engine's own error: the other nodes must stop too
-            ex._stop_reason = f"DP replica {ex.dp_rank}'s entry point raised {type(e).__name__}: {e}"
+            ex.note_stop_reason(f"DP replica {ex.dp_rank}'s entry point raised {type(e).__name__}: {e}")
     if raised:
         if not isinstance(raised[0][1], ExecutorError):
             logger.error("%s", raised[0][0]._stop_reason)

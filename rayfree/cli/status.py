@@ -23,6 +23,7 @@ def run_status(args: argparse.Namespace) -> int:
     from rayfree.cluster.heartbeat import query_status
     from rayfree.executor.status import decode_cluster
     from rayfree.transport.errors import TransportError
+
     try:
         config = load_config(args, check_local_master=False)  # asked from any node
     except ConfigError as e:
@@ -64,8 +65,9 @@ def format_status(st: ClusterStatus) -> str:
     lines.append(f"{'node':<5}{'rank':<6}{'world':<7}{'pid':>8}  {'process':<{width}}state")
     for n in st.nodes:
         for w in n.workers:
-            lines.append(f"{n.node:<5}{w.rank:<6}{w.global_rank:<7}{w.pid:>8}  {'rayfree::' + w.title:<{width}}"
-                         f"{w.state}")
+            lines.append(
+                f"{n.node:<5}{w.rank:<6}{w.global_rank:<7}{w.pid:>8}  {'rayfree::' + w.title:<{width}}{w.state}"
+            )
         if not n.workers:
             lines.append(f"{n.node:<5}(no worker reported" + (": node lost)" if n.state == "lost" else ")"))
     for n in st.nodes:
@@ -84,8 +86,11 @@ def _replica_lines(n: NodeStatus, r) -> list[str]:
         out.append("  no call in flight")
     out.append("  since last reply: " + ", ".join(f"rank {i} {_age(s)}" for i, s in enumerate(r.since_reply_s)))
     if r.ring_chunks:
-        slow = (f"; slowest reader rank {r.slowest_reader} ({r.ring_behind[r.slowest_reader]} chunk(s) behind)"
-                if r.slowest_reader >= 0 else "; no reader behind")
+        slow = (
+            f"; slowest reader rank {r.slowest_reader} ({r.ring_behind[r.slowest_reader]} chunk(s) behind)"
+            if r.slowest_reader >= 0
+            else "; no reader behind"
+        )
         out.append(f"  broadcast ring: {r.ring_occupied}/{r.ring_chunks} chunks occupied{slow}")
     if r.bytes_broadcast:
         out.append("  bytes broadcast: " + ", ".join(f"{k} {v}" for k, v in r.bytes_broadcast.items()))

@@ -33,8 +33,10 @@ D_MODEL, D_HIDDEN, N_LAYERS, SEED = 8, 16, 4, 1234
 def make_weights(n_layers: int = N_LAYERS, d: int = D_MODEL, h: int = D_HIDDEN, seed: int = SEED):
     """[(W1 (h, d), W2 (d, h))] per layer, entries in {-1, 0, 1}."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(-1, 2, (h, d), generator=g).double(), torch.randint(-1, 2, (d, h), generator=g).double())
-            for _ in range(n_layers)]
+    return [
+        (torch.randint(-1, 2, (h, d), generator=g).double(), torch.randint(-1, 2, (d, h), generator=g).double())
+        for _ in range(n_layers)
+    ]
 
 
 def make_batch(step: int, batch: int = 4, d: int = D_MODEL, replica: int = 0) -> dict[str, Any]:
@@ -60,23 +62,27 @@ class ToyWorker(WorkerBase):
 
     def load_model(self) -> None:
         from rayfree.cluster.parallel_state import get_dp_group, get_pp_group, get_tp_group
+
         self.tp, self.pp, self.dp = get_tp_group(), get_pp_group(), get_dp_group()
         n_layers = self.kwargs.get("n_layers", N_LAYERS)
         d, h = self.kwargs.get("d_model", D_MODEL), self.kwargs.get("d_hidden", D_HIDDEN)
         if h % self.tp.world_size or n_layers % self.pp.world_size:
-            raise ValueError(f"d_hidden={h} must divide by TP={self.tp.world_size} and n_layers={n_layers} by "
-                             f"PP={self.pp.world_size}")
+            raise ValueError(
+                f"d_hidden={h} must divide by TP={self.tp.world_size} and n_layers={n_layers} by "
+                f"PP={self.pp.world_size}"
+            )
         weights = make_weights(n_layers, d, h, self.kwargs.get("seed", SEED))
         per_stage = n_layers // self.pp.world_size
-        mine = weights[self.pp.rank_in_group * per_stage:(self.pp.rank_in_group + 1) * per_stage]
+        mine = weights[self.pp.rank_in_group * per_stage : (self.pp.rank_in_group + 1) * per_stage]
         cols = h // self.tp.world_size
         lo = self.tp.rank_in_group * cols
-        self.layers = [(w1[lo:lo + cols].contiguous(), w2[:, lo:lo + cols].contiguous()) for w1, w2 in mine]
+        self.layers = [(w1[lo : lo + cols].contiguous(), w2[:, lo : lo + cols].contiguous()) for w1, w2 in mine]
         self.last_step_s = 0.0
         self.last_dp_sum = 0.0
 
     def execute_model(self, scheduler_output: dict[str, Any]) -> torch.Tensor | None:
         import torch.distributed as dist
+
         t0 = time.perf_counter()
         pp = self.pp
         x = scheduler_output["x"]

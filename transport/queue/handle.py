@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from rayfree.transport.secure import policy
 from rayfree.transport.errors import HandleError
+from rayfree.transport.secure import policy
 
 __all__ = ["Handle", "HANDLE_VERSION"]
 
@@ -69,10 +69,11 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
         if len(data) < len(_MAGIC):
             raise HandleError(f"handle is truncated: {len(data)} bytes")
         if data[: len(_MAGIC)] != _MAGIC:
-            raise HandleError("these bytes are not a rayfree queue handle (wrong magic): "
-                              "pass exactly what Handle.to_bytes() returned")
+            raise HandleError(
+                "these bytes are not a rayfree queue handle (wrong magic): pass exactly what Handle.to_bytes() returned"
+            )
         try:
-            h = msgspec.msgpack.decode(data[len(_MAGIC):], type=cls)
+            h = msgspec.msgpack.decode(data[len(_MAGIC) :], type=cls)
         except msgspec.ValidationError as e:
             raise HandleError(f"handle fields are invalid: {e}") from None
         except msgspec.DecodeError as e:
@@ -83,14 +84,15 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
     def validate(self) -> None:
         """Raise HandleError if the fields contradict each other."""
         if self.version != HANDLE_VERSION:
-            raise HandleError(f"handle has version {self.version}, this rayfree reads {HANDLE_VERSION}: "
-                              f"run the same rayfree version on every node")
+            raise HandleError(
+                f"handle has version {self.version}, this rayfree reads {HANDLE_VERSION}: "
+                f"run the same rayfree version on every node"
+            )
         if self.n_reader < 1:
             raise HandleError(f"handle says n_reader={self.n_reader}; a queue has at least one reader")
         ranks = self.local_reader_ranks
         if len(set(ranks)) != len(ranks) or any(not 0 <= r < self.n_reader for r in ranks):
-            raise HandleError(f"handle's local_reader_ranks {ranks} must be distinct ranks in "
-                              f"0..{self.n_reader - 1}")
+            raise HandleError(f"handle's local_reader_ranks {ranks} must be distinct ranks in 0..{self.n_reader - 1}")
         if ranks and not (self.shm_name and self.local_endpoint and self.ipc_dir):
             raise HandleError("handle has local readers but no shared-memory segment or overflow endpoint")
         if len(ranks) < self.n_reader and not self.remote_endpoint:

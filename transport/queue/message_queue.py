@@ -18,13 +18,14 @@ every message, once, in order.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from rayfree.transport.secure import policy
 from rayfree.transport.errors import QueueShutdown, TransportError
 from rayfree.transport.queue.handle import Handle
 from rayfree.transport.queue.reader import QueueReader
 from rayfree.transport.queue.writer import QueueWriter, deadline_of
+from rayfree.transport.secure import policy
 
 __all__ = ["MessageQueue", "Handle", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS"]
 
@@ -52,10 +53,22 @@ class MessageQueue:
     how long a waiting call spins before it parks (see `waiting.SpinPolicy`).
     """
 
-    def __init__(self, n_reader: int, n_local_reader: int, local_reader_ranks: list[int] | None = None,
-                 max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES, max_chunks: int = DEFAULT_MAX_CHUNKS,
-                 connect_ip: str | None = None, *, max_message_bytes: int | None = None,
-                 spin_us: float | None = None) -> None:
+    _w: QueueWriter | None
+    _r: QueueReader | None
+    _handle: Handle | None
+
+    def __init__(
+        self,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: list[int] | None = None,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+        connect_ip: str | None = None,
+        *,
+        max_message_bytes: int | None = None,
+        spin_us: float | None = None,
+    ) -> None:
         """The writer's side (readers attach with `create_from_handle`).
 
         Args:
@@ -76,17 +89,21 @@ class MessageQueue:
             local_reader_ranks = list(range(n_local_reader))
         local_reader_ranks = list(local_reader_ranks)
         if len(local_reader_ranks) != n_local_reader:
-            raise ValueError(f"local_reader_ranks {local_reader_ranks} has {len(local_reader_ranks)} entries, "
-                             f"but n_local_reader={n_local_reader}")
+            raise ValueError(
+                f"local_reader_ranks {local_reader_ranks} has {len(local_reader_ranks)} entries, "
+                f"but n_local_reader={n_local_reader}"
+            )
         if len(set(local_reader_ranks)) != n_local_reader or any(
-                not isinstance(r, int) or not 0 <= r < n_reader for r in local_reader_ranks):
+            not isinstance(r, int) or not 0 <= r < n_reader for r in local_reader_ranks
+        ):
             raise ValueError(f"local_reader_ranks {local_reader_ranks} must be distinct ints in 0..{n_reader - 1}")
         if max_message_bytes is not None and max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be >= 1 or None, got {max_message_bytes}")
         self._init_common(n_reader, local_reader_ranks, max_message_bytes)
-        self._w: QueueWriter | None = QueueWriter(n_reader, local_reader_ranks, max_chunk_bytes, max_chunks,
-                                                  connect_ip, max_message_bytes, spin_us)
-        self._handle = self._w.handle
+        self._w = w = QueueWriter(
+            n_reader, local_reader_ranks, max_chunk_bytes, max_chunks, connect_ip, max_message_bytes, spin_us
+        )
+        self._handle = w.handle
 
     def _init_common(self, n_reader: int, local_reader_ranks: list[int], max_message_bytes: int | None) -> None:
         self.n_reader = n_reader
@@ -97,8 +114,8 @@ class MessageQueue:
         self.max_message_bytes = max_message_bytes
         self.rank: int | None = None
         self._w = None
-        self._r: QueueReader | None = None
-        self._handle: Handle | None = None
+        self._r = None
+        self._handle = None
         self._ready = False
         self._closed = False
         self._shutdown = False
@@ -106,8 +123,15 @@ class MessageQueue:
         self._usable = False
 
     @classmethod
-    def create_from_handle(cls, handle: Handle | bytes, rank: int, *, spin_us: float | None = None,
-                           zero_copy: bool = False, _nonce: bytes | None = None) -> MessageQueue:
+    def create_from_handle(
+        cls,
+        handle: Handle | bytes,
+        rank: int,
+        *,
+        spin_us: float | None = None,
+        zero_copy: bool = False,
+        _nonce: bytes | None = None,
+    ) -> MessageQueue:
         """Attach reader `rank`: through shared memory if it is a local reader, else over TCP.
 
         Every tensor or array a reader receives is its own writable copy. `zero_copy=True` (local
@@ -122,8 +146,9 @@ class MessageQueue:
             handle.validate()
         policy.check_fresh(_nonce, f"reader {rank} of queue {handle.queue_id}")
         if not isinstance(rank, int) or not 0 <= rank < handle.n_reader:
-            raise ValueError(f"rank {rank!r} is not a reader of this queue: its readers are ranks "
-                             f"0..{handle.n_reader - 1}")
+            raise ValueError(
+                f"rank {rank!r} is not a reader of this queue: its readers are ranks 0..{handle.n_reader - 1}"
+            )
         self = cls.__new__(cls)
         self._init_common(handle.n_reader, list(handle.local_reader_ranks), handle.max_message_bytes)
         self._handle = handle
@@ -268,11 +293,15 @@ class MessageQueue:
             self._check_open()
             raise QueueShutdown("this queue was shut down")
         if not self._ready:
-            raise RuntimeError("call wait_until_ready() on the writer and every reader before "
-                               "enqueue/dequeue")
+            raise RuntimeError("call wait_until_ready() on the writer and every reader before enqueue/dequeue")
 
     def __repr__(self) -> str:
-        role = "writer" if self._w is not None else ("local" if self.is_local_reader else "remote") + \
-            f" reader {self.rank}"
-        return (f"<MessageQueue {role} readers={self.n_reader} local={self.local_reader_ranks} "
-                f"{'closed' if self._closed else 'open'}>")
+        role = (
+            "writer"
+            if self._w is not None
+            else ("local" if self.is_local_reader else "remote") + f" reader {self.rank}"
+        )
+        return (
+            f"<MessageQueue {role} readers={self.n_reader} local={self.local_reader_ranks} "
+            f"{'closed' if self._closed else 'open'}>"
+        )

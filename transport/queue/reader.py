@@ -12,9 +12,10 @@ from typing import Any
 from rayfree.transport.channel import Receiver, Waiters
 from rayfree.transport.errors import BadFrame, QueueTimeout
 from rayfree.transport.queue.handle import Handle
-from rayfree.transport.shm.channel import ShmReceiver
+from rayfree.transport.shm.receiver import ShmReceiver
 from rayfree.transport.zmq import heap
-from rayfree.transport.zmq.channel import READY, SocketReceiver
+from rayfree.transport.zmq.receiver import SocketReceiver
+from rayfree.transport.zmq.sender import READY
 
 __all__ = ["QueueReader"]
 
@@ -30,9 +31,18 @@ class QueueReader:
         self.receiver: Receiver
         if self.is_local:
             assert handle.shm_name and handle.ipc_dir and handle.local_endpoint
-            self.receiver = ShmReceiver.attach(handle.shm_name, handle.shm_size, handle.queue_id,
-                                               handle.local_reader_ranks.index(rank), handle.ipc_dir,
-                                               handle.local_endpoint, rank, spin_us, zero_copy, limit)
+            self.receiver = ShmReceiver.attach(
+                handle.shm_name,
+                handle.shm_size,
+                handle.queue_id,
+                handle.local_reader_ranks.index(rank),
+                handle.ipc_dir,
+                handle.local_endpoint,
+                rank,
+                spin_us,
+                zero_copy,
+                limit,
+            )
         else:
             assert handle.remote_endpoint
             heap.keep_received_memory_warm()
@@ -48,8 +58,9 @@ class QueueReader:
         try:
             parts = r.recv_control(deadline, what)
         except QueueTimeout:
-            raise QueueTimeout(f"{what}: nothing within {timeout}s; is the writer calling "
-                               f"wait_until_ready()?") from None
+            raise QueueTimeout(
+                f"{what}: nothing within {timeout}s; is the writer calling wait_until_ready()?"
+            ) from None
         if len(parts) != 1 or parts[0] != READY:
             raise BadFrame(f"{what}: expected READY, got {len(parts)} frame(s) starting {bytes(parts[0][:16])!r}")
         if isinstance(r, SocketReceiver):

@@ -14,7 +14,8 @@ import os
 import secrets
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from rayfree import settings
 from rayfree.transport import serde
@@ -22,9 +23,9 @@ from rayfree.transport.channel import Sender, Waiters, frame_sizes
 from rayfree.transport.errors import MessageTooLarge
 from rayfree.transport.net import get_ip, tcp_endpoint
 from rayfree.transport.queue.handle import HANDLE_VERSION, Handle
-from rayfree.transport.shm.channel import ShmSender
+from rayfree.transport.shm.sender import ShmSender
 from rayfree.transport.zmq import lingering
-from rayfree.transport.zmq.channel import READY, SocketSender
+from rayfree.transport.zmq.sender import READY, SocketSender
 
 __all__ = ["QueueWriter", "REMOTE_SNDHWM", "deadline_of"]
 
@@ -53,8 +54,16 @@ def _cleanup(shm: ShmSender | None) -> None:
 class QueueWriter:
     """See the module docstring; built by `MessageQueue(...)`."""
 
-    def __init__(self, n_reader: int, local_reader_ranks: list[int], max_chunk_bytes: int, max_chunks: int,
-                 connect_ip: str | None, max_message_bytes: int | None, spin_us: float | None) -> None:
+    def __init__(
+        self,
+        n_reader: int,
+        local_reader_ranks: list[int],
+        max_chunk_bytes: int,
+        max_chunks: int,
+        connect_ip: str | None,
+        max_message_bytes: int | None,
+        spin_us: float | None,
+    ) -> None:
         local = set(local_reader_ranks)
         self.n_reader = n_reader
         self.local_reader_ranks = local_reader_ranks
@@ -71,20 +80,31 @@ class QueueWriter:
                 self.shm = ShmSender.create(local_reader_ranks, max_chunk_bytes, max_chunks, queue_id, spin_us)
                 self.senders.append(self.shm)
             if self.remote_reader_ranks:
-                self.remote = SocketSender.publish(tcp_endpoint(connect_ip or get_ip(), "*"), "tcp",
-                                                   self.remote_reader_ranks, REMOTE_SNDHWM, queue_id)
+                self.remote = SocketSender.publish(
+                    tcp_endpoint(connect_ip or get_ip(), "*"), "tcp", self.remote_reader_ranks, REMOTE_SNDHWM, queue_id
+                )
                 self.senders.append(self.remote)
         except BaseException:
             self.abort()
             raise
         self._finalizer = weakref.finalize(self, _cleanup, self.shm)
-        names = self.shm.names() if self.shm is not None else {"shm_name": None, "shm_size": 0, "ipc_dir": None,
-                                                                "local_endpoint": None}
+        names = (
+            self.shm.names()
+            if self.shm is not None
+            else {"shm_name": None, "shm_size": 0, "ipc_dir": None, "local_endpoint": None}
+        )
         self.handle = Handle(
-            version=HANDLE_VERSION, queue_id=queue_id.hex(), n_reader=n_reader,
-            local_reader_ranks=local_reader_ranks, max_chunk_bytes=max_chunk_bytes, max_chunks=max_chunks,
+            version=HANDLE_VERSION,
+            queue_id=queue_id.hex(),
+            n_reader=n_reader,
+            local_reader_ranks=local_reader_ranks,
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
             remote_endpoint=self.remote.endpoint if self.remote is not None else None,
-            max_message_bytes=max_message_bytes, writer_pid=os.getpid(), **names)
+            max_message_bytes=max_message_bytes,
+            writer_pid=os.getpid(),
+            **names,
+        )
 
     # -- the handshake ----------------------------------------------------------------------
 
@@ -104,8 +124,14 @@ class QueueWriter:
                     wait_s = 0.0
             return None if any(missing) else True
 
-        socks[0].wait(attempt, deadline, "wait_until_ready", lambda _: f": {self._describe(socks, missing)}",
-                      slice_s=0.2, log=lambda w: f"writer waiting {w:.0f}s for readers: {self._describe(socks, missing)}")
+        socks[0].wait(
+            attempt,
+            deadline,
+            "wait_until_ready",
+            lambda _: f": {self._describe(socks, missing)}",
+            slice_s=0.2,
+            log=lambda w: f"writer waiting {w:.0f}s for readers: {self._describe(socks, missing)}",
+        )
         # Every local reader has mapped the ring and opened its pipes: the names can go.
         _cleanup(self.shm)
         for s in socks:
@@ -115,8 +141,9 @@ class QueueWriter:
         parts = []
         for s, late in zip(socks, missing):
             if late and s.path == "ipc":
-                parts.append(f"local reader rank(s) {sorted(late)} never attached to shared memory "
-                             f"{self.handle.shm_name or ''}")
+                parts.append(
+                    f"local reader rank(s) {sorted(late)} never attached to shared memory {self.handle.shm_name or ''}"
+                )
             elif late:
                 parts.append(f"remote reader rank(s) {sorted(late)} never subscribed to {self.handle.remote_endpoint}")
         return "; ".join(parts)
@@ -130,8 +157,10 @@ class QueueWriter:
         if self.max_message_bytes is not None:
             sizes = frame_sizes(frames)
             if sum(sizes) > self.max_message_bytes:
-                raise MessageTooLarge(f"message is {sum(sizes)} bytes, over this queue's max_message_bytes="
-                                      f"{self.max_message_bytes}; nothing was sent")
+                raise MessageTooLarge(
+                    f"message is {sum(sizes)} bytes, over this queue's max_message_bytes="
+                    f"{self.max_message_bytes}; nothing was sent"
+                )
         deadline: float | None = None
         waited = False
         for s in self.senders:
@@ -143,8 +172,12 @@ class QueueWriter:
     def status(self) -> dict[str, Any]:
         """What a look from outside may see (another thread, racy by design): bytes per path, and the ring's
         occupancy with how many chunks each local reader has not yet read or released."""
-        out: dict[str, Any] = {"bytes": {"shm": self.shm.sent_bytes if self.shm is not None else 0,
-                                         "tcp": self.remote.sent_bytes if self.remote is not None else 0}}
+        out: dict[str, Any] = {
+            "bytes": {
+                "shm": self.shm.sent_bytes if self.shm is not None else 0,
+                "tcp": self.remote.sent_bytes if self.remote is not None else 0,
+            }
+        }
         if self.shm is not None:
             out.update(self.shm.status())
         return out
@@ -157,8 +190,11 @@ class QueueWriter:
 
     @property
     def waiters(self) -> list[Waiters]:
-        return [w for s in self.senders for w in ([s.waiters, s.overflow.waiters] if isinstance(s, ShmSender)
-                                                   else [s.waiters])]
+        return [
+            w
+            for s in self.senders
+            for w in ([s.waiters, s.overflow.waiters] if isinstance(s, ShmSender) else [s.waiters])
+        ]
 
     def close(self, flush: bool, flush_timeout: float | None) -> None:
         """CLOSE to every reader; a remote publisher is held until its readers confirm (lingering.py)."""

@@ -17,12 +17,8 @@ MAGIC_ONE, no tag), then the ciphertext of its frames joined, then the tag
 A message of SEG_MIN bytes or more travels as several ZeroMQ messages,
 segments of at most SEG_SIZE (1 MiB), each sealed on its own
 (AESGCM.encrypt_into, one sequence number each) and handed to ZeroMQ as soon
-as it is sealed: the I/O thread can send segment k while the writer seals
-k+1, and the reader open k while k+1 arrives, where cores allow. On this
-2-core machine what shows is the other effect: one 32 MiB ZeroMQ message
-costs 22-28 ms to a reader here, 32 sealed messages of 1 MiB 15-20 ms
-(bench/transport.py): ZeroMQ mallocs each received message, and glibc
-maps 32 MiB or more afresh every time (8,193 page faults a message).
+as it is sealed, so sealing, sending and opening overlap where cores allow
+(docs/benchmarks.md has what that buys on this project's machine).
 
 The head segment `MAGIC_SEG | u64 seq | u32 segments | u32 n | u32 segment size | u64
 length[n]` says how the message's frames are laid out (each at a 64-byte
@@ -39,7 +35,7 @@ tag or the order check, is counted and skipped, and is never unpickled
 (nothing is handed on before the tag is verified).
 
 Subscribers are admitted only with a token derived from the secret, the
-queue id and their rank (sockets.py, writer.py), once per rank: a peer
+queue id and their rank (zmq/sender.py, zmq/receiver.py), once per rank: a peer
 without the secret gets no messages, so it cannot stall the writer either.
 """
 
@@ -49,7 +45,7 @@ import hashlib
 import hmac
 import logging
 import struct
-from typing import Iterator
+from collections.abc import Iterator
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -92,8 +88,9 @@ def queue_key(data_key: bytes, queue_id: bytes) -> bytes:
 
 def admission_token(admit_key: bytes, queue_id: bytes, rank: int) -> bytes:
     """What reader `rank` shows (in its hello subscription) to be admitted to queue `queue_id`."""
-    return hmac.new(admit_key, b"rayfree/admit/" + queue_id + str(rank).encode(), hashlib.sha256).hexdigest()[:32] \
-        .encode()
+    return (
+        hmac.new(admit_key, b"rayfree/admit/" + queue_id + str(rank).encode(), hashlib.sha256).hexdigest()[:32].encode()
+    )
 
 
 _nonce = struct.Struct("<Q4x").pack  # the 12-byte GCM nonce of sequence number `seq`
@@ -189,8 +186,16 @@ class Sealer:
         flat = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
         return buf, self._seal_segments(buf, flat, lengths, offs, segs, seg, head_len)
 
-    def _seal_segments(self, buf: bytearray, flat: list[memoryview], lengths: list[int], offs: list[int],
-                       segs: list[tuple[int, int, int, int]], seg: int, head_len: int) -> Iterator[memoryview]:
+    def _seal_segments(
+        self,
+        buf: bytearray,
+        flat: list[memoryview],
+        lengths: list[int],
+        offs: list[int],
+        segs: list[tuple[int, int, int, int]],
+        seg: int,
+        head_len: int,
+    ) -> Iterator[memoryview]:
         out = memoryview(buf)
         aead, qid = self._aead, self._qid
         pos = 0
@@ -205,14 +210,14 @@ class Sealer:
                 hl = _SEG_CONT.size
                 _SEG_CONT.pack_into(buf, pos, MAGIC_CONT, seq, k)
             if i0 == i1:  # a piece of one frame, or one whole frame: straight from the caller's memory
-                data = flat[i0][b - offs[i0]: e - offs[i0]]
+                data = flat[i0][b - offs[i0] : e - offs[i0]]
             else:  # a run of small frames: gathered, with zeroed padding between them
                 data = bytearray(e - b)
                 for i in range(i0, i1 + 1):
-                    data[offs[i] - b: offs[i] - b + lengths[i]] = flat[i]
+                    data[offs[i] - b : offs[i] - b + lengths[i]] = flat[i]
             end = pos + hl + (e - b) + _TAG
-            aead.encrypt_into(_nonce(seq), data, qid + bytes(out[pos: pos + hl]), out[pos + hl: end])
-            yield out[pos: end]
+            aead.encrypt_into(_nonce(seq), data, qid + bytes(out[pos : pos + hl]), out[pos + hl : end])
+            yield out[pos:end]
             pos = end
 
     def _buffer(self, n: int) -> bytearray:
@@ -223,8 +228,7 @@ class Sealer:
         """Sealed frames (or a segmented message's buffer) ZeroMQ has finished with: their buffers serve the
         next message of that size."""
         for v in sealed[1:]:
-            base = v if type(v) is bytearray else v.obj if isinstance(v, memoryview) and v.nbytes >= _SMALL \
-                else None
+            base = v if type(v) is bytearray else v.obj if isinstance(v, memoryview) and v.nbytes >= _SMALL else None
             if base is not None:
                 lst = self._spare.setdefault(len(base), [])
                 if len(lst) < 4:
@@ -255,7 +259,7 @@ class Opener:
         if magic != MAGIC_ONE or n != 1 or seq != self.expect or size != len(msg) - _HEAD_ONE1.size - _TAG:
             return None
         try:
-            pt = self._aead.decrypt(_nonce(seq), msg[_HEAD_ONE1.size:], self._qid + bytes(msg[:_HEAD_ONE1.size]))
+            pt = self._aead.decrypt(_nonce(seq), msg[_HEAD_ONE1.size :], self._qid + bytes(msg[: _HEAD_ONE1.size]))
         except InvalidTag:
             raise _forged() from None
         self.expect = seq + 1
@@ -329,7 +333,7 @@ class Opener:
         if len(segs) != nseg or len(first) != e - b:
             raise BadFrame("a segmented message whose head does not match its layout")
         view, addr = self.pool.take(size + _ALIGN - 1)
-        view = view[-addr % _ALIGN:]  # frame offsets are 64-byte aligned in memory too
+        view = view[-addr % _ALIGN :]  # frame offsets are 64-byte aligned in memory too
         view[b:e] = first  # the head usually carries only the small frames (the pickle stream)
         self.expect = seq + 1
         if self._partial is not None:
@@ -352,8 +356,9 @@ class Opener:
         if len(mv) != _SEG_CONT.size + e - b + _TAG:
             raise BadFrame("a segment whose length does not match its message's layout (truncated?)")
         try:
-            self._aead.decrypt_into(_nonce(seq), mv[_SEG_CONT.size:], self._qid + bytes(mv[:_SEG_CONT.size]),
-                                    view[b:e])
+            self._aead.decrypt_into(
+                _nonce(seq), mv[_SEG_CONT.size :], self._qid + bytes(mv[: _SEG_CONT.size]), view[b:e]
+            )
         except InvalidTag:
             raise _forged() from None
         self.expect = seq + 1
@@ -364,18 +369,21 @@ class Opener:
         """A genuine message began while a segmented one was unfinished: its writer gave up on that one."""
         self._partial = None
         self.cut_short += 1
-        logger.warning("dropped a segmented message its writer did not finish sending (it gave up on it "
-                       "mid-way); %d so far", self.cut_short)
+        logger.warning(
+            "dropped a segmented message its writer did not finish sending (it gave up on it mid-way); %d so far",
+            self.cut_short,
+        )
 
     def _finish(self) -> list:
         view, lengths, offs, _, _ = self._partial  # type: ignore[misc]
         self._partial = None
-        return [view[o: o + n] for o, n in zip(offs, lengths)]
+        return [view[o : o + n] for o, n in zip(offs, lengths)]
 
     def _check_order(self, seq: int) -> None:
         if seq != self.expect:
-            raise BadFrame(f"a sealed message out of order: sequence {seq}, expected {self.expect} "
-                           f"(replayed, reordered, or lost)")
+            raise BadFrame(
+                f"a sealed message out of order: sequence {seq}, expected {self.expect} (replayed, reordered, or lost)"
+            )
 
     def _open_one(self, msg, nparts: int) -> list:
         """A one-frame sealed message: header, the ciphertext of every frame joined, tag."""
@@ -401,7 +409,7 @@ class Opener:
         view = memoryview(bytearray(pt))  # writable, like every out-of-band buffer a reader gets
         out, off = [], 0
         for ln in lengths:
-            out.append(view[off: off + ln])
+            out.append(view[off : off + ln])
             off += ln
         return out
 

@@ -34,12 +34,30 @@ import zmq
 import zmq.utils.z85
 
 from rayfree import settings
-
 from rayfree.transport.errors import HandleError, TransportError
 
-__all__ = ["ClusterSecret", "InsecureTransport", "SecretError", "secret_from", "fingerprint", "Policy", "resolve",
-           "use", "current", "load_secret", "write_secret", "process_secret", "insecure", "seal", "unseal", "check_fresh",
-           "require_secret", "SECRET_FILE_ENV", "INSECURE_ENV", "DOCKER_SECRET"]
+__all__ = [
+    "ClusterSecret",
+    "InsecureTransport",
+    "SecretError",
+    "secret_from",
+    "fingerprint",
+    "Policy",
+    "resolve",
+    "use",
+    "current",
+    "load_secret",
+    "write_secret",
+    "process_secret",
+    "insecure",
+    "seal",
+    "unseal",
+    "check_fresh",
+    "require_secret",
+    "SECRET_FILE_ENV",
+    "INSECURE_ENV",
+    "DOCKER_SECRET",
+]
 
 logger = logging.getLogger("rayfree.security")
 
@@ -62,9 +80,12 @@ class SecretError(TransportError):
 
     def __init__(self, problem: str, source: str = "memory") -> None:
         self.problem = problem
-        self.fix = (f"make one with `rayfree keygen {source}` on one node and copy that file to every node (or "
-                    f"point --secret-file / {SECRET_FILE_ENV} at the file you copied)" if source != "memory"
-                    else "make one with `rayfree keygen FILE`")
+        self.fix = (
+            f"make one with `rayfree keygen {source}` on one node and copy that file to every node (or "
+            f"point --secret-file / {SECRET_FILE_ENV} at the file you copied)"
+            if source != "memory"
+            else "make one with `rayfree keygen FILE`"
+        )
         super().__init__(f"{problem}; {self.fix}")
 
 
@@ -73,8 +94,9 @@ class ClusterSecret:
 
     def __init__(self, raw: bytes, source: str = "memory") -> None:
         if len(raw) < _MIN_BYTES:
-            raise SecretError(f"the cluster secret from {source} has {len(raw)} bytes; it needs at least {_MIN_BYTES}",
-                              source)
+            raise SecretError(
+                f"the cluster secret from {source} has {len(raw)} bytes; it needs at least {_MIN_BYTES}", source
+            )
         self._raw = raw
         self.source = source
         self.server_public, self.server_secret = self._curve_pair(b"curve-server")
@@ -117,8 +139,9 @@ def _read(path: str) -> ClusterSecret:
         raise SecretError(f"cannot read the cluster secret {path}: {e.strerror}", path) from None
     secret = _parse(text, path)  # a file that cannot be used is refused before anything is said about its mode
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO) and not path.startswith("/run/secrets/"):
-        logger.warning("cluster secret %s is readable by others (mode %o): chmod 600 it", path,
-                       stat.S_IMODE(st.st_mode))
+        logger.warning(
+            "cluster secret %s is readable by others (mode %o): chmod 600 it", path, stat.S_IMODE(st.st_mode)
+        )
     return secret
 
 
@@ -211,8 +234,11 @@ def insecure() -> bool:
     on = current().insecure
     if on and not _warned:
         _warned = True
-        logger.warning("INSECURE: TCP sockets are neither authenticated nor encrypted (--insecure / %s=1); anyone "
-                       "who reaches them can read the broadcasts and run code on the workers", INSECURE_ENV)
+        logger.warning(
+            "INSECURE: TCP sockets are neither authenticated nor encrypted (--insecure / %s=1); anyone "
+            "who reaches them can read the broadcasts and run code on the workers",
+            INSECURE_ENV,
+        )
     return on
 
 
@@ -223,12 +249,15 @@ def require_secret(what: str) -> ClusterSecret | None:
         return s
     if insecure():
         return None
-    raise InsecureTransport(f"{what} needs TCP, and TCP needs a cluster secret: run `rayfree keygen FILE` once, "
-                            f"give every node that file (--secret-file FILE or {SECRET_FILE_ENV}=FILE; in compose, "
-                            f"the rayfree_secret secret), or pass --insecure ({INSECURE_ENV}=1) on a trusted network")
+    raise InsecureTransport(
+        f"{what} needs TCP, and TCP needs a cluster secret: run `rayfree keygen FILE` once, "
+        f"give every node that file (--secret-file FILE or {SECRET_FILE_ENV}=FILE; in compose, "
+        f"the rayfree_secret secret), or pass --insecure ({INSECURE_ENV}=1) on a trusted network"
+    )
 
 
 # -- signed handles -----------------------------------------------------------------------
+
 
 class _Sealed(msgspec.Struct, array_like=True):
     payload: bytes
@@ -260,26 +289,34 @@ def unseal(data: bytes, what: str = "handle") -> tuple[bytes, bytes | None]:
     s = process_secret()
     if not data.startswith(_SEAL_MAGIC):
         if s is not None:
-            raise HandleError(f"refused an unsigned {what}: this node has a cluster secret, so every {what} must be "
-                              f"signed with it (is the sender running without --secret-file?)")
+            raise HandleError(
+                f"refused an unsigned {what}: this node has a cluster secret, so every {what} must be "
+                f"signed with it (is the sender running without --secret-file?)"
+            )
         return data, None
     if s is None:
-        raise HandleError(f"a signed {what} arrived, but this node has no cluster secret: give it the same "
-                          f"--secret-file as the others")
+        raise HandleError(
+            f"a signed {what} arrived, but this node has no cluster secret: give it the same "
+            f"--secret-file as the others"
+        )
     try:
-        sealed = msgspec.msgpack.decode(data[len(_SEAL_MAGIC):], type=_Sealed)
+        sealed = msgspec.msgpack.decode(data[len(_SEAL_MAGIC) :], type=_Sealed)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise HandleError(f"refused a {what}: its signature envelope is corrupt ({e})") from None
     want = s.mac(_signed_bytes(sealed.payload, sealed.nonce, sealed.issued))
     if not hmac.compare_digest(want, sealed.mac):
-        raise HandleError(f"refused a {what} signed with another secret: most likely the sending node's cluster "
-                          f"secret file differs from this node's (copy the same file to every node); if every node "
-                          f"has the same file, someone else sent it")
+        raise HandleError(
+            f"refused a {what} signed with another secret: most likely the sending node's cluster "
+            f"secret file differs from this node's (copy the same file to every node); if every node "
+            f"has the same file, someone else sent it"
+        )
     max_age = settings.get(MAX_AGE_ENV)
     age = time.time() - sealed.issued
     if abs(age) > max_age:
-        raise HandleError(f"refused a replayed {what}: signed {age:.0f}s ago (limit {MAX_AGE_ENV}={max_age:.0f}s; "
-                          f"check the nodes' clocks)")
+        raise HandleError(
+            f"refused a replayed {what}: signed {age:.0f}s ago (limit {MAX_AGE_ENV}={max_age:.0f}s; "
+            f"check the nodes' clocks)"
+        )
     return sealed.payload, sealed.nonce
 
 

@@ -72,7 +72,10 @@ def _answer(parts: list[bytes], allowed: set[bytes]) -> list[bytes]:
         now = time.monotonic()
         if now - _refused_log_at > 5.0:  # one line per burst: a scanner must not flood the log
             _refused_log_at = now
-            logger.warning("refused a connection from %s (%s): it does not hold the cluster secret",
-                           address.decode(errors="replace"), mechanism.decode(errors="replace"))
+            logger.warning(
+                "refused a connection from %s (%s): it does not hold the cluster secret",
+                address.decode(errors="replace"),
+                mechanism.decode(errors="replace"),
+            )
         return [version, request_id, b"400", b"not a member of this cluster", b"", b""]
     return [version, request_id, b"200", b"OK", b"", b""]

@@ -12,10 +12,10 @@ import ctypes
 import os
 import queue
 import threading
-
-from rayfree import settings
 import weakref
 from collections import deque
+
+from rayfree import settings
 
 __all__ = ["copy_into", "PARALLEL_MIN_BYTES", "BufferPool", "size_class"]
 
@@ -100,12 +100,12 @@ def copy_into(dst: memoryview, dst_addr: int, off: int, src: memoryview) -> None
     """
     n = src.nbytes
     if n < PARALLEL_MIN_BYTES:
-        dst[off: off + n] = src
+        dst[off : off + n] = src
         return
     jobs, threads = _pool()
     src_addr = _address(src) if threads > 1 else None
     if src_addr is None:
-        dst[off: off + n] = src
+        dst[off : off + n] = src
         return
     job = _Copy(dst_addr + off, src_addr, n, 4 * threads)
     for _ in range(threads - 1):

@@ -26,17 +26,16 @@ queue uses) keep the hardware in line:
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import platform
 import time
+from collections.abc import Callable
+from typing import Any
 
 from rayfree import settings
-
 from rayfree.transport.channel import EMPTY
 from rayfree.transport.errors import BadFrame
-from rayfree.transport.shm.slots import KIND_DATA, KIND_WRAP, KINDS, ONE, ONE_FRAME_OFFSET, SLOT
 from rayfree.transport.shm.segment import CLOSED, READER_PARKED, WRITER_PARKED, ShmRingBuffer
+from rayfree.transport.shm.slots import KIND_DATA, KIND_WRAP, KINDS, ONE, ONE_FRAME_OFFSET, SLOT
 from rayfree.transport.shm.waiting import SpinPolicy, _fence_acquire, _fence_release, fence, sched_yield
 
 # fence() inlined as its two calls on the hot paths (a Python frame costs as much as the fence itself).
@@ -52,6 +51,7 @@ def ordering_fences() -> bool:
     if mode not in ("auto", "always"):
         raise ValueError(f"RAYFREE_RING_FENCES={mode!r}: use auto (fences where the CPU reorders) or always")
     return mode == "always" or not _TSO
+
 
 __all__ = ["RingWriter", "RingReader", "HELD", "EMPTY"]
 
@@ -84,7 +84,7 @@ class RingWriter:
     def chunk_free(self, c: int) -> bool:
         fo = self._flag_offs[c]
         b = self._b
-        return b[fo] == 0 or b[fo + 1: fo + self._row] == self._all_read
+        return b[fo] == 0 or b[fo + 1 : fo + self._row] == self._all_read
 
     def holders(self, c: int) -> list[int]:
         """Reader indices that still hold chunk `c` (unread, or taken and not released)."""
@@ -100,15 +100,15 @@ class RingWriter:
         b = self._b
         fo = self._flag_offs[c]
         n = len(data)
-        if n > self.one_max or (b[fo] and b[fo + 1: fo + self._row] != self._all_read):
+        if n > self.one_max or (b[fo] and b[fo + 1 : fo + self._row] != self._all_read):
             return 0
         base = self._chunk_offs[c]
         ONE.pack_into(b, base, KIND_DATA, 1, 1, n)
-        b[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n] = data
+        b[base + ONE_FRAME_OFFSET : base + ONE_FRAME_OFFSET + n] = data
         if self._order:  # fence: the payload before the flags
             _acquire()
             _release()
-        b[fo: fo + self._row] = self._fresh
+        b[fo : fo + self._row] = self._fresh
         c += 1
         self.idx = 0 if c == self._n_chunks else c
         _acquire()  # fence: the flags before the look at the parked bytes
@@ -152,7 +152,7 @@ class RingWriter:
             fence()  # the payload before the flags
         for c in range(start + span - 1, start - 1, -1):  # the head last
             fo = fo0[c]
-            b[fo: fo + row] = fresh
+            b[fo : fo + row] = fresh
         fence()  # the flags before the caller's look at the parked bytes
 
     # -- the parked bytes (waiting.py's protocol) and closing -----------------------------------
@@ -182,8 +182,13 @@ class RingReader:
     channel wakes it), including the WRAP markers `poll` consumes.
     """
 
-    def __init__(self, ring: ShmRingBuffer, r: int, loads: Callable[[Any], Any],
-                 on_writer_parked: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        ring: ShmRingBuffer,
+        r: int,
+        loads: Callable[[Any], Any],
+        on_writer_parked: Callable[[], None] | None = None,
+    ) -> None:
         if not 0 <= r < ring.n_reader:
             raise ValueError(f"reader index {r} out of range 0..{ring.n_reader - 1}")
         self.ring = ring
@@ -251,7 +256,9 @@ class RingReader:
         c += 1
         self.idx = 0 if c == self._n_chunks else c
         try:
-            return self.loads(b[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n])
+            if b[base + ONE_FRAME_OFFSET] == 1:  # serde's RAW: a small bytes message as it is
+                return bytes(b[base + ONE_FRAME_OFFSET + 1 : base + ONE_FRAME_OFFSET + n])
+            return self.loads(b[base + ONE_FRAME_OFFSET : base + ONE_FRAME_OFFSET + n])
         finally:
             b[me] = 1
             _acquire()  # fence: the release before the look at the writer's parked byte
@@ -273,8 +280,10 @@ class RingReader:
             if kind not in KINDS or not 1 <= span <= self._n_chunks - c:
                 self.release(c, 1)
                 self.idx = (c + 1) % self._n_chunks
-                raise BadFrame(f"ring {self.ring.name!r} chunk {c}: corrupt slot header "
-                               f"(kind={kind}, span={span}); message skipped")
+                raise BadFrame(
+                    f"ring {self.ring.name!r} chunk {c}: corrupt slot header "
+                    f"(kind={kind}, span={span}); message skipped"
+                )
             self.idx = (c + span) % self._n_chunks
             self._b[self._flag_offs[c] + self._me] = HELD
             return c, kind, span

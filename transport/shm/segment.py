@@ -10,7 +10,7 @@ Layout (all offsets from the start of the segment)::
     D     chunks[n_chunks], each `stride` bytes (page aligned)
 
 What the flags mean, and who may touch them when, is the ring protocol
-(ring.py); what a chunk holds is the slot layout (framing.py). This module
+(ring.py); what a chunk holds is the slot layout (slots.py). This module
 only makes, maps and removes the segment.
 """
 
@@ -22,6 +22,7 @@ import mmap
 import os
 import secrets
 import struct
+
 from rayfree.transport.errors import HandleError, SegmentNotFound, ShmSpaceError
 from rayfree.transport.net import runtime_dir
 
@@ -30,7 +31,25 @@ try:  # CPython's own binding of shm_open/shm_unlink, without multiprocessing's 
 except ImportError:  # pragma: no cover - non-POSIX
     _posixshmem = None
 
-__all__ = ["ShmRingBuffer", "SEGMENT_PREFIX", "SHM_DIR", "WRITER_PARKED", "CLOSED", "READER_PARKED", "shm_free_bytes", "shm_open", "unlink_segment", "creator_pid", "creator_alive", "entries", "stale_entries", "remove_entries_of", "create_probe", "check_probe", "remove_probe"]
+__all__ = [
+    "ShmRingBuffer",
+    "SEGMENT_PREFIX",
+    "SHM_DIR",
+    "WRITER_PARKED",
+    "CLOSED",
+    "READER_PARKED",
+    "shm_free_bytes",
+    "shm_open",
+    "unlink_segment",
+    "creator_pid",
+    "creator_alive",
+    "entries",
+    "stale_entries",
+    "remove_entries_of",
+    "create_probe",
+    "check_probe",
+    "remove_probe",
+]
 
 SEGMENT_PREFIX = "rayfree-"
 SHM_DIR = "/dev/shm"
@@ -69,7 +88,8 @@ def _space_error(need: int, free: int | None, n_chunks: int, stride: int) -> Shm
         f"({n_chunks} chunks x {_mib(stride)}) but {have} is free. Give the process more "
         f"shared memory (docker: `--shm-size=2g` or `--ipc=host`; compose: `shm_size: 2gb` or "
         f"`ipc: host`), remove stale `{SEGMENT_PREFIX}*` segments (`rayfree doctor`), or pass a "
-        f"smaller max_chunk_bytes / max_chunks.")
+        f"smaller max_chunk_bytes / max_chunks.",
+    )
 
 
 class ShmRingBuffer:
@@ -80,8 +100,10 @@ class ShmRingBuffer:
         if magic != _MAGIC:
             raise HandleError(f"shared-memory segment {name!r} is not a rayfree ring (bad magic)")
         if version != _VERSION:
-            raise HandleError(f"ring {name!r} has layout version {version}, this rayfree reads {_VERSION}: "
-                              f"run the same rayfree version on every process")
+            raise HandleError(
+                f"ring {name!r} has layout version {version}, this rayfree reads {_VERSION}: "
+                f"run the same rayfree version on every process"
+            )
         self.name = name
         self.owner = owner
         self.n_reader = n_reader
@@ -140,8 +162,7 @@ class ShmRingBuffer:
         except BaseException:
             unlink_segment(name)
             raise
-        _HEADER.pack_into(mm, 0, _MAGIC, _VERSION, n_reader, max_chunks, 0, stride, flags_off, data_off,
-                          queue_id)
+        _HEADER.pack_into(mm, 0, _MAGIC, _VERSION, n_reader, max_chunks, 0, stride, flags_off, data_off, queue_id)
         return cls(name, mm, owner=True)
 
     @classmethod
@@ -155,20 +176,25 @@ class ShmRingBuffer:
                 errno.ENOENT,
                 f"shared-memory segment {name!r} does not exist here: this reader is on another node "
                 f"than the writer (attach it as a remote reader), or the writer has already unlinked "
-                f"it (all local readers must attach before the writer's wait_until_ready() returns)") from None
+                f"it (all local readers must attach before the writer's wait_until_ready() returns)",
+            ) from None
         try:
             actual = os.fstat(fd).st_size
             if actual != size:
-                raise HandleError(f"segment {name!r} is {actual} bytes but the handle says {size}: "
-                                  f"the handle does not belong to this segment")
+                raise HandleError(
+                    f"segment {name!r} is {actual} bytes but the handle says {size}: "
+                    f"the handle does not belong to this segment"
+                )
             mm = _map(fd, size)
         finally:
             os.close(fd)
         ring = cls(name, mm, owner=False)
         if ring.queue_id != queue_id:
             ring.close()
-            raise HandleError(f"segment {name!r} belongs to queue {ring.queue_id}, the handle to "
-                              f"{queue_id}: a stale or mismatched handle")
+            raise HandleError(
+                f"segment {name!r} belongs to queue {ring.queue_id}, the handle to "
+                f"{queue_id}: a stale or mismatched handle"
+            )
         return ring
 
     def chunk_offset(self, c: int) -> int:
@@ -228,7 +254,7 @@ def creator_pid(name: str) -> int | None:
     if not base.startswith(SEGMENT_PREFIX):
         return None
     try:
-        return int(base[len(SEGMENT_PREFIX):].split("-", 1)[0])
+        return int(base[len(SEGMENT_PREFIX) :].split("-", 1)[0])
     except ValueError:
         return None
 
@@ -267,6 +293,7 @@ def remove_entries_of(pids: set[int], dirs: tuple[str, ...] | None = None) -> li
     """Remove every rayfree segment and ipc directory made by one of `pids` (a process that is gone, or is
     about to go); returns what it removed."""
     import shutil
+
     removed = []
     for path in sorted(entries(dirs)):
         if creator_pid(path) in pids:

@@ -22,8 +22,21 @@ import struct
 
 from rayfree.transport.errors import BadFrame
 
-__all__ = ["KIND_DATA", "KIND_OVERFLOW", "KIND_WRAP", "KINDS", "SLOT", "ONE", "ONE_FRAME_OFFSET",
-           "FRAME_ALIGN", "layout", "write_head", "write_one", "read_layout", "read_one_length"]
+__all__ = [
+    "KIND_DATA",
+    "KIND_OVERFLOW",
+    "KIND_WRAP",
+    "KINDS",
+    "SLOT",
+    "ONE",
+    "ONE_FRAME_OFFSET",
+    "FRAME_ALIGN",
+    "layout",
+    "write_head",
+    "write_one",
+    "read_layout",
+    "read_one_length",
+]
 
 KIND_DATA = 0
 KIND_OVERFLOW = 1
@@ -32,9 +45,9 @@ KIND_WRAP = 2
 KINDS = (KIND_DATA, KIND_OVERFLOW)
 
 FRAME_ALIGN = 64
-SLOT = struct.Struct("<BxxxI")        # kind, span: what the ring protocol reads of every head chunk
-_HEAD = struct.Struct("<BxxxII")      # kind, span, nframes (12 bytes, lengths start at 16)
-ONE = struct.Struct("<BxxxIIxxxxQ")   # the same head with a single length: 24 bytes
+SLOT = struct.Struct("<BxxxI")  # kind, span: what the ring protocol reads of every head chunk
+_HEAD = struct.Struct("<BxxxII")  # kind, span, nframes (12 bytes, lengths start at 16)
+ONE = struct.Struct("<BxxxIIxxxxQ")  # the same head with a single length: 24 bytes
 ONE_FRAME_OFFSET = ONE.size
 
 
@@ -61,7 +74,7 @@ def write_one(buf, base: int, kind: int, span: int, data) -> None:
     """A message that is one frame (a pickle stream, or serde's raw bytes)."""
     n = len(data)
     ONE.pack_into(buf, base, kind, span, 1, n)
-    buf[base + ONE_FRAME_OFFSET: base + ONE_FRAME_OFFSET + n] = data
+    buf[base + ONE_FRAME_OFFSET : base + ONE_FRAME_OFFSET + n] = data
 
 
 def read_layout(buf, base: int, limit: int) -> tuple[list[int], list[int]]:

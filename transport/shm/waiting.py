@@ -23,12 +23,12 @@ import os
 import select
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from rayfree import settings
 
-__all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "sched_yield", "yield_interval",
-           "note_ring_processes"]
+__all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "sched_yield", "yield_interval", "note_ring_processes"]
 
 T = TypeVar("T")
 

@@ -39,8 +39,12 @@ _M_TRIM_THRESHOLD = -1  # mallopt(3)
 _M_MMAP_THRESHOLD = -3
 #: the environment's own say over these thresholds (glibc's variables, its tunables): then rayfree leaves them be
 _USER_TUNING = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
-_USER_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold", "glibc.malloc.top_pad",
-                  "glibc.malloc.mmap_max")
+_USER_TUNABLES = (
+    "glibc.malloc.mmap_threshold",
+    "glibc.malloc.trim_threshold",
+    "glibc.malloc.top_pad",
+    "glibc.malloc.mmap_max",
+)
 
 _lock = threading.Lock()
 _applied: bool | None = None  # (a forked child inherits the thresholds with the answer)

@@ -23,7 +23,7 @@ import threading
 import time
 
 from rayfree.transport.errors import TransportError
-from rayfree.transport.zmq.channel import CLOSE, SocketSender
+from rayfree.transport.zmq.sender import CLOSE, SocketSender
 
 __all__ = ["hold", "flush"]
 
@@ -58,9 +58,13 @@ class _Held:
         if self.pending and _perf() < self.deadline:
             return False
         if self.pending:
-            logger.warning("closed queue: remote reader rank(s) %s did not confirm its last messages within %.1fs "
-                           "(%s); they may miss them", sorted(self.pending), self.limit,
-                           "they have not read CLOSE" if self.close_sent else "they are too far behind for CLOSE")
+            logger.warning(
+                "closed queue: remote reader rank(s) %s did not confirm its last messages within %.1fs "
+                "(%s); they may miss them",
+                sorted(self.pending),
+                self.limit,
+                "they have not read CLOSE" if self.close_sent else "they are too far behind for CLOSE",
+            )
         self.sender.abort()
         return True
 

@@ -51,13 +51,19 @@ class LinkWatch:
                 mon.recv_multipart(zmq.NOBLOCK)  # the only event it reports is EVENT_DISCONNECTED
                 if self._lost_at is None:
                     self._lost_at = now
-                    logger.warning("%s: the TCP connection to the writer (%s) dropped; messages sent meanwhile are "
-                                   "lost, and the writer does not take this reader back", what, self.endpoint)
+                    logger.warning(
+                        "%s: the TCP connection to the writer (%s) dropped; messages sent meanwhile are "
+                        "lost, and the writer does not take this reader back",
+                        what,
+                        self.endpoint,
+                    )
         if self._lost_at is not None and now - self._lost_at >= self.grace:
-            raise QueueBroken(f"{what}: this reader's TCP connection to the writer ({self.endpoint}) dropped "
-                              f"{now - self._lost_at:.1f}s ago and no message has come since: what was sent "
-                              f"meanwhile is lost and the writer does not take a reconnected reader back. Check "
-                              f"the network between this node and the writer's, then restart the cluster.")
+            raise QueueBroken(
+                f"{what}: this reader's TCP connection to the writer ({self.endpoint}) dropped "
+                f"{now - self._lost_at:.1f}s ago and no message has come since: what was sent "
+                f"meanwhile is lost and the writer does not take a reconnected reader back. Check "
+                f"the network between this node and the writer's, then restart the cluster."
+            )
 
     def close(self) -> None:
         with zmq_errors("", ignore=True):

@@ -15,15 +15,25 @@ from __future__ import annotations
 
 import os
 import threading
+
 import zmq
 
-from rayfree.transport.secure import policy
-from rayfree.transport.secure import zap
 from rayfree.transport.errors import QueueTimeout, TransportError
 from rayfree.transport.net import is_ipv6
+from rayfree.transport.secure import policy, zap
 
-__all__ = ["context", "make_publisher", "make_subscriber", "make_router", "make_dealer", "zmq_errors", "translate", "tracker_done",
-           "SocketError", "HELLO_PREFIX"]
+__all__ = [
+    "context",
+    "make_publisher",
+    "make_subscriber",
+    "make_router",
+    "make_dealer",
+    "zmq_errors",
+    "translate",
+    "tracker_done",
+    "SocketError",
+    "HELLO_PREFIX",
+]
 
 #: Subscription topic prefix a reader adds so the writer can tell who arrived.
 HELLO_PREFIX = b"\x00rayfree-hello:"
@@ -62,8 +72,11 @@ def translate(e: zmq.ZMQError, what: str) -> TransportError:
     if isinstance(e, zmq.Again):
         return QueueTimeout(f"{what}: timed out")
     if e.errno == zmq.EADDRINUSE:
-        return SocketError(f"{what}: the address is already in use: another rayfree leader (or something else) "
-                           f"holds that port; stop it or choose another port", e.errno)
+        return SocketError(
+            f"{what}: the address is already in use: another rayfree leader (or something else) "
+            f"holds that port; stop it or choose another port",
+            e.errno,
+        )
     if e.errno == zmq.ETERM:
         return SocketError(f"{what}: this process's ZeroMQ context was terminated (the process is exiting)", e.errno)
     return SocketError(f"{what}: {e.strerror} (zmq errno {e.errno})", e.errno)
@@ -140,7 +153,7 @@ def _is_tcp_v6(endpoint: str) -> bool:
 def make_publisher(bind_to: str, *, sndhwm: int) -> tuple[zmq.Socket, str, bool]:
     """An XPUB bound to `bind_to` (ipc://path or tcp://host:*): it, its real endpoint, and whether it admits
     subscribers by hand (a TCP publisher with a cluster secret: its messages are sealed (aead.py), so it takes
-    no CURVE, and only subscribers that show their admission token get them, see writer.py)."""
+    no CURVE, and only subscribers that show their admission token get them, see sender.py)."""
     sock = context().socket(zmq.XPUB)
     manual = False
     try:

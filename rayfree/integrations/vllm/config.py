@@ -9,7 +9,8 @@ variables or config file as `rayfree node` reads them.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -35,32 +36,41 @@ VLLM_STALL_DUMP_S = 600.0
 
 
 def _sizes(par: Any) -> dict[str, Any]:
-    return {"tensor_parallel_size": par.tensor_parallel_size, "pipeline_parallel_size": par.pipeline_parallel_size,
-            "prefill_context_parallel_size": getattr(par, "prefill_context_parallel_size", 1),
-            "decode_context_parallel_size": getattr(par, "decode_context_parallel_size", 1),
-            "enable_expert_parallel": bool(getattr(par, "enable_expert_parallel", False))}
+    return {
+        "tensor_parallel_size": par.tensor_parallel_size,
+        "pipeline_parallel_size": par.pipeline_parallel_size,
+        "prefill_context_parallel_size": getattr(par, "prefill_context_parallel_size", 1),
+        "decode_context_parallel_size": getattr(par, "decode_context_parallel_size", 1),
+        "enable_expert_parallel": bool(getattr(par, "enable_expert_parallel", False)),
+    }
 
 
 def cluster_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> ClusterConfig:
     """The executor's ClusterConfig: vLLM's sizes, rayfree's placement (environment / RAYFREE_CONFIG)."""
     par = vllm_config.parallel_config
     if par.nnodes > 1:
-        raise ConfigError(f"vLLM's nnodes={par.nnodes}: with rayfree, leave vLLM at one node and give rayfree the "
-                          f"nodes (RAYFREE_NNODES, RAYFREE_MASTER_ADDR, and `rayfree node --headless` on the others)")
+        raise ConfigError(
+            f"vLLM's nnodes={par.nnodes}: with rayfree, leave vLLM at one node and give rayfree the "
+            f"nodes (RAYFREE_NNODES, RAYFREE_MASTER_ADDR, and `rayfree node --headless` on the others)"
+        )
     env = os.environ if env is None else env
     config = load_config([], env=env)
     if config.parallel.data_parallel_size > 1:
-        raise ConfigError("RAYFREE_DATA_PARALLEL_SIZE > 1: vLLM runs one executor per DP rank; give vLLM its "
-                          "data_parallel_size and leave rayfree's at 1")
+        raise ConfigError(
+            "RAYFREE_DATA_PARALLEL_SIZE > 1: vLLM runs one executor per DP rank; give vLLM its "
+            "data_parallel_size and leave rayfree's at 1"
+        )
     parallel = msgspec.structs.replace(config.parallel, **_sizes(par))
     scheduler = getattr(vllm_config, "scheduler_config", None)
-    config = msgspec.structs.replace(config, parallel=parallel, collective_methods=list(COLLECTIVE_METHODS),
-                                     async_scheduling=bool(getattr(scheduler, "async_scheduling", False)),
-                                     spin_us=VLLM_SPIN_US if config.spin_us is None else config.spin_us,
-                                     stall_report_s=config.stall_report_s if "RAYFREE_STALL_REPORT_S" in env
-                                     else VLLM_STALL_REPORT_S,
-                                     stall_dump_s=config.stall_dump_s if "RAYFREE_STALL_DUMP_S" in env
-                                     else VLLM_STALL_DUMP_S)
+    config = msgspec.structs.replace(
+        config,
+        parallel=parallel,
+        collective_methods=list(COLLECTIVE_METHODS),
+        async_scheduling=bool(getattr(scheduler, "async_scheduling", False)),
+        spin_us=VLLM_SPIN_US if config.spin_us is None else config.spin_us,
+        stall_report_s=config.stall_report_s if "RAYFREE_STALL_REPORT_S" in env else VLLM_STALL_REPORT_S,
+        stall_dump_s=config.stall_dump_s if "RAYFREE_STALL_DUMP_S" in env else VLLM_STALL_DUMP_S,
+    )
     return config.validate(check_local_master=True)
 
 
@@ -68,12 +78,14 @@ def follower_vllm_config(config: ClusterConfig, engine_args: dict[str, Any]) -> 
     """On a `rayfree node --headless` follower: vLLM's configuration from the engine arguments the leader's
     engine was started with (as `vllm serve --headless` builds it), with rayfree's parallel sizes."""
     from vllm.engine.arg_utils import EngineArgs
+
     par = config.parallel
     given = {k: engine_args[k] for k in ("tensor_parallel_size", "pipeline_parallel_size") if k in engine_args}
     want = {"tensor_parallel_size": par.tensor_parallel_size, "pipeline_parallel_size": par.pipeline_parallel_size}
     if any(given[k] != want[k] for k in given):
-        raise ConfigError(f"--worker-kwargs says {given} but this node was started with {want}: give both the "
-                          f"same sizes (or leave them out of --worker-kwargs)")
-    from .executor import RayfreeExecutor
-    return EngineArgs(**{**engine_args, **want, "distributed_executor_backend": RayfreeExecutor}
-                      ).create_engine_config()
+        raise ConfigError(
+            f"--worker-kwargs says {given} but this node was started with {want}: give both the "
+            f"same sizes (or leave them out of --worker-kwargs)"
+        )
+    backend = "rayfree.integrations.vllm.RayfreeExecutor"  # by name: vLLM resolves it (executor.py imports us)
+    return EngineArgs(**{**engine_args, **want, "distributed_executor_backend": backend}).create_engine_config()

@@ -12,7 +12,8 @@ a stopped head stops its followers.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import vllm.envs as envs
 from vllm.v1.executor.abstract import Executor
@@ -38,6 +39,7 @@ class RayfreeExecutor(Executor):
 
     def _init_executor(self) -> None:
         from vllm.v1.executor.multiproc_executor import set_multiprocessing_worker_envs
+
         config = cluster_config(self.vllm_config)
         self.world_size = config.parallel.world_size
         set_multiprocessing_worker_envs(config.parallel.local_ranks)  # vLLM's own choice of worker threads
@@ -49,8 +51,12 @@ class RayfreeExecutor(Executor):
         else:
             set_torch_threads_for_runtime()
         self.output_rank = self.rayfree.output_rank
-        logger.info("vLLM on rayfree: %d worker(s) on %d node(s), output rank %d", self.world_size,
-                    config.parallel.nnodes, self.output_rank)
+        logger.info(
+            "vLLM on rayfree: %d worker(s) on %d node(s), output rank %d",
+            self.world_size,
+            config.parallel.nnodes,
+            self.output_rank,
+        )
 
     # -- what vLLM's engine asks of an executor ------------------------------------------------
 
@@ -61,10 +67,17 @@ class RayfreeExecutor(Executor):
     def register_failure_callback(self, callback: Callable[[], None]) -> None:
         self.rayfree.register_failure_callback(callback)
 
-    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
-                       kwargs: dict[str, Any] | None = None, non_block: bool = False,
-                       unique_reply_rank: int | None = None, kv_output_aggregator: Any = None,
-                       ec_output_aggregator: Any = None) -> Any:
+    def collective_rpc(
+        self,
+        method: str | Callable[..., Any],
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict[str, Any] | None = None,
+        non_block: bool = False,
+        unique_reply_rank: int | None = None,
+        kv_output_aggregator: Any = None,
+        ec_output_aggregator: Any = None,
+    ) -> Any:
         aggregators = [a for a in (kv_output_aggregator, ec_output_aggregator) if a is not None]
         aggregate = None
         if aggregators:  # every rank replies; each connector merges its part onto the output rank's
@@ -73,10 +86,15 @@ class RayfreeExecutor(Executor):
         return self.rayfree.collective_rpc(method, timeout, args, kwargs, non_block, unique_reply_rank, aggregate)
 
     def _step(self, method: str, arg: Any, non_block: bool) -> Any:
-        return self.collective_rpc(method, args=(arg,), unique_reply_rank=self.output_rank, non_block=non_block,
-                                   timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
-                                   kv_output_aggregator=self.kv_output_aggregator,
-                                   ec_output_aggregator=self.ec_output_aggregator)
+        return self.collective_rpc(
+            method,
+            args=(arg,),
+            unique_reply_rank=self.output_rank,
+            non_block=non_block,
+            timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS,
+            kv_output_aggregator=self.kv_output_aggregator,
+            ec_output_aggregator=self.ec_output_aggregator,
+        )
 
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:  # type: ignore[override]
         return self._step("execute_model", scheduler_output, non_block)
@@ -85,12 +103,14 @@ class RayfreeExecutor(Executor):
         return self._step("sample_tokens", grammar_output, non_block)
 
     def execute_dummy_batch(self) -> None:
-        self.collective_rpc("execute_dummy_batch", unique_reply_rank=self.output_rank,
-                            timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
+        self.collective_rpc(
+            "execute_dummy_batch", unique_reply_rank=self.output_rank, timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
+        )
 
     def take_draft_token_ids(self) -> Any:
-        return self.collective_rpc("take_draft_token_ids", unique_reply_rank=self.output_rank,
-                                   timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS)
+        return self.collective_rpc(
+            "take_draft_token_ids", unique_reply_rank=self.output_rank, timeout=envs.VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS
+        )
 
     def check_health(self) -> None:
         self.collective_rpc("check_health", timeout=10)
@@ -107,11 +127,13 @@ class RayfreeExecutor(Executor):
 
 def _chain(aggregators: list[Any], rank: int) -> Callable[[list[Any]], Any]:
     """vLLM's connector aggregators, one after the other, onto rank `rank`'s output (as vLLM's mp does)."""
+
     def aggregate(outputs: list[Any]) -> Any:
         result = outputs[rank]
         for a in aggregators:
             result = a.aggregate(outputs, output_rank=rank)
         return result
+
     return aggregate
 
 

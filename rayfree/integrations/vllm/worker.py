@@ -24,11 +24,21 @@ class VllmWorker:
     """See the module docstring. On a follower node (no `vllm_config`), the keyword arguments are vLLM's
     engine arguments, from which vLLM's configuration is built as the leader's engine built its own."""
 
-    def __init__(self, config: ClusterConfig, local_rank: int, rank: int, distributed_init_method: str,
-                 is_driver_worker: bool, vllm_config: Any = None, **engine_args: Any) -> None:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool,
+        vllm_config: Any = None,
+        **engine_args: Any,
+    ) -> None:
         from vllm.v1.worker.worker_base import WorkerWrapperBase
+
         if vllm_config is None:
             from .config import follower_vllm_config
+
             vllm_config = follower_vllm_config(config, engine_args)
         elif engine_args:
             raise TypeError(f"VllmWorker takes vllm_config or engine arguments, not both: {sorted(engine_args)}")
@@ -39,12 +49,17 @@ class VllmWorker:
             # vLLM's own queues across nodes publish on VLLM_HOST_IP, else on the address of its route to
             # the internet, which a cluster network may not have: use the one rayfree uses, toward node 0
             from rayfree.transport import get_ip
+
             os.environ.setdefault("VLLM_HOST_IP", get_ip(peer=config.parallel.master_addr))
         wrapper = WorkerWrapperBase(rpc_rank=local_rank, global_rank=rank)
         kwargs: list[dict[str, Any]] = [{} for _ in range(max(config.parallel.world_size, local_rank + 1))]
-        kwargs[local_rank] = {"vllm_config": vllm_config, "local_rank": local_rank, "rank": rank,
-                              "distributed_init_method": vllm_init_method(distributed_init_method, config),
-                              "is_driver_worker": is_driver_worker}
+        kwargs[local_rank] = {
+            "vllm_config": vllm_config,
+            "local_rank": local_rank,
+            "rank": rank,
+            "distributed_init_method": vllm_init_method(distributed_init_method, config),
+            "is_driver_worker": is_driver_worker,
+        }
         wrapper.init_worker(kwargs)
         self._wrapper = wrapper
 
@@ -53,12 +68,15 @@ class VllmWorker:
         par = self.config.parallel
         if par.nnodes_within_dp > 1:  # rayfree's queues between nodes are built over its own groups
             from rayfree.cluster.parallel_state import adopt_distributed_environment
-            adopt_distributed_environment(par, timeout_s=self.config.join_timeout_s,
-                                          force_remote=self.config.force_remote or None)
+
+            adopt_distributed_environment(
+                par, timeout_s=self.config.join_timeout_s, force_remote=self.config.force_remote or None
+            )
 
     def load_model(self) -> None:
         self._wrapper.load_model()
         from vllm.platforms import current_platform
+
         if hasattr(current_platform, "update_block_size_for_backend"):  # as vLLM's worker process does
             current_platform.update_block_size_for_backend(self.vllm_config)
         try:
@@ -70,12 +88,14 @@ class VllmWorker:
     def finish_output(self, output: Any) -> Any:
         """vLLM's asynchronous output (still being copied off the device) becomes the output itself."""
         from vllm.v1.outputs import AsyncModelRunnerOutput
+
         return output.get_output() if isinstance(output, AsyncModelRunnerOutput) else output
 
     def shutdown(self) -> None:
         """vLLM's worker, then vLLM's groups and its torch.distributed world (as vLLM's worker process does;
         its shared-memory broadcasters are released there)."""
         from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
         try:
             self._wrapper.shutdown()
         finally:

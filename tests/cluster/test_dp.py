@@ -1,0 +1,119 @@
+"""Data-parallel replicas across simulated nodes: one world, a broadcast queue per replica, liveness for all.
+
+Every node runs docker-compose.yml's invocation (head, leader or follower).
+The toy engine all-reduces over the DP group at every step, across replicas,
+so a replica missing its cross-replica group, or not stepping, fails these.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from rayfree.cluster.config import ParallelConfig
+from rayfree.cluster.simulate import SimulatedCluster
+from tests.cluster.test_multinode import FAST, HB_TIMEOUT, SLACK, assert_nothing_left, needs_root
+from tests.support.nodes import NodeProc, Nodes
+
+pytestmark = needs_root
+
+
+def start(
+    nodes: Nodes, nnodes: int, dp: int, tp: int, entry: str, order: str = "leaders first", **env: str
+) -> dict[int, NodeProc]:
+    """Every node of a DP layout; the first node of each replica leads it (head on node 0, leader elsewhere)."""
+    layout = ParallelConfig(data_parallel_size=dp, nnodes=nnodes)
+    shape = {
+        "RAYFREE_NNODES": str(nnodes),
+        "RAYFREE_DATA_PARALLEL_SIZE": str(dp),
+        "RAYFREE_TENSOR_PARALLEL_SIZE": str(tp),
+        "RAYFREE_PIPELINE_PARALLEL_SIZE": "1",
+        **env,
+    }
+    ks = list(range(nnodes)) if order == "leaders first" else list(reversed(range(nnodes)))
+    procs = {}
+    for k in ks:
+        lead = layout.leads(k)
+        service = "head" if k == 0 else "leader" if lead else "follower"
+        procs[k] = nodes.start(k, service, **shape, **({"RAYFREE_ENTRY": entry} if lead else {}))
+    return procs
+
+
+def check_replica(r: dict, replica: int, tp: int, nodes_of: list[int], sim: SimulatedCluster) -> None:
+    assert r["replica"] == replica and r["steps"] == r["equal"] == r["dp_ok"] == 20, r
+    info = sorted(r["info"], key=lambda x: x["rank"])
+    assert [x["rank"] for x in info] == list(range(tp)), info
+    assert [x["global_rank"] for x in info] == [replica * tp + i for i in range(tp)], info
+    for x in info:
+        node = nodes_of[x["rank"] * len(nodes_of) // tp]
+        assert x["replica"] == replica and x["node"] == node and x["ip"] == sim.nodes[node].ip, x
+        assert x["broadcast"] == ("shm" if node == nodes_of[0] else "tcp"), x
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("order", ["leaders first", "followers first"])
+def test_four_nodes_two_replicas_of_tp2_each_over_two_nodes(order: str) -> None:
+    with SimulatedCluster(4) as sim:
+        nodes = Nodes(sim, **FAST)
+        procs = start(nodes, 4, 2, 2, "tests.support.multinode_entry:dp_check", order)
+        results = {r: procs[lead].result("RESULT", 180) for r, lead in ((0, 0), (1, 2))}
+        for k, p in procs.items():
+            assert p.wait(60) == 0, f"node {k}:\n{p.text()[-3000:]}"
+        assert_nothing_left(sim, procs.values())
+    check_replica(results[0], 0, 2, [0, 1], sim)
+    check_replica(results[1], 1, 2, [2, 3], sim)
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_one_replica_each() -> None:
+    with SimulatedCluster(2) as sim:
+        nodes = Nodes(sim, **FAST)
+        procs = start(nodes, 2, 2, 1, "tests.support.multinode_entry:dp_check", "followers first")
+        results = [procs[k].result("RESULT", 180) for k in (0, 1)]
+        for k, p in procs.items():
+            assert p.wait(60) == 0, f"node {k}:\n{p.text()[-3000:]}"
+        assert_nothing_left(sim, procs.values())
+    for r in (0, 1):
+        check_replica(results[r], r, 1, [r], sim)
+
+
+@pytest.mark.timeout(240)
+def test_one_node_two_replicas_in_one_process() -> None:
+    with SimulatedCluster(1) as sim:
+        nodes = Nodes(sim, **FAST)
+        procs = start(nodes, 1, 2, 2, "tests.support.multinode_entry:dp_check")
+        got = {}
+        for _ in range(2):
+            r = procs[0].result("RESULT", 180)
+            got[r["replica"]] = r
+        assert procs[0].wait(60) == 0, procs[0].text()[-3000:]
+        assert_nothing_left(sim, procs.values())
+    assert sorted(got) == [0, 1]
+    for r in (0, 1):
+        check_replica(got[r], r, 2, [0], sim)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", [3, 2], ids=["follower-of-replica-1", "leader-of-replica-1"])
+def test_a_lost_node_of_replica_1_fails_both_replicas_naming_it(victim: int) -> None:
+    with SimulatedCluster(4) as sim:
+        nodes = Nodes(sim, **FAST)
+        procs = start(nodes, 4, 2, 2, "tests.support.multinode_entry:hang")
+        leaders = [k for k in (0, 2) if k != victim]
+        for k in leaders:  # every replica that survives has a call pending on all its ranks
+            procs[k].expect(r"^PENDING:", 180)
+        if victim == 2:
+            procs[2].expect(r"^PENDING:", 180)
+        t_kill = time.monotonic()
+        sim.nodes[victim].kill()
+        results = {k: procs[k].result("RESULT", 30) for k in leaders}
+        codes = {k: p.wait(60) for k, p in procs.items()}
+        assert_nothing_left(sim, procs.values())
+    for k, r in results.items():
+        took = r["t_fail"] - t_kill
+        assert took < HB_TIMEOUT + SLACK, f"replica leader node {k} took {took:.1f}s"
+        assert f"node {victim} (" in r["error"] and "DP replica 1" in r["error"], r["error"]
+        assert "failed earlier" in r["later"] and r["callbacks"] == 1, r
+        print(f"\nnode {victim} killed: replica leader node {k} failed after {took:.2f}s ({r['kind']})")
+    assert all(c != 0 for k, c in codes.items() if k != victim), codes

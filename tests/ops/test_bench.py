@@ -1,0 +1,78 @@
+"""The executor bench still runs end to end (benches are not in CI otherwise, and rot quietly).
+
+No timing is asserted: only that both rigs came up, every payload arrived whole (the bench's
+`nbytes` check raises otherwise), each row was printed and the rigs' processes were pinned alike.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.timeout(300)
+def test_rpc_bench_runs_and_prints_every_row() -> None:
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "bench", "rpc.py"),
+        "--quick",
+        "--workers",
+        "1,2",
+        "--payloads",
+        "tiny,64KiB",
+        "--rounds",
+        "2",
+        "--no-startup",
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, f"bench/rpc.py failed:\n{out.stdout}\n{out.stderr}"
+    rows = re.findall(r"^\s+(\d+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(-?\d+)%$", out.stdout, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("1", "tiny"), ("1", "64KiB"), ("2", "tiny"), ("2", "64KiB")], out.stdout
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows), out.stdout
+    if hasattr(os, "sched_setaffinity"):
+        assert "2 worker(s): caller on core" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_transport_bench_runs_and_measures_the_fences() -> None:
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "bench", "transport.py"),
+        "--quick",
+        "--payloads",
+        "tiny,64KiB",
+        "--configs",
+        "local1,remote1",
+        "--no-paced",
+        "--remote-readers",
+        "1",
+    ]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, f"bench/transport.py failed:\n{out.stdout}\n{out.stderr}"
+    rows = re.findall(r"^(local|remote)\s+(\d+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)", out.stdout, re.M)
+    assert [(r[0], r[2]) for r in rows] == [
+        ("local", "tiny"),
+        ("local", "64KiB"),
+        ("remote", "tiny"),
+        ("remote", "64KiB"),
+    ], out.stdout
+    fence = re.search(
+        r"fence: (\d+) ns per fence; local N=1 tiny round trip p50 ([\d.]+) us with aarch64's "
+        r"fences \(8 a round trip\), ([\d.]+) us with this CPU's",
+        out.stdout,
+    )
+    assert fence and float(fence.group(2)) > 0 and float(fence.group(3)) > 0, out.stdout
+    times, _, cpu = out.stdout.partition("CPU per message")
+    remote = re.findall(r"^\s+1\s+tiny\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", times, re.M)
+    assert len(remote) == 1 and all(float(x) > 0 for x in remote[0]), out.stdout  # sealed, insecure, floor
+    # writer sealed, insecure, extra, seal; reader sealed, insecure, extra, open (the extras may be negative)
+    row = re.findall(r"^\s+1\s+tiny" + r"\s+(-?[\d.]+)" * 8 + r"\s*$", cpu, re.M)
+    assert len(row) == 1, out.stdout
+    w_sealed, w_insecure, _, seal, _, _, _, open_ = map(float, row[0])
+    assert w_sealed > 0 and w_insecure > 0 and seal > 0 and open_ > 0, out.stdout

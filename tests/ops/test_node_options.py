@@ -1,0 +1,103 @@
+"""`rayfree node` takes every option from flags, the environment or a config file, in that order."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from rayfree.cli.node import NodeUsageError, add_node_arguments, metrics_port, plan
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_node_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_a_config_file_can_hold_the_whole_node(tmp_path) -> None:
+    f = tmp_path / "node1.toml"
+    f.write_text(
+        'nnodes = 2\nnode_rank = 1\nmaster_addr = "10.0.0.1"\n[parallel]\ntensor_parallel_size = 2\n'
+        '[node]\nworker = "rayfree.cli.toy_engine:ToyWorker"\nheadless = true\nworker_kwargs = {seed = 7}\n'
+    )
+    config, worker, kwargs, entry = plan(parse("--config", str(f)), env={})
+    assert (config.parallel.node_rank, config.parallel.tensor_parallel_size) == (1, 2)
+    assert worker == "rayfree.cli.toy_engine:ToyWorker" and kwargs == {"seed": 7} and entry is None
+
+
+def test_flags_win_over_the_environment_which_wins_over_the_file(tmp_path) -> None:
+    f = tmp_path / "n.json"
+    f.write_text('{"node": {"worker": "from.file:W", "entry": "from.file:main"}}')
+    env = {"RAYFREE_WORKER": "from.env:W"}
+    _, worker, _, entry = plan(parse("--config", str(f)), env=env)
+    assert (worker, entry) == ("from.env:W", "from.file:main")
+    _, worker, _, _ = plan(parse("--config", str(f), "--worker", "from.flag:W"), env=env)
+    assert worker == "from.flag:W"
+
+
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        ((), {}, "give the worker class"),
+        (("--worker", "a:B"), {}, "node 0 leads its replica and runs the engine: give --entry"),
+        (("--worker", "a:B", "--entry", "a:f", "--headless"), {}, "cannot be --headless"),
+        (
+            ("--worker", "a:B", "--entry", "a:f", "--node-rank", "1", "--nnodes", "2", "--tp", "2"),
+            {},
+            r"only its first node \(0\) runs the entry point",
+        ),
+        (("--worker", "a:B", "--entry", "a:f", "--worker-kwargs", "[1]"), {}, "must be a JSON object"),
+        # DP=2 over 2 nodes: each node holds a whole replica, so node 1 leads replica 1
+        (
+            ("--worker", "a:B", "--nnodes", "2", "--dp", "2", "--node-rank", "1"),
+            {},
+            "node 1 leads DP replica 1 and runs the engine",
+        ),
+        (
+            ("--worker", "a:B", "--nnodes", "2", "--dp", "2", "--node-rank", "1", "--headless"),
+            {},
+            "leads DP replica 1, so it cannot be --headless .with this many nodes per replica, every node leads one",
+        ),
+        # DP=2 over 4 nodes: node 3 follows node 2, the leader of replica 1
+        (
+            ("--worker", "a:B", "--entry", "a:f", "--nnodes", "4", "--dp", "2", "--tp", "2", "--node-rank", "3"),
+            {},
+            r"follower of DP replica 1: only its first node \(2\) runs the entry point",
+        ),
+        (
+            ("--worker", "a:B", "--nnodes", "4", "--dp", "2", "--tp", "2", "--node-rank", "2", "--headless"),
+            {},
+            r"node_rank=2 leads DP replica 1, so it cannot be --headless: its followers are node\(s\) \[3\]",
+        ),
+    ],
+)
+def test_each_unworkable_node_is_refused_with_the_fix(argv, env, message) -> None:
+    with pytest.raises(NodeUsageError, match=message):
+        plan(parse(*argv), env=env)
+
+
+def test_an_unknown_node_key_in_the_file_is_named(tmp_path) -> None:
+    f = tmp_path / "n.toml"
+    f.write_text('[node]\nworkr = "a:B"\n')
+    with pytest.raises(NodeUsageError, match="workr"):
+        plan(parse("--config", str(f)), env={})
+
+
+@pytest.mark.parametrize(
+    "argv, env, want",
+    [
+        ((), {}, None),
+        (("--metrics-port", "9400"), {}, 9400),
+        ((), {"RAYFREE_METRICS_PORT": "9401"}, 9401),
+        (("--metrics-port", "9402"), {"RAYFREE_METRICS_PORT": "9401"}, 9402),
+    ],
+)
+def test_the_metrics_port_comes_from_the_flag_or_the_environment(argv, env, want) -> None:
+    assert metrics_port(parse(*argv), env=env) == want
+
+
+@pytest.mark.parametrize("value", ["http", "0", "70000"])
+def test_a_metrics_port_that_is_not_a_port_is_refused(value) -> None:
+    with pytest.raises(NodeUsageError, match=f"--metrics-port '{value}' is not a TCP port"):
+        metrics_port(parse("--metrics-port", value), env={})

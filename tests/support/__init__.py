@@ -1,0 +1,1 @@
+"""Helpers of the tests: worker classes, entry points, simulated nodes, child processes."""

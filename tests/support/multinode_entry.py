@@ -1,0 +1,218 @@
+"""Leader entry points for the multi-node tests (`rayfree node --entry tests.support.multinode_entry:NAME`).
+
+Each prints lines `TAG:{json}` for the test to read and returns the exit code.
+Callables sent to the workers live here, so the workers import them by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+
+def say(tag: str, **kw: Any) -> None:
+    print(f"{tag}:" + json.dumps(kw), flush=True)
+
+
+def where(worker: Any) -> dict:
+    from rayfree.worker.proc import worker_info
+
+    return worker_info(worker)
+
+
+def fail_on(worker: Any, rank: int) -> int:
+    if worker.rank == rank:
+        raise KeyError(f"raised on purpose by rank {rank}")
+    return worker.rank
+
+
+def nap(worker: Any, seconds: float) -> int:
+    """Stands in for a long step: the remote node is busy in it when it is killed or cut off."""
+    time.sleep(seconds)
+    return worker.rank
+
+
+def check(ex) -> int:
+    """Toy engine equals the 1-process model; replies from remote ranks; unique_reply_rank on a remote rank;
+    a remote rank's exception; the tiny round trip to remote and to local ranks."""
+    import torch
+
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+    from rayfree.executor import WorkerError
+
+    steps = 20
+    equal = sum(
+        torch.equal(ex.execute_model(make_batch(s)), reference_forward(make_batch(s)["x"])) for s in range(steps)
+    )
+    info = ex.collective_rpc(where, timeout=60)
+    remote = [r["rank"] for r in info if r["node"] != 0]
+    unique = ex.collective_rpc(where, unique_reply_rank=remote[-1], timeout=60)
+    try:
+        ex.collective_rpc(fail_on, args=(remote[0],), timeout=60)
+        error = ""
+    except WorkerError as e:
+        error = str(e)
+    after = ex.collective_rpc("check_health", timeout=60)
+
+    def rtt(rank: int, n: int = 300) -> float:
+        xs = []
+        for _ in range(n):
+            t = time.perf_counter()
+            ex.collective_rpc("check_health", unique_reply_rank=rank)
+            xs.append(time.perf_counter() - t)
+        return sorted(xs)[n // 2] * 1e6
+
+    say(
+        "RESULT",
+        steps=steps,
+        equal=int(equal),
+        info=info,
+        unique=unique,
+        error=error,
+        after=after,
+        rtt_local_us=rtt(0),
+        rtt_remote_us=rtt(remote[0]),
+    )
+    return 0
+
+
+def hang(ex) -> int:
+    """A call every rank is busy in; the test takes a node away; report how and when the call failed."""
+    fut = ex.collective_rpc(nap, args=(120.0,), non_block=True)
+    return _until_lost(ex, lambda: fut.result(timeout=100))
+
+
+def step_until_lost(ex) -> int:
+    """Toy engine steps (PP send/recv between the nodes) until the test takes a node away: the peers' gloo
+    calls fail first, and the executor must still name the lost node as the cause."""
+    from rayfree.cli.toy_engine import make_batch
+
+    def steps() -> None:
+        for s in range(1_000_000):
+            ex.execute_model(make_batch(s))
+
+    for s in range(5):
+        ex.execute_model(make_batch(s))
+    return _until_lost(ex, steps)
+
+
+def _until_lost(ex, pending) -> int:
+    from rayfree import ExecutorError, ExecutorFailed, NodeLost
+
+    fired = []
+    ex.register_failure_callback(lambda: fired.append(time.monotonic()))
+    say("PENDING", t=time.monotonic())
+    error = kind = ""
+    try:
+        pending()
+    except NodeLost as e:  # by the name the README gives it
+        error, kind = str(e), "NodeLost" + ("+ExecutorFailed" if isinstance(e, ExecutorFailed) else "")
+    except ExecutorError as e:
+        error, kind = str(e), type(e).__name__
+    t_fail = time.monotonic()
+    later_kind = ""
+    try:
+        ex.collective_rpc("check_health", timeout=10)
+        later = "a later call succeeded"
+    except NodeLost as e:
+        later, later_kind = str(e), "NodeLost"
+    except ExecutorError as e:
+        later, later_kind = str(e), type(e).__name__
+    t_later = time.monotonic() - t_fail
+    ex.wait_done(60)
+    say(
+        "RESULT",
+        t_fail=t_fail,
+        error=error,
+        kind=kind,
+        later=later,
+        later_kind=later_kind,
+        later_s=t_later,
+        callbacks=len(fired),
+    )
+    return 0
+
+
+def serve(ex) -> int:
+    """Stay up until killed (the leader-loss test)."""
+    say("SERVING", pids=[w.proc.pid for w in ex.workers])
+    stop = threading.Event()
+    stop.wait(int(os.environ.get("RF_SERVE_S", "300")))
+    return 0
+
+
+def quick(ex) -> int:
+    """A few steps (start-order tests)."""
+    from rayfree.cli.toy_engine import make_batch
+
+    for s in range(3):
+        ex.execute_model(make_batch(s))
+    say("RESULT", ok=True)
+    return 0
+
+
+def outsiders(ex) -> int:
+    """Run an outsider against every TCP endpoint of this 2-node cluster while the engine steps."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+    from rayfree.transport.secure.policy import process_secret
+
+    remote = [r for r in range(ex.world_size) if ex.parallel_config.node_of(r) != 0]
+    spec = {
+        "pub": [ex.rpc_broadcast_mq.handle.remote_endpoint]
+        + [ex.response_mqs[r].handle.remote_endpoint for r in remote],
+        "router": [ex.liveness.beater.endpoint],
+        "server_key": process_secret().server_public.decode(),
+        "seconds": 3,
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAYFREE_")}
+    out = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.outsider", json.dumps(spec)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert out.stdout is not None and out.stdout.readline().strip() == "STARTED"
+    steps = equal = 0
+    while out.poll() is None and steps < 2000:  # the engine keeps stepping while the outsider tries
+        equal += torch.equal(ex.execute_model(make_batch(steps)), reference_forward(make_batch(steps)["x"]))
+        steps += 1
+    report = json.loads(out.stdout.read().split("REPORT:", 1)[1])
+    out.wait(30)
+    after = [torch.equal(ex.execute_model(make_batch(s)), reference_forward(make_batch(s)["x"])) for s in range(20)]
+    say("RESULT", endpoints=spec, report=report, steps=steps, equal=int(equal), after=sum(after), failed=ex.is_failed)
+    return 0
+
+
+def dp_check(ex) -> int:
+    """One DP replica's leader: its own batches through its ranks, the cross-replica all-reduce, its topology."""
+    import torch
+
+    from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
+
+    dp = ex.parallel_config.data_parallel_size
+    steps = equal = dp_ok = 0
+    for s in range(20):
+        batch = make_batch(s, replica=ex.dp_rank)
+        equal += torch.equal(ex.execute_model(batch), reference_forward(batch["x"]))
+        dp_ok += ex.collective_rpc("step_report", unique_reply_rank=ex.output_rank)["dp_sum"] == dp_sum(s, dp)
+        steps += 1
+    info = ex.collective_rpc(where, timeout=60)
+    say("RESULT", replica=ex.dp_rank, steps=steps, equal=int(equal), dp_ok=int(dp_ok), info=info)
+    return 0
+
+
+def calls_then_serve(ex) -> int:
+    """RF_CALLS steps, then stay up until stopped (the metrics test scrapes in between)."""
+    from rayfree.cli.toy_engine import make_batch
+
+    n = int(os.environ.get("RF_CALLS", "25"))
+    for s in range(n):
+        ex.execute_model(make_batch(s))
+    say("CALLED", calls=n)
+    threading.Event().wait(int(os.environ.get("RF_SERVE_S", "300")))
+    return 0

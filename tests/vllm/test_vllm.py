@@ -1,0 +1,215 @@
+"""vLLM on rayfree: vLLM's own generate, through RayfreeExecutor, against vLLM's own `mp` executor.
+
+Opt-in by extra: skipped where vLLM is not installed; `make test-vllm` installs vLLM's CPU build in a
+venv of its own and runs this file there (RAYFREE_TEST_VLLM=1, and then vLLM missing is a failure).
+Each engine runs in a process of its own (tests/support/vllm_engine.py) on a tiny local model
+(tests/support/vllm_tiny_model.py), in its own session, so that nothing it leaves can hide.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
+from rayfree.transport.secure import policy as security
+from tests.support.nodes import ROOT, NodeProc, wait_group_empty
+from tests.support.vllm_engine import ENV, engine_args
+from tests.support.vllm_tiny_model import make
+
+if os.environ.get("RAYFREE_TEST_VLLM") == "1":
+    importlib.import_module("vllm")  # make test-vllm: vLLM missing is an error there, not a skip
+else:
+    pytest.importorskip("vllm", reason="vLLM is an optional extra: `make test-vllm` runs these")
+
+HB_TIMEOUT = 2.0
+SLACK = 2.0
+FAST = {
+    "RAYFREE_HEARTBEAT_INTERVAL_S": "0.2",
+    "RAYFREE_HEARTBEAT_TIMEOUT_S": str(HB_TIMEOUT),
+    "RAYFREE_SHUTDOWN_GRACE_S": "2",
+    "RAYFREE_SHUTDOWN_TERM_S": "2",
+}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make(str(tmp_path_factory.mktemp("vllm") / "tiny-llama"))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, **ENV, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", **extra}
+
+
+def _lines(out: str, tag: str) -> list[dict]:
+    return [json.loads(ln.split(":", 1)[1]) for ln in out.splitlines() if ln.startswith(tag + ":")]
+
+
+def _cpu_segments() -> set[str]:
+    """rayfree's segments, vLLM's CPU collectives' and multiprocessing.shared_memory's (vLLM's broadcasters)."""
+    return {n for n in os.listdir("/dev/shm") if "cpushm" in n or n.startswith(("rayfree-", "psm_"))}
+
+
+def run_engine(model: str, backend: str, mode: str, *flags: str, timeout: float = 300) -> tuple[str, int]:
+    """One engine process in its own session: its output, after checking it left no process or segment
+    (and, when nothing was killed, that multiprocessing's resource tracker did not have to remove one)."""
+    before = _cpu_segments()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.vllm_engine", model, backend, mode, *flags],
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        raise AssertionError(f"the {backend} engine ({mode}) did not finish in {timeout}s:\n{out[-5000:]}") from None
+    left = wait_group_empty(p.pid, 15)
+    assert not left, f"processes left by the {backend} engine: {left}\n{out[-3000:]}"
+    new = _cpu_segments() - before
+    assert not new, f"shared memory left by the {backend} engine: {sorted(new)}"
+    assert p.returncode == 0, out[-5000:]
+    if mode == "generate":
+        assert "leaked shared_memory" not in out, out[-3000:]
+    return out, p.returncode
+
+
+@pytest.fixture(scope="module")
+def mp_tokens(model) -> list:
+    out, _ = run_engine(model, "mp", "generate")
+    (r,) = _lines(out, "TOKENS")
+    assert r["calls"][0] == r["calls"][1]
+    return r["calls"][0]
+
+
+@pytest.mark.timeout(600)
+def test_tp2_on_one_node_gives_vllm_s_own_tokens(model, mp_tokens) -> None:
+    out, _ = run_engine(model, "rayfree", "generate")
+    (r,) = _lines(out, "TOKENS")
+    assert r["calls"] == [mp_tokens, mp_tokens], (r, mp_tokens)  # the second call too
+    assert len(mp_tokens) == 3 and all(len(t) == 16 for t in mp_tokens)
+    assert "RayfreeExecutor" in out and "Worker_TP1" in out  # vLLM's args; rayfree's worker titles
+
+
+@pytest.mark.timeout(300)
+def test_async_scheduling_gives_the_same_tokens(model, mp_tokens) -> None:
+    """vLLM overlaps steps: execute_model and sample_tokens come as futures, several outstanding."""
+    out, _ = run_engine(model, "rayfree", "generate", "--async-scheduling")
+    (r,) = _lines(out, "TOKENS")
+    assert r["calls"] == [mp_tokens, mp_tokens], (r, mp_tokens)
+    assert "'async_scheduling': True" in out  # vLLM took the flag
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_fails_the_engine_at_once_and_nothing_is_left(model) -> None:
+    out, _ = run_engine(model, "rayfree", "kill-worker")
+    (r,) = _lines(out, "DEAD")
+    assert r["error"] == "EngineDeadError", r
+    assert r["after_s"] is not None and r["after_s"] < 2.0, r
+    assert "worker rank 1" in out and "died" in out and "SIGKILL" in out
+    print(f"\nworker SIGKILLed during generate: vLLM's EngineDeadError after {r['after_s']:.2f} s")
+
+
+def _two_nodes(sim: SimulatedCluster, model: str, mode: str, secret: str) -> tuple[NodeProc, NodeProc]:
+    """vLLM's engine on node 0 (rayfree placed by its environment), `rayfree node --headless` on node 1."""
+    security.write_secret(secret)
+    common = {
+        "RAYFREE_NNODES": "2",
+        "RAYFREE_MASTER_ADDR": sim.nodes[0].ip,
+        "RAYFREE_MASTER_PORT": "29500",
+        "RAYFREE_SECRET_FILE": secret,
+        "RAYFREE_TENSOR_PARALLEL_SIZE": "2",
+        **FAST,
+    }
+    follow = NodeProc(
+        sim.nodes[1],
+        [
+            sys.executable,
+            "-m",
+            "rayfree.cli",
+            "node",
+            "--headless",
+            "--node-rank",
+            "1",
+            "--worker",
+            "rayfree.integrations.vllm:VllmWorker",
+            "--worker-kwargs",
+            json.dumps(engine_args(model)),
+        ],
+        _env(**common),
+    )
+    lead = NodeProc(
+        sim.nodes[0],
+        [sys.executable, "-m", "tests.support.vllm_engine", model, "rayfree", mode],
+        _env(**common, RAYFREE_NODE_RANK="0"),
+    )
+    lead.others = follow.others = [lead, follow]
+    return lead, follow
+
+
+def _nothing_left(sim: SimulatedCluster, nodes: list[NodeProc]) -> None:
+    for n in nodes:
+        assert not wait_group_empty(n.p.pid, 15), f"node {n.node.index} left processes:\n{n.text()[-3000:]}"
+    for node in sim.nodes:
+        left = [f for f in os.listdir(node.shm_dir) if "cpushm" in f or f.startswith(("rayfree-", "psm_"))]
+        assert not left, f"node {node.index} left shared memory: {left}"
+
+
+needs_root = pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
+
+
+@needs_root
+@pytest.mark.timeout(600)
+def test_tp2_across_two_simulated_nodes_gives_the_same_tokens(model, mp_tokens, tmp_path) -> None:
+    with SimulatedCluster(2) as sim:
+        lead, follow = _two_nodes(sim, model, "generate", str(tmp_path / "secret"))
+        r = lead.result("TOKENS", 400)
+        assert lead.wait(120) == 0, lead.text()[-4000:]
+        assert follow.wait(60) == 0, follow.text()[-4000:]  # node 0 stopped the cluster: so does node 1
+        _nothing_left(sim, [lead, follow])
+    assert r["calls"] == [mp_tokens, mp_tokens], (r, mp_tokens)
+    assert "node 0 stopped the cluster" in follow.text()
+
+
+@needs_root
+@pytest.mark.timeout(600)
+def test_a_killed_follower_node_fails_the_engine_within_the_heartbeat_timeout(model, tmp_path) -> None:
+    with SimulatedCluster(2) as sim:
+        lead, follow = _two_nodes(sim, model, "wait-kill", str(tmp_path / "secret"))
+        lead.expect(r"^STEPPING:", 400)
+        t_kill = time.monotonic()
+        sim.nodes[1].kill()
+        r = lead.result("DEAD", 60)
+        assert lead.wait(120) == 0, lead.text()[-4000:]
+        _nothing_left(sim, [lead])
+    took = r["t_dead"] - t_kill
+    assert r["error"] == "EngineDeadError", r
+    assert took < HB_TIMEOUT + SLACK, f"vLLM's engine failed {took:.2f}s after node 1 was killed"
+    print(f"\nfollower node SIGKILLed while generating: vLLM's EngineDeadError after {took:.2f} s")
+
+
+def test_stall_reports_for_vllm_start_later_unless_the_environment_says_otherwise() -> None:
+    """vLLM's start-up calls (profiling, compilation, warm-up) take minutes on GPUs: reports from 60 s, stacks
+    from 10 minutes; RAYFREE_STALL_REPORT_S / RAYFREE_STALL_DUMP_S still win."""
+    from types import SimpleNamespace
+
+    from rayfree.integrations.vllm.config import VLLM_STALL_DUMP_S, VLLM_STALL_REPORT_S, cluster_config
+
+    par = SimpleNamespace(nnodes=1, tensor_parallel_size=2, pipeline_parallel_size=1)
+    vllm_config = SimpleNamespace(parallel_config=par, scheduler_config=SimpleNamespace(async_scheduling=False))
+    c = cluster_config(vllm_config, env={})
+    assert (c.stall_report_s, c.stall_dump_s) == (VLLM_STALL_REPORT_S, VLLM_STALL_DUMP_S) == (60.0, 600.0)
+    c = cluster_config(vllm_config, env={"RAYFREE_STALL_REPORT_S": "5", "RAYFREE_STALL_DUMP_S": "9"})
+    assert (c.stall_report_s, c.stall_dump_s) == (5.0, 9.0)

@@ -1,0 +1,195 @@
+"""The subscriber's end of the socket channel: one reader's messages from a ZeroMQ publisher (sender.py).
+
+It blocks inside ZeroMQ, in slices (so shutdown and the deadline are seen,
+through the channel's one wait loop), opens sealed messages before anything
+else looks at them, and skips (and counts) what cannot be parsed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import zmq
+
+from rayfree.transport import serde
+from rayfree.transport.channel import EMPTY, Receiver
+from rayfree.transport.errors import BadFrame, QueueClosed
+from rayfree.transport.secure import policy
+from rayfree.transport.secure.aead import Opener, admission_token, queue_key
+from rayfree.transport.zmq.link import LinkWatch
+from rayfree.transport.zmq.sender import CLOSE, CTRL, SLICE_MS
+from rayfree.transport.zmq.sockets import HELLO_PREFIX, make_subscriber, zmq_errors
+
+__all__ = ["SocketReceiver"]
+
+logger = logging.getLogger("rayfree.transport")
+
+_perf = time.perf_counter
+_loads = serde.loads
+
+
+class SocketReceiver(Receiver):
+    """Receives from one subscriber; blocks inside ZeroMQ, in slices, so shutdown is seen.
+
+    No EVENTS polling or spinning: each such check is a syscall that competes
+    with ZeroMQ's I/O thread for the core, which costs more than it saves.
+    """
+
+    def __init__(
+        self, sock: zmq.Socket, path: str, hello_topic: bytes | None = None, opener: Opener | None = None
+    ) -> None:
+        super().__init__()
+        self.sock = sock
+        self.path = path
+        #: a sealed queue's messages are verified and decrypted (aead.py) before anything else looks at them
+        self.opener = opener
+        #: dropped when CLOSE is read: the writer's sign that this reader has every message
+        self.hello_topic = hello_topic
+        self._rcvtimeo = -2
+        #: messages that could not be parsed, reported and skipped
+        self.bad_frames = 0
+        self._bad_logged_at = 0.0
+        #: after the handshake, a remote reader watches its TCP link (watch_link)
+        self._link: LinkWatch | None = None
+        self._raw = zmq_errors("dequeue")
+        self._again = zmq_errors("dequeue", again=True)
+
+    @classmethod
+    def subscribe(cls, endpoint: str, path: str, rank: int, queue_id: str, maxmsgsize: int | None) -> SocketReceiver:
+        """Reader `rank`'s subscriber; on TCP with a cluster secret it opens sealed messages and shows its token."""
+        hello = str(rank).encode()
+        opener = None
+        secret = policy.process_secret() if path == "tcp" else None
+        if secret is not None:  # a sealed queue: open every message, show the admission token
+            qid = bytes.fromhex(queue_id)
+            opener = Opener(queue_key(secret.derive(b"queue-aead"), qid), qid)
+            hello += b":" + admission_token(secret.derive(b"queue-admit"), qid, rank)
+        sock = make_subscriber(endpoint, hello, maxmsgsize=maxmsgsize)
+        return cls(sock, path, HELLO_PREFIX + hello if path == "tcp" else None, opener)
+
+    def try_recv(self) -> Any:
+        with self._again:
+            frame = self.sock.recv(zmq.NOBLOCK, copy=False)
+            return self._message(frame, None, "dequeue")
+        return EMPTY
+
+    def recv(self, timeout: float | None, indefinite: bool = False) -> Any:
+        # Straight into ZeroMQ's blocking receive: a look first would be one more call per message.
+        return self.recv_waiting(None if timeout is None else _perf() + max(0.0, timeout), indefinite)
+
+    def recv_waiting(self, deadline: float | None, indefinite: bool, what: str = "dequeue") -> Any:
+        """The next good message as an object; one that cannot be parsed is reported and skipped
+        (raises QueueClosed when the writer said CLOSE)."""
+        while True:
+            try:
+                return self._message(self._next_frame(deadline, indefinite, what), deadline, what)
+            except QueueClosed:
+                self.ack_close()
+                raise
+            except BadFrame as e:
+                self.bad_frames += 1
+                now = _perf()
+                if now - self._bad_logged_at > 5.0:  # one line per burst
+                    self._bad_logged_at = now
+                    logger.warning(
+                        "%s: skipped a message that cannot be parsed (%s); %d so far", what, e, self.bad_frames
+                    )
+
+    def recv_control(self, deadline: float | None, what: str) -> list[Any]:
+        """The next message's frames, as buffers (the handshake's READY)."""
+        return self._rest(self._next_frame(deadline, True, what), what, deadline)
+
+    def _next_frame(self, deadline: float | None, indefinite: bool, what: str) -> zmq.Frame:
+        """The first frame of the next ZeroMQ message, waiting in slices (shutdown, deadline, a log line)."""
+
+        def attempt(s: float) -> zmq.Frame | None:
+            if s <= 0:  # out of time: one last look, so a message that has arrived is read (timeout 0)
+                with self._again:
+                    return self.sock.recv(zmq.NOBLOCK, copy=False)
+                return None
+            ms = int(s * 1000) + 1
+            with self._raw:
+                if ms != self._rcvtimeo:
+                    self.sock.setsockopt(zmq.RCVTIMEO, ms)
+                    self._rcvtimeo = ms
+            with self._again:
+                return self.sock.recv(copy=False)
+            if self._link is not None:
+                self._link.check(what)
+            return None
+
+        return self.wait(
+            attempt,
+            deadline,
+            what,
+            lambda _: "",
+            slice_s=SLICE_MS / 1000,
+            log=None if indefinite else (lambda w: f"{what}: still waiting after {w:.0f}s"),
+        )
+
+    def _message(self, frame: zmq.Frame, deadline: float | None, what: str) -> Any:
+        """The object of the message that begins with `frame`."""
+        if not frame.more:  # the common small message, with the least work
+            buf = frame.buffer
+            opener = self.opener
+            if opener is not None:
+                buf = opener.open_one(buf)
+                if buf is None:  # not the common kind: the general path judges it
+                    return self.decode(self._rest(frame, what, deadline))
+            if buf[:4] != CTRL:
+                try:
+                    return _loads(buf)
+                except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad frame
+                    raise BadFrame(f"could not decode a 1-frame message: {type(e).__name__}: {e}") from e
+            return self.decode([buf])
+        return self.decode(self._rest(frame, what, deadline))
+
+    def _parts(self, frame: zmq.Frame) -> list[Any]:
+        parts: list[Any] = [frame.buffer]
+        with self._raw:
+            while frame.more:
+                frame = self.sock.recv(copy=False)
+                parts.append(frame.buffer)
+        return parts
+
+    def _rest(self, frame: zmq.Frame, what: str, deadline: float | None = None) -> list[Any]:
+        """The message that begins with `frame`, opened if the queue is sealed (a segmented one: every segment)."""
+        parts = self._parts(frame)
+        opener = self.opener
+        if opener is None:
+            return parts
+        out = opener.open(parts)
+        while out is None:  # the next segment is on its way (or already here)
+            out = opener.open(self._parts(self._next_frame(deadline, True, what)))
+        return out
+
+    @staticmethod
+    def decode(parts: list[Any]) -> Any:
+        first = parts[0]
+        if first[:4] == CTRL:
+            if len(parts) == 1 and first == CLOSE:
+                raise QueueClosed("the writer closed this queue; no more messages will arrive")
+            raise BadFrame(f"unexpected control message {bytes(first[:32])!r}")
+        try:
+            return _loads(first, buffers=parts[1:])
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad frame
+            raise BadFrame(f"could not decode a {len(parts)}-frame message: {type(e).__name__}: {e}") from e
+
+    def watch_link(self, endpoint: str) -> None:
+        """A remote reader, once READY: notice when its TCP connection to the writer drops (link.py)."""
+        self._link = LinkWatch(self.sock, endpoint, SLICE_MS / 1000)
+
+    def ack_close(self) -> None:
+        """Tell the writer this reader has read its CLOSE (by dropping the hello topic)."""
+        topic, self.hello_topic = self.hello_topic, None
+        if topic is not None:
+            with zmq_errors("", ignore=True):  # closing anyway; on an error the writer sees the disconnect instead
+                self.sock.setsockopt(zmq.UNSUBSCRIBE, topic)
+
+    def close(self) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        self.sock.close(linger=0)
