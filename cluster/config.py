@@ -97,7 +97,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.node_replicas[0] if self.data_parallel_rank is None else self.data_parallel_rank
 
     def global_rank(self, rank: int, dp_rank: int | None = None) -> int:
-        """Rank `rank` of replica `dp_rank` (default: this one) in the world across DP ([DP][PP][PCP][TP])."""
+        """Rank `rank` of replica `dp_rank` (default: this one) in the world across DP (`[DP][PP][PCP][TP]`)."""
         return (self.dp_rank if dp_rank is None else dp_rank) * self.world_size + rank
 
     def node_ranks(self, node: int) -> list[int]:

@@ -74,15 +74,16 @@ class Histogram:
 
 
 class Call:
-    """One call in flight."""
+    """One call in flight: its method, start, the ranks it waits for and the replies read so far (the pipe's
+    reader of a call is one of these)."""
 
     __slots__ = ("name", "t0", "ranks", "got")
 
-    def __init__(self, name: str, ranks: list[int], got: dict[int, Any]) -> None:
+    def __init__(self, name: str, ranks: list[int]) -> None:
         self.name = name
         self.t0 = _perf()
         self.ranks = ranks
-        self.got = got  # the collector's: ranks drop out of `waiting` as their replies are read
+        self.got: dict[int, Any] = {}  # ranks drop out of `waiting` as their replies are read
 
 
 class RpcRecorder:
@@ -102,17 +103,19 @@ class RpcRecorder:
             h = self.hist[name] = Histogram()
         h.observe(seconds)
 
-    def begin(self, name: str, ranks: list[int], got: dict[int, Any]) -> Call:
-        call = Call(name, ranks, got)
+    def begin(self, call: Call) -> None:
         self.calls.append(call)
-        return call
 
     def end(self, call: Call, ok: bool) -> None:
         t = _perf()
-        try:
-            self.calls.remove(call)
-        except ValueError:
-            return
+        calls = self.calls
+        if calls and calls[-1] is call:  # the common case: the only call, or the newest
+            calls.pop()
+        else:
+            try:
+                calls.remove(call)
+            except ValueError:
+                return
         for r in call.got:
             self.last_reply[r] = t
         if not ok:

@@ -35,7 +35,7 @@ from typing import Any
 import cloudpickle
 
 from rayfree.transport import MessageQueue, QueueBroken, QueueClosed, QueueShutdown, QueueTimeout, TransportError
-from rayfree.worker.messages import RemoteError, is_special
+from rayfree.worker.messages import Boxed, RemoteError, is_special
 
 from .errors import FatalWorkerError, RpcTimeout, WorkerError, failed_as
 from .observe import Call, RpcRecorder
@@ -44,6 +44,8 @@ from .view import RpcSnapshot
 __all__ = ["RpcPipe", "RpcSnapshot", "FutureWrapper", "WaitExpired", "unwrap"]
 
 logger = logging.getLogger("rayfree.executor")
+
+_perf = time.perf_counter
 
 
 def unreadable_reply(rank: int, e: Exception) -> RemoteError:
@@ -93,6 +95,7 @@ class RpcPipe:
         spin_us: float | None,
     ) -> None:
         self.broadcast = broadcast
+        self._enqueue = broadcast.enqueue
         self.replies: list[MessageQueue] = []
         self.world_size = world_size
         self.collective_methods = collective_methods
@@ -175,16 +178,14 @@ class RpcPipe:
             collect = Collector(self, name, ranks, deadline, timeout, output_rank is not None)
             try:
                 # While the ring is full, read the replies of older calls: the workers may wait for that room.
-                self.broadcast.enqueue(
-                    (send, args, kwargs, output_rank), timeout, self._drain if self.futures else None
-                )
+                self._enqueue((send, args, kwargs, output_rank), timeout, self._drain if self.futures else None)
             except (QueueShutdown, QueueClosed):
-                self.recorder.end(collect.call, False)
+                self.recorder.end(collect, False)
                 if self.failure is None and not self.stopping:
                     self.failure_known.wait(1.0)  # a worker just left: the monitor names it within a second
                 raise self.failed() from None
             except BaseException as e:
-                self.recorder.end(collect.call, False)
+                self.recorder.end(collect, False)
                 raise self.map_failure(e, name, "sending it", timeout)  # noqa: B904 - map_failure sets the cause
             if not non_block and not self.futures:
                 # Nothing older is pending: read the replies here, without a Future.
@@ -270,74 +271,75 @@ def _same(x: Any) -> Any:
     return x
 
 
-class Collector:
-    """Reads one RPC's replies rank by rank; resumable when the caller's wait runs out first."""
+class Collector(Call):
+    """Reads one RPC's replies rank by rank; resumable when the caller's wait runs out first. It is the call's
+    entry in the pipe's record (status, stall reports, metrics) until it ends."""
 
-    __slots__ = ("pipe", "name", "ranks", "deadline", "timeout", "single", "got", "call")
+    __slots__ = ("pipe", "deadline", "timeout", "single")
 
     def __init__(
         self, pipe: RpcPipe, name: str, ranks: list[int], deadline: float | None, timeout: float | None, single: bool
     ) -> None:
-        self.pipe = pipe
         self.name = name
+        self.t0 = _perf()
         self.ranks = ranks
+        self.got: dict[int, Any] = {}
+        self.pipe = pipe
         self.deadline = deadline
         self.timeout = timeout
         self.single = single
-        self.got: dict[int, Any] = {}
-        #: this call in the pipe's record (status, stall reports, metrics) until it ends
-        self.call: Call = pipe.recorder.begin(name, ranks, self.got)
+        pipe.recorder.calls.append(self)  # (RpcRecorder.begin, without the call)
 
     def __call__(self, wait_deadline: float | None) -> Any:
+        pipe = self.pipe
+        got = self.got
         try:
-            out = self._collect(wait_deadline)
+            for rank in self.ranks:
+                if rank in got:
+                    continue
+                end = (
+                    self.deadline
+                    if wait_deadline is None
+                    else (wait_deadline if self.deadline is None else min(self.deadline, wait_deadline))
+                )
+                try:
+                    mq = pipe.replies[rank]
+                    if pipe.owed[rank]:
+                        self._drop_owed(rank, mq, end)
+                    got[rank] = mq.dequeue(None if end is None else max(0.0, end - time.monotonic()))
+                except QueueTimeout as e:
+                    if self.deadline is not None and time.monotonic() >= self.deadline:
+                        missing = [r for r in self.ranks if r not in got]
+                        raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout, missing)  # noqa: B904 - map_failure sets the cause
+                    raise WaitExpired() from None
+                except (TransportError, IndexError) as e:
+                    raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout)  # noqa: B904 - map_failure sets the cause
+                except Exception as e:  # read, but not understood here: that rank's answer is this error
+                    logger.error("RPC %s: the reply of rank %d could not be read: %s", self.name, rank, e)
+                    got[rank] = unreadable_reply(rank, e)
+                except BaseException as e:
+                    raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout, [rank])  # noqa: B904 - map_failure sets the cause
+            # Every expected reply is read (so none is left for the next call) before a failure is raised.
+            if self.single:
+                out = got[self.ranks[0]]
+                t = type(out)
+                if t is RemoteError or t is Boxed:
+                    out = unwrap(out, self.name, self.name in pipe.collective_methods)
+            else:
+                fatal = self.name in pipe.collective_methods
+                out = [unwrap(v, self.name, fatal) if is_special(v) else v for v in (got[r] for r in self.ranks)]
         except WaitExpired:
             raise
         except BaseException:
-            self.pipe.recorder.end(self.call, False)
+            pipe.recorder.end(self, False)
             raise
-        self.pipe.recorder.end(self.call, True)
+        pipe.recorder.end(self, True)
         return out
 
-    def _collect(self, wait_deadline: float | None) -> Any:
+    def _drop_owed(self, rank: int, mq: MessageQueue, end: float | None) -> None:
+        """Read and drop the late replies of calls that timed out: not ours."""
         pipe = self.pipe
-        got = self.got
-        for rank in self.ranks:
-            if rank in got:
-                continue
-            end = (
-                self.deadline
-                if wait_deadline is None
-                else (wait_deadline if self.deadline is None else min(self.deadline, wait_deadline))
-            )
-            try:
-                got[rank] = self._read(rank, end)
-            except QueueTimeout as e:
-                if self.deadline is not None and time.monotonic() >= self.deadline:
-                    missing = [r for r in self.ranks if r not in got]
-                    raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout, missing)  # noqa: B904 - map_failure sets the cause
-                raise WaitExpired() from None
-            except (TransportError, IndexError) as e:
-                raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout)  # noqa: B904 - map_failure sets the cause
-            except Exception as e:  # read, but not understood here: that rank's answer is this error
-                logger.error("RPC %s: the reply of rank %d could not be read: %s", self.name, rank, e)
-                got[rank] = unreadable_reply(rank, e)
-            except BaseException as e:
-                raise pipe.map_failure(e, self.name, "waiting for its replies", self.timeout, [rank])  # noqa: B904 - map_failure sets the cause
-        # Every expected reply is read (so none is left for the next call) before a failure is raised.
-        if self.single:
-            value = got[self.ranks[0]]
-            return unwrap(value, self.name, self.name in pipe.collective_methods) if is_special(value) else value
-        values = [got[r] for r in self.ranks]
-        for i, value in enumerate(values):
-            if is_special(value):
-                values[i] = unwrap(value, self.name, self.name in pipe.collective_methods)
-        return values
-
-    def _read(self, rank: int, end: float | None) -> Any:
-        pipe = self.pipe
-        mq = pipe.replies[rank]
-        while pipe.owed[rank]:  # a late reply to a call that timed out: not ours
+        while pipe.owed[rank]:
             try:
                 mq.dequeue(None if end is None else max(0.0, end - time.monotonic()))
             except TransportError:
@@ -345,7 +347,6 @@ class Collector:
             except Exception:  # noqa: BLE001 - unreadable, and dropped anyway
                 pass
             pipe.owed[rank] -= 1
-        return mq.dequeue(None if end is None else max(0.0, end - time.monotonic()))
 
 
 class WaitExpired(Exception):

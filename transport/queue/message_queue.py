@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from rayfree.transport.errors import QueueShutdown, TransportError
 from rayfree.transport.queue.handle import Handle
@@ -56,6 +56,8 @@ class MessageQueue:
     _w: QueueWriter | None
     _r: QueueReader | None
     _handle: Handle | None
+    _send: Callable[[Any, float | None, Callable[[], None] | None], None]
+    _recv: Callable[[float | None, bool], Any]
 
     def __init__(
         self,
@@ -202,6 +204,11 @@ class MessageQueue:
             assert self._r is not None
             self._r.handshake(deadline, timeout)
         self._ready = True
+        # the role's own call, looked up once (the methods of this facade stay what they are)
+        if self._w is not None:
+            self._send = self._w.enqueue
+        elif self._r is not None:
+            self._recv = self._r.receiver.recv
         self._usable = not self._shutdown
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -221,22 +228,20 @@ class MessageQueue:
     def enqueue(self, obj: Any, timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> None:
         """Send `obj` to every reader. Blocks while readers lag, up to `timeout` seconds (a negative one counts as
         0), calling `on_wait()` every few milliseconds meanwhile (the executor reads replies there)."""
-        w = self._w
-        if not self._usable or w is None:
-            if w is None:
-                raise RuntimeError(f"reader rank {self.rank} cannot enqueue: only the queue's writer sends")
-            self._check_usable()
-        w.enqueue(obj, timeout, on_wait)
+        if self._usable:
+            return self._send(obj, timeout, on_wait)
+        if self._w is None:
+            raise RuntimeError(f"reader rank {self.rank} cannot enqueue: only the queue's writer sends")
+        self._check_usable()  # raises: not ready yet, or shut down
 
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message. Waits up to `timeout` seconds (None: forever, logging
         every minute unless `indefinite`)."""
-        r = self._r
-        if not self._usable or r is None:
-            if r is None:
-                raise RuntimeError("the writer cannot dequeue: readers are made with create_from_handle()")
-            self._check_usable()
-        return r.receiver.recv(timeout, indefinite)
+        if self._usable:
+            return self._recv(timeout, indefinite)
+        if self._r is None:
+            raise RuntimeError("the writer cannot dequeue: readers are made with create_from_handle()")
+        self._check_usable()  # raises: not ready yet, or shut down
 
     # -- the end -----------------------------------------------------------------------------------
 
@@ -288,12 +293,12 @@ class MessageQueue:
         if self._closed:
             raise TransportError("this queue is closed")
 
-    def _check_usable(self) -> None:
+    def _check_usable(self) -> NoReturn:
+        """Why this queue cannot be used now (enqueue and dequeue call it only when it cannot)."""
         if self._shutdown:
             self._check_open()
             raise QueueShutdown("this queue was shut down")
-        if not self._ready:
-            raise RuntimeError("call wait_until_ready() on the writer and every reader before enqueue/dequeue")
+        raise RuntimeError("call wait_until_ready() on the writer and every reader before enqueue/dequeue")
 
     def __repr__(self) -> str:
         role = (

@@ -153,14 +153,7 @@ class QueueWriter:
     def enqueue(self, obj: Any, timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> None:
         """To every path: `try_send` first, `send` (waiting, up to `timeout`) only where a path lags."""
         frames = self._dumps(obj)
-        sizes = None
-        if self.max_message_bytes is not None:
-            sizes = frame_sizes(frames)
-            if sum(sizes) > self.max_message_bytes:
-                raise MessageTooLarge(
-                    f"message is {sum(sizes)} bytes, over this queue's max_message_bytes="
-                    f"{self.max_message_bytes}; nothing was sent"
-                )
+        sizes = None if self.max_message_bytes is None else self._sizes_within_limit(frames)
         deadline: float | None = None
         waited = False
         for s in self.senders:
@@ -168,6 +161,16 @@ class QueueWriter:
                 if not waited:
                     deadline, waited = deadline_of(timeout), True
                 s.send(frames, sizes, deadline, on_wait)
+
+    def _sizes_within_limit(self, frames: list[Any]) -> list[int]:
+        sizes = frame_sizes(frames)
+        assert self.max_message_bytes is not None
+        if sum(sizes) > self.max_message_bytes:
+            raise MessageTooLarge(
+                f"message is {sum(sizes)} bytes, over this queue's max_message_bytes="
+                f"{self.max_message_bytes}; nothing was sent"
+            )
+        return sizes
 
     def status(self) -> dict[str, Any]:
         """What a look from outside may see (another thread, racy by design): bytes per path, and the ring's

@@ -1,11 +1,11 @@
 """Sealing a queue's TCP messages once, for every subscriber: AES-256-GCM keyed from the cluster secret.
 
 CURVE (what ZeroMQ offers) encrypts a publisher's message once per
-subscriber, in ZeroMQ's single I/O thread: 4 readers cost 4 encryptions,
-and 32 MiB cost ~100 ms here. Instead the writer seals each message once
-(AES-GCM through `cryptography`, which uses the CPU's AES instructions:
-~10 GB/s here into warm memory) and publishes the sealed frames to every
-admitted subscriber; each reader opens it into its own buffers.
+subscriber, in ZeroMQ's single I/O thread: 4 readers cost 4 encryptions.
+Instead the writer seals each message once (AES-GCM through `cryptography`,
+which uses the CPU's AES instructions) and publishes the sealed frames to
+every admitted subscriber; each reader opens it into its own buffers
+(docs/benchmarks.md has the figures).
 
 Wire format of a sealed message: frame 0 is the header
 `MAGIC | u64 seq | u32 n | u64 length[n] | 16-byte tag`, frames 1..n the
@@ -76,8 +76,8 @@ _HEAD = struct.Struct("<4sQI")
 _HEAD_ONE1 = struct.Struct("<4sQIQ")  # a one-frame message of one frame: the commonest, packed in one call
 _TAG = 16
 _SMALL = 1 << 16  # frames below this get a plain bytearray; bigger ones a warm pooled buffer
-# A message smaller than this in all is sealed in one call over its joined frames (~1 us, where setting up a
-# streaming cipher costs ~10); the ciphertext and tag are the same either way (GCM over the concatenation).
+# A message smaller than this in all is sealed in one call over its joined frames (setting up a streaming
+# cipher costs several times more); the ciphertext and tag are the same either way (GCM over the concatenation).
 _ONE_SHOT = 1 << 16
 
 

@@ -1,8 +1,9 @@
 """Copy a big payload into shared memory with several cores.
 
-One core copies ~6 GB/s on a typical VM: 32 MiB then costs 5 ms, far more
-than everything else on the path. `ctypes.memmove` releases the GIL, so a
-few helper threads each copying a slice scale with memory bandwidth.
+One core's copy of a big payload costs far more than everything else on the
+path (docs/benchmarks.md, "Measurements behind the design"). `ctypes.memmove`
+releases the GIL, so a few helper threads each copying a slice scale with
+memory bandwidth.
 Knob: RAYFREE_COPY_THREADS (default: min(4, cores); 1 disables), read at the first big copy.
 """
 
@@ -38,8 +39,8 @@ class _Copy:
     """One copy cut into slices that the caller and the helpers take in turn.
 
     The caller starts at once and never waits for a helper that has not
-    started: a helper wakes ~50-100 us late on a virtual machine, which on a
-    3 ms copy is worth not waiting for.
+    started: a helper wakes late on a virtual machine, which on a copy of
+    milliseconds is worth not waiting for.
     """
 
     __slots__ = ("dst", "src", "n", "step", "slices", "next", "done", "lock", "finished")
@@ -121,8 +122,8 @@ def copy_into(dst: memoryview, dst_addr: int, off: int, src: memoryview) -> None
 # semantics: a TP rank that changes its input in place must not change its
 # peers'), so the ring's chunks are free the moment a message is read, however
 # long the caller keeps the tensor. Copying into fresh memory is mostly page
-# faults: measured here, 32 MiB into a new buffer 19-20 ms, into memory that was
-# used before 3 ms (1.5 ms on two cores). So a buffer goes back to this pool
+# faults (several times the copy into memory used before: docs/benchmarks.md).
+# So a buffer goes back to this pool
 # when the caller has dropped the last tensor or view built on it (a weakref
 # on the ctypes object the views hang from), and the next message of that size
 # class gets it warm. What the caller keeps is never handed out again; the pool

@@ -95,12 +95,16 @@ class RingWriter:
     def put_one(self, data: bytes) -> int:
         """Publish `data` as a one-frame, one-chunk message if the next chunk is free: the hot path of every
         small message, the only code that writes one. 0: not written (the chunk is held, or `data` is too long:
-        use try_reserve/commit); 1: published; 2: published, and some reader is parked (wake it)."""
+        use try_reserve/commit); 1: published; 2: published, and some reader is parked (wake it).
+
+        With one reader (every reply queue) its flag and parked bytes are read and written as bytes, not
+        slices: the three places marked `single` are the only difference."""
         c = self.idx
         b = self._b
         fo = self._flag_offs[c]
         n = len(data)
-        if n > self.one_max or (b[fo] and b[fo + 1 : fo + self._row] != self._all_read):
+        single = self._single
+        if n > self.one_max or (b[fo] and (b[fo + 1] != 1 if single else b[fo + 1 : fo + self._row] != self._all_read)):
             return 0
         base = self._chunk_offs[c]
         ONE.pack_into(b, base, KIND_DATA, 1, 1, n)
@@ -108,11 +112,17 @@ class RingWriter:
         if self._order:  # fence: the payload before the flags
             _acquire()
             _release()
-        b[fo : fo + self._row] = self._fresh
+        if single:
+            b[fo + 1] = 0
+            b[fo] = 1
+        else:
+            b[fo : fo + self._row] = self._fresh
         c += 1
         self.idx = 0 if c == self._n_chunks else c
         _acquire()  # fence: the flags before the look at the parked bytes
         _release()
+        if single:
+            return 2 if b[READER_PARKED] else 1
         return 2 if b[self._parked] != self._no_parked else 1
 
     def span_for(self, nbytes: int) -> int:

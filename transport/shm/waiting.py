@@ -7,9 +7,9 @@ request/reply loop stays on the fast path and a paced or idle reader sleeps.
 
 A parked waiter blocks reading its own FIFO (`WakePipe`); a notifier writes
 one byte to it. A pipe rather than a futex because a pipe write is a *sync*
-wake-up, which the scheduler may serve on the waker's core (measured here on
-a 2-vCPU VM: a paced futex round trip 150-185 us, a pipe one 91-103 us), and
-it works on every POSIX system.
+wake-up, which the scheduler may serve on the waker's core (a paced round
+trip takes about half as long as with a futex: docs/benchmarks.md), and it
+works on every POSIX system.
 
 The protocol that makes parking safe: the waiter sets its `parked` byte,
 fences, re-checks its condition, and only then blocks; the notifier
@@ -33,12 +33,10 @@ __all__ = ["SpinPolicy", "spin", "fence", "WakePipe", "sched_yield", "yield_inte
 T = TypeVar("T")
 
 # A spinner yields the core now and then so that, with more spinning processes
-# than cores, the one that must act next still runs. Measured on 2 cores
-# (round trip, p50): 1 writer + 2 readers 13-17 us yielding every ~50 us of
-# spinning, 30-50 us yielding every few us; 1 writer + 4 readers the other way
-# round, 42-60 us yielding at every clock check, 55-110 us every ~50 us. So:
-# every YIELD_US of spinning, or at every check once a ring has at least twice
-# as many processes as there are cores.
+# than cores, the one that must act next still runs. Which interval wins depends
+# on how crowded the cores are (docs/benchmarks.md): so, every YIELD_US of
+# spinning, or at every check once a ring has at least twice as many processes
+# as there are cores.
 _CORES = os.cpu_count() or 1
 _crowded = False
 

@@ -9,8 +9,7 @@ DONTNEED), and whatever is malloced there next faults its pages in afresh.
 A sealed queue's big messages arrive as 1 MiB segments (aead.py), several in
 flight at once, so a reader's thresholds settle at 1 and 2 MiB, its I/O
 thread's arena is trimmed every few messages, and the next segments fault
-again: 30-160 page faults a 4 MiB message here and about 1 ms of a reader's
-CPU, more than opening it costs. A process with a remote reader therefore
+again, costing a reader more CPU than opening them does (docs/benchmarks.md). A process with a remote reader therefore
 starts where glibc's dynamic rule ends after it frees a single 32 MiB block
 (mmap threshold 32 MiB, trim threshold 64 MiB), and stays there. Nothing
 changes for a user who tunes malloc through the environment, for

@@ -23,10 +23,8 @@ COLLECTIVE_METHODS = ["execute_model", "sample_tokens", "execute_dummy_batch", "
 #: The spin cap for vLLM (unless RAYFREE_SPIN_US says otherwise): about one engine step. vLLM's steps take
 #: milliseconds (tens of them across nodes), far above rayfree's default 200 us cap, so with that cap the
 #: waiting workers and the engine parked during every step and each step paid the wake-ups; vLLM's own
-#: queues spin without any cap. Measured with bench/vllm.py on 2 cores, TP=2: one node 1849 tokens/s at
-#: 200 us, 3093 at 2 ms, 2752-3024 at 20 ms (vLLM's mp 2538-2821); two nodes, the per-step time outside
-#: the model 1185 us at 2 ms vs 1006 us at 20 ms (mp 1005-1254). The spin still adapts (at most 4x the
-#: recent waits); lower the cap to give cores back to other work.
+#: queues spin without any cap (bench/vllm.py's figures per cap: docs/benchmarks.md). The spin still adapts
+#: (at most 4x the recent waits); lower the cap to give cores back to other work.
 VLLM_SPIN_US = 20000.0
 #: Stall reports for vLLM (unless RAYFREE_STALL_REPORT_S / RAYFREE_STALL_DUMP_S say otherwise): vLLM warns
 #: about a stuck broadcast after 60 s, and its start-up calls (profiling, compilation, warm-up) legitimately
