@@ -373,7 +373,8 @@ def ctypes_buffer(obj):
 def seal_open_ms(obj) -> tuple[float, float]:
     """Sealing the payload once and opening it once with the queue's AEAD, the way the queue does it (one
     message, or segments from SEG_MIN on), warm buffers, in ms."""
-    from rayfree.transport.secure.aead import Opener, Sealer
+    from rayfree.transport.secure.aead import Sealer
+    from rayfree.transport.secure.opener import Opener
 
     key, qid = os.urandom(32), os.urandom(16)
     frames = [memoryview(ctypes_buffer(obj)).cast("B")]

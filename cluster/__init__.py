@@ -16,6 +16,7 @@ if __name__ != "rayfree.cluster":  # the repository's folder imported as a top-l
 
 
 from . import pg_queues  # attaches MessageQueue.create_from_process_group(...)
-from .config import ClusterConfig, ConfigError, ParallelConfig, load_config
+from .config import ClusterConfig, ConfigError, ParallelConfig
+from .loading import load_config
 
 __all__ = ["ClusterConfig", "ParallelConfig", "ConfigError", "load_config", "pg_queues"]

@@ -16,6 +16,7 @@ Liveness is only enforced once `arm()` is called (when the executor is ready):
 before that, start-up may legitimately take minutes (model load), and the
 workers' own join timeout bounds it. The sockets are the transport's
 `ControlSocket`s (transport/zmq/control.py): this module never holds a socket.
+This module has the messages and node 0's side; a follower's is heartbeat_client.py.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import msgspec
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
-__all__ = ["Beat", "Bye", "StatusQuery", "HeartbeatServer", "HeartbeatClient", "query_status"]
+__all__ = ["Beat", "Bye", "StatusQuery", "HeartbeatServer"]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -295,140 +296,3 @@ class HeartbeatServer(_Beater):
         for peer in self.peers.values():
             if peer.identity is not None and not peer.gone:
                 sock.send_quietly([peer.identity, _encode(self._bye)])
-
-
-class HeartbeatClient(_Beater):
-    """On a follower: beats toward the leader; reports the leader lost, or gone on purpose (`Bye`)."""
-
-    def __init__(
-        self,
-        master_addr: str,
-        port: int,
-        node_rank: int,
-        ranks: list[int],
-        ip: str,
-        interval: float,
-        timeout: float,
-        on_lost: Callable[[str], None],
-        on_bye: ByeCallback,
-    ) -> None:
-        super().__init__(interval, timeout, "RayfreeHeartbeatClient")
-        self.endpoint = tcp_endpoint(master_addr, port)
-        self.node_rank = node_rank
-        self.ranks = ranks
-        self.ip = ip
-        self.on_lost = on_lost
-        self.on_bye = on_bye
-        self.contact = threading.Event()
-        self.last_reply: float | None = None
-        #: carried by every beat from now on (see Beat.done)
-        self.done = False
-        #: this node's status for node 0 (set by the layer above), sent with every beat
-        self.status_fn: Callable[[], bytes] | None = None
-        #: round trips of beats to node 0: the last one, and their count and sum (seconds)
-        self.rtt_s: float | None = None
-        self.rtt_count = 0
-        self.rtt_sum = 0.0
-        self._sent_at = 0.0
-        self._sock = ControlSocket.connect(self.endpoint)
-        self._thread.start()
-
-    def _run(self) -> None:
-        sock = self._sock
-        poll_ms = int(min(self.interval, 0.1) * 1000)
-        pid = os.getpid()
-        seq = 0
-        next_beat = 0.0
-        started = next_log = time.monotonic()
-        next_log += WAIT_LOG_S
-        sock.watch()
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if now >= next_beat:
-                    seq += 1
-                    if sock.try_send(
-                        [_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status()))]
-                    ):
-                        self._sent_at = time.monotonic()
-                    # (else not connected yet, or the link is down: the timeout decides)
-                    next_beat = now + self.interval
-                for frames in self._receive(sock, poll_ms):
-                    if len(frames) == 1 and self._on_message(frames[0]):
-                        return
-                now = time.monotonic()
-                if not self.contact.is_set() and now >= next_log:
-                    logger.warning(
-                        "node %d: still waiting for the leader (node 0) to answer at %s after %.0fs; "
-                        "is node 0 started, and is that port reachable from here?",
-                        self.node_rank,
-                        self.endpoint,
-                        now - started,
-                    )
-                    next_log = now + WAIT_LOG_S
-                if self.armed_at is not None:
-                    silent = self._silent(self.last_reply, now)
-                    if silent is not None:
-                        why = f"the leader at {self.endpoint}: {silent}"
-                        logger.error("node %d: leader lost: %s", self.node_rank, why)
-                        self.on_lost(why)
-                        return
-            if self._bye is not None:
-                sock.send_quietly([_encode(self._bye)])
-        finally:
-            sock.close(_BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
-
-    def _status(self) -> bytes:
-        if self.status_fn is None:
-            return b""
-        try:
-            status = self.status_fn()
-        except Exception:  # noqa: BLE001 - a status must never stop the heartbeats
-            logger.debug("heartbeat: could not build this node's status", exc_info=True)
-            return b""
-        if len(status) > STATUS_MAX_BYTES:
-            self._dropped(
-                f"this node's status ({len(status)} bytes, over {STATUS_MAX_BYTES}): node 0 shows "
-                f"only what its heartbeats say"
-            )
-            return b""
-        return status
-
-    def _on_message(self, payload: bytes) -> bool:
-        """True when the leader said goodbye."""
-        try:
-            msg = _decode(payload)
-        except msgspec.DecodeError as e:
-            self._dropped(f"an unreadable message from the leader ({e})")
-            return False
-        if isinstance(msg, Bye):
-            logger.info("node %d: the leader stopped (%s)", self.node_rank, msg.reason)
-            self.on_bye(msg.node_rank, msg.clean, msg.reason)
-            return True
-        self.last_reply = time.monotonic()
-        if self._sent_at:
-            self.rtt_s = self.last_reply - self._sent_at
-            self.rtt_count += 1
-            self.rtt_sum += self.rtt_s
-            self._sent_at = 0.0
-        if not self.contact.is_set():
-            logger.info("node %d: the leader answers at %s", self.node_rank, self.endpoint)
-            self.contact.set()
-        return False
-
-
-def query_status(master_addr: str, port: int, timeout: float) -> bytes:
-    """Node 0's answer to a StatusQuery at master_addr:port (authenticated like every heartbeat); TimeoutError
-    if none comes within `timeout` seconds."""
-    sock = ControlSocket.connect(tcp_endpoint(master_addr, port), maxmsgsize=64 << 20)
-    try:
-        reply = sock.request(_encode(StatusQuery()), timeout)
-        if reply is None:
-            raise TimeoutError(
-                f"node 0 did not answer at {tcp_endpoint(master_addr, port)} within {timeout:.0f}s: "
-                f"is the cluster running, is that its heartbeat port (master_port + 1, or "
-                f"heartbeat_port), and does this machine hold the cluster's secret?"
-            )
-        return reply
-    finally:
-        sock.close()

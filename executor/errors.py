@@ -9,6 +9,10 @@ or later call raises: the same class, with the call named in the message.
 
 from __future__ import annotations
 
+from typing import Any
+
+from rayfree.worker.messages import RemoteError
+
 __all__ = [
     "ExecutorError",
     "WorkerError",
@@ -143,3 +147,37 @@ def failed_as(failure: BaseException | None, message: str) -> ExecutorFailed:
     out.__dict__.update(getattr(failure, "__dict__", {}))
     out.__cause__ = failure
     return out
+
+
+# -- a rank's reply, as the caller's result or error ------------------------------------------------
+
+
+def unreadable_reply(rank: int, e: Exception) -> RemoteError:
+    return RemoteError(
+        rank,
+        type(e).__name__,
+        f"its reply arrived but could not be read here: {e}",
+        "(raised while unpickling the reply in the calling process)",
+    )
+
+
+def unwrap_error(r: RemoteError, name: str, fatal: bool = False) -> WorkerError:
+    """The caller's error for a rank's exception; in a collective step (`fatal`) that also failed the executor,
+    a FatalWorkerError, whichever of the reply and the rank's fatal report came first."""
+    if fatal:
+        return FatalWorkerError(
+            r.rank,
+            r.error_type,
+            r.message,
+            r.traceback,
+            name,
+            note="a collective step: the executor has stopped every worker",
+        )
+    return WorkerError(r.rank, r.error_type, r.message, r.traceback, name)
+
+
+def unwrap(value: Any, name: str, fatal: bool = False) -> Any:
+    """A RemoteError reply becomes the caller's WorkerError; a Boxed one gives back its value."""
+    if type(value) is RemoteError:
+        raise unwrap_error(value, name, fatal)
+    return value.value

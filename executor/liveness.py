@@ -24,7 +24,8 @@ import threading
 import weakref
 
 from rayfree.cluster.config import ClusterConfig
-from rayfree.cluster.heartbeat import Bye, HeartbeatClient, HeartbeatServer
+from rayfree.cluster.heartbeat import Bye, HeartbeatServer
+from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
 

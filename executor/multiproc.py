@@ -1,18 +1,11 @@
 """`MultiprocExecutor`: one worker process per local rank, RPCs through the broadcast queue.
 
-The leader (node_rank_within_dp 0) creates the broadcast queue, spawns its
-local workers and reads every rank's replies; a follower node runs the same
-class headless: it spawns its workers and watches them, but broadcasts
-nothing. Start-up: spawn every local worker, then wait for all READYs, then
-the queue handshakes in the order the workers do them (broadcast first, then
-each reply queue). A monitor thread watches the worker processes: one dying
-fails every pending and later call within a second, naming the rank.
-
-Across nodes, the leader and each follower exchange heartbeats
-(cluster/heartbeat.py): a follower that falls silent fails the leader's calls
-within `heartbeat_timeout_s`, naming the node; a follower whose leader falls
-silent (or fails) stops its workers. A clean stop on either side says goodbye
-first, so the other side stops too instead of waiting for a timeout.
+The leader (node_rank_within_dp 0) owns the RPC pipe (rpc.py) and reads every
+rank's replies; a follower node runs the same class headless: it spawns its
+workers and watches them. This module keeps the order of start-up (spawn, all
+READYs, then the queue handshakes as the workers do them), the failure policy
+(a worker's death, a collective step's exception, a lost node: docs'
+architecture page, "Fault model") and the staged shutdown.
 """
 
 from __future__ import annotations
@@ -20,34 +13,30 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 
-from rayfree.cluster.config import ClusterConfig, ConfigError, require_config
-from rayfree.transport import MessageQueue, get_ip, get_open_port
+from rayfree.cluster.config import ClusterConfig, require_config
+from rayfree.transport import MessageQueue
 from rayfree.transport.secure import policy as security
-from rayfree.transport.secure.policy import require_secret
 from rayfree.worker.messages import Fatal
-from rayfree.worker.proc import check_worker_path
 
 from .abstract import Executor
-from .errors import FatalWorkerError, LeaderLost, NodeLost, NotLeaderError, WorkerDied, WorkerStartupError, failed_as
+from .errors import FatalWorkerError, LeaderLost, NodeLost, NotLeaderError, WorkerDied, failed_as
 from .liveness import NodeLiveness
 from .observe import StallWatch
 from .peers import peer_gone
 from .rpc import RpcPipe
+from .startup import broadcast_queue, init_method, preflight, weak_callback
 from .view import RpcSnapshot
 from .workers import WorkerGroup, WorkerHandle, exit_description
 
 __all__ = ["MultiprocExecutor"]
 
 logger = logging.getLogger("rayfree.executor")
-
-_perf = time.perf_counter
 
 
 class MultiprocExecutor(Executor):
@@ -99,7 +88,6 @@ class MultiprocExecutor(Executor):
         self._shutdown_done = threading.Event()
         #: set once the executor has shut down (vLLM's name)
         self.shutdown_event = self._shutdown_done
-        self._failure_known = threading.Event()
         self._started = False
         self.group: WorkerGroup | None = None
         #: the leader's queues and calls (None on a follower, and before start-up has made them)
@@ -122,23 +110,12 @@ class MultiprocExecutor(Executor):
         self.is_leader = par.node_rank_within_dp == 0
         #: this executor's DP replica (its workers' ranks are 0..world_size-1 within it)
         self.dp_rank = par.dp_rank
-        multi_node = par.nnodes_within_dp > 1  # this replica spans nodes
-        if par.nnodes > 1 or par.data_parallel_size > 1:  # one world for every replica
-            distributed_init_method = f"tcp://{par.master_addr}:{par.master_port or 29500}"
-        else:
-            distributed_init_method = f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}"
         #: where the workers join torch.distributed (tcp://host:port)
-        self.distributed_init_method = distributed_init_method
+        self.distributed_init_method = init_method(self.config)
         worker_cls = self.worker_cls if isinstance(self.worker_cls, str) else cloudpickle.dumps(self.worker_cls)
         success = False
         try:
-            if isinstance(self.worker_cls, str):
-                try:
-                    check_worker_path(self.worker_cls)  # one error here, not one traceback per worker
-                except ConfigError as e:
-                    raise WorkerStartupError(f"{e} (refused before starting any worker)") from None
-            if par.nnodes > 1:
-                require_secret(f"a cluster of {par.nnodes} nodes")  # before anything starts
+            preflight(self.config, self.worker_cls)
             if self.liveness is None:
                 if par.nnodes > 1 and par.replicas_per_node > 1:
                     raise ValueError(
@@ -149,17 +126,12 @@ class MultiprocExecutor(Executor):
             self.liveness.attach(self)
             handle = None
             if self.is_leader:
-                connect_ip = get_ip(peer=par.master_addr) if multi_node else "127.0.0.1"
-                n_local = 0 if self.config.force_remote and not multi_node else self.local_world_size
-                broadcast = MessageQueue(
-                    self.world_size, n_local, list(range(n_local)), connect_ip=connect_ip, spin_us=self.config.spin_us
-                )
-                interrupted = weakref.WeakMethod(self._interrupted)  # the pipe must not keep us alive
+                broadcast = broadcast_queue(self.config)
                 self.pipe = RpcPipe(
                     broadcast,
                     self.world_size,
                     frozenset(self.config.collective_methods),
-                    lambda f: bool((m := interrupted()) and m(f)),
+                    weak_callback(self._interrupted),  # the pipe must not keep us alive
                     self.config.spin_us,
                 )
                 self.pipe.recorder.histograms = self._latencies
@@ -170,28 +142,17 @@ class MultiprocExecutor(Executor):
                 worker_cls,
                 self.worker_kwargs,
                 list(range(start, start + self.local_world_size)),
-                distributed_init_method,
+                self.distributed_init_method,
                 handle,
+                on_ready=weak_callback(self._on_worker_ready) if self.pipe is not None else None,
             )
             if self.is_failed:  # failed while spawning (another node, a replica): `_fail` found no group to wake
                 self.group.abort()
             self.group.wait_ready(self.config.ready_timeout_s)
-            if self.monitor_workers:
-                on_death = weakref.WeakMethod(self._on_worker_death)  # the monitor must not keep us alive
-                on_fatal = weakref.WeakMethod(self._on_worker_fatal)
-
-                def death(w: WorkerHandle) -> None:
-                    if (m := on_death()) is not None:
-                        m(w)
-
-                def fatal(w: WorkerHandle, msg: Fatal) -> None:
-                    if (m := on_fatal()) is not None:
-                        m(w, msg)
-
-                self.group.start_monitor(death, fatal)
+            if self.monitor_workers:  # (the monitor must not keep us alive)
+                self.group.start_monitor(weak_callback(self._on_worker_death), weak_callback(self._on_worker_fatal))
             self.liveness.ready()
             if self.pipe is not None:
-                self.pipe.attach_replies(self.group.reply_handles(self.world_size))
                 self.pipe.handshake(self.config.ready_timeout_s)
                 self._stall = StallWatch(self, self.config.stall_report_s, self.config.stall_dump_s)
             self._started = True
@@ -218,6 +179,10 @@ class MultiprocExecutor(Executor):
         finally:
             if not success:
                 self.shutdown()
+
+    def _on_worker_ready(self, w: WorkerHandle) -> None:
+        assert self.pipe is not None and self.group is not None
+        self.pipe.attach_replies(w.rank, w.reply_handle, w.peer_reply_handles, self.group.ranks)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -246,7 +211,7 @@ class MultiprocExecutor(Executor):
         return [self.response_mqs[unique_reply_rank]]
 
     @classmethod
-    def supports_async_scheduling(cls) -> bool:
+    def supports_async_scheduling(cls) -> bool:  # (vLLM's question)
         return True
 
     @property
@@ -303,12 +268,9 @@ class MultiprocExecutor(Executor):
         if lv is not None and lv.verdict_s() and peer_gone(msg.error_type, msg.message):
             # A rank on another node that died shows up here first, as a collective's connection error; the
             # heartbeats name that node within their suspect window, and that is the cause to report.
+            what = f"{w.describe()}: {msg.error_type} in {msg.method}"
             logger.info(
-                "%s: %s in %s looks like a lost peer; waiting up to %.1fs for the heartbeats' verdict",
-                w.describe(),
-                msg.error_type,
-                msg.method,
-                lv.verdict_s(),
+                "%s looks like a lost peer; waiting up to %.1fs for the heartbeats' verdict", what, lv.verdict_s()
             )
             lv.settled.wait(lv.verdict_s())
             if self.shutting_down or self.is_failed:
@@ -317,16 +279,8 @@ class MultiprocExecutor(Executor):
             "%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type, msg.method
         )
         self._fast_stop = True
-        self._fail(
-            FatalWorkerError(
-                msg.rank,
-                msg.error_type,
-                msg.message,
-                msg.traceback,
-                msg.method,
-                note="a collective step: the executor has stopped every worker",
-            )
-        )
+        note = "a collective step: the executor has stopped every worker"
+        self._fail(FatalWorkerError(msg.rank, msg.error_type, msg.message, msg.traceback, msg.method, note=note))
 
     def _fail(self, error: Exception) -> None:
         """Mark failed, wake every pending call with `error`, shut down, fire the callback once."""
@@ -335,7 +289,6 @@ class MultiprocExecutor(Executor):
                 return
             self._failure = error
             self.is_failed = True
-        self._failure_known.set()
         if self.pipe is not None:  # blocked sends and receives return now
             self.pipe.fail(error)
         if self._started:

@@ -37,46 +37,15 @@ import cloudpickle
 from rayfree.transport import MessageQueue, QueueBroken, QueueClosed, QueueShutdown, QueueTimeout, TransportError
 from rayfree.worker.messages import Boxed, RemoteError, is_special
 
-from .errors import FatalWorkerError, RpcTimeout, WorkerError, failed_as
+from .errors import RpcTimeout, failed_as, unreadable_reply, unwrap, unwrap_error
 from .observe import Call, RpcRecorder
 from .view import RpcSnapshot
 
-__all__ = ["RpcPipe", "RpcSnapshot", "FutureWrapper", "WaitExpired", "unwrap"]
+__all__ = ["RpcPipe", "FutureWrapper", "WaitExpired"]
 
 logger = logging.getLogger("rayfree.executor")
 
 _perf = time.perf_counter
-
-
-def unreadable_reply(rank: int, e: Exception) -> RemoteError:
-    return RemoteError(
-        rank,
-        type(e).__name__,
-        f"its reply arrived but could not be read here: {e}",
-        "(raised while unpickling the reply in the calling process)",
-    )
-
-
-def unwrap_error(r: RemoteError, name: str, fatal: bool = False) -> WorkerError:
-    """The caller's error for a rank's exception; in a collective step (`fatal`) that also failed the executor,
-    a FatalWorkerError, whichever of the reply and the rank's fatal report came first."""
-    if fatal:
-        return FatalWorkerError(
-            r.rank,
-            r.error_type,
-            r.message,
-            r.traceback,
-            name,
-            note="a collective step: the executor has stopped every worker",
-        )
-    return WorkerError(r.rank, r.error_type, r.message, r.traceback, name)
-
-
-def unwrap(value: Any, name: str, fatal: bool = False) -> Any:
-    """A RemoteError reply becomes the caller's WorkerError; a Boxed one gives back its value."""
-    if type(value) is RemoteError:
-        raise unwrap_error(value, name, fatal)
-    return value.value
 
 
 class RpcPipe:
@@ -91,12 +60,13 @@ class RpcPipe:
         broadcast: MessageQueue,
         world_size: int,
         collective_methods: frozenset[str],
-        on_interrupted: Callable[[Exception], bool],
+        on_interrupted: Callable[[Exception], None],
         spin_us: float | None,
     ) -> None:
         self.broadcast = broadcast
         self._enqueue = broadcast.enqueue
         self.replies: list[MessageQueue] = []
+        self._attached: dict[int, MessageQueue] = {}
         self.world_size = world_size
         self.collective_methods = collective_methods
         self.lock = threading.RLock()
@@ -113,13 +83,19 @@ class RpcPipe:
 
     # -- set-up and the end ------------------------------------------------------------------
 
-    def attach_replies(self, handles: list[bytes]) -> None:
-        """Become the reader of each rank's reply queue (handles by rank, from the workers' READY)."""
-        for raw in handles:
-            self.replies.append(MessageQueue.create_from_handle(raw, 0, spin_us=self._spin_us))
+    def attach_replies(self, rank: int, handle: bytes | None, peers: list[bytes], local: list[int]) -> None:
+        """At a worker's READY: become the reader of its reply queue and (worker 0 of a replica across nodes)
+        of the other nodes' ranks' queues, whose handles its READY carries."""
+        for r, raw in [(rank, handle), *((p, h) for p, h in enumerate(peers) if p not in local)]:
+            if raw and r not in self._attached:
+                self._attached[r] = MessageQueue.create_from_handle(raw, 0, spin_us=self._spin_us)
 
     def handshake(self, timeout: float | None) -> None:
-        """The order the workers do it in: the broadcast queue, then the reply queues."""
+        """The order the workers do it in: the broadcast queue, then the reply queues (by rank)."""
+        missing = [r for r in range(self.world_size) if r not in self._attached]
+        if missing:
+            raise RuntimeError(f"no reply queue for rank(s) {missing}: their workers' READY did not name one")
+        self.replies = [self._attached[r] for r in range(self.world_size)]
         self.broadcast.wait_until_ready(timeout=timeout)
         for mq in self.replies:
             mq.wait_until_ready(timeout=timeout)
@@ -131,11 +107,11 @@ class RpcPipe:
             self.failure_known.set()
         else:
             self.stopping = True
-        for mq in (self.broadcast, *self.replies):
+        for mq in (self.broadcast, *self._attached.values()):
             mq.shutdown()
 
     def close(self) -> None:
-        for mq in (self.broadcast, *self.replies):
+        for mq in (self.broadcast, *self._attached.values()):
             mq.close(flush_timeout=0)  # remote workers are stopped by their own node, not by CLOSE
 
     def snapshot(self) -> RpcSnapshot:

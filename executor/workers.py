@@ -137,9 +137,12 @@ class WorkerGroup:
         ranks: list[int],
         distributed_init_method: str,
         broadcast_handle: bytes | None,
+        on_ready: Callable[[WorkerHandle], None] | None = None,
     ) -> None:
         self.config = config
         self.ranks = list(ranks)
+        #: told of each worker at its READY (the leader attaches to its reply queue then, while it surely exists)
+        self.on_ready = on_ready
         self.workers: list[WorkerHandle] = []
         self._monitor_wake: tuple[Connection, Connection] | None = None
         self._closed = False
@@ -255,6 +258,8 @@ class WorkerGroup:
             self._close_status(w)
             raise WorkerStartupError(f"{w.describe()} sent {type(msg).__name__} before READY", w.rank)
         w.reply_handle, w.peer_reply_handles = msg.response_handle, list(msg.peer_response_handles)
+        if self.on_ready is not None:
+            self.on_ready(w)
 
     @staticmethod
     def _close_status(w: WorkerHandle) -> None:
@@ -269,17 +274,6 @@ class WorkerGroup:
             removed = remove_entries_of({w.proc.pid})
             if removed:
                 logger.info("removed what %s left behind: %s", w.describe(), ", ".join(removed))
-
-    def reply_handles(self, world_size: int) -> list[bytes]:
-        """Every rank's reply queue handle, by rank: local workers' own, the others' through worker 0's READY
-        (the leader's RPC pipe reads them; a follower attaches to none, their one reader is the leader)."""
-        by_rank = {w.rank: w for w in self.workers}
-        out = []
-        for r in range(world_size):
-            raw = by_rank[r].reply_handle if r in by_rank else self.workers[0].peer_reply_handles[r]
-            assert raw, f"no reply queue for rank {r}"
-            out.append(raw)
-        return out
 
     def start_monitor(
         self, on_death: Callable[[WorkerHandle], None], on_fatal: Callable[[WorkerHandle, Fatal], None]

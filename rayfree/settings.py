@@ -2,9 +2,9 @@
 
 Values are read from the environment when a component is built (`get`), not at
 import, so a test or an engine that sets one before building a queue or an
-executor is heard. The README's settings table is checked against `TABLE`.
+executor is heard. The docs' settings page is generated from `TABLE`.
 The cluster's shape and timeouts (RAYFREE_<ClusterConfig field>) are read by
-`rayfree.cluster.config.load_config`, not here.
+`rayfree.cluster.loading.load_config`, not here.
 """
 
 from __future__ import annotations

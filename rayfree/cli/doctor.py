@@ -15,7 +15,8 @@ import sys
 from dataclasses import dataclass
 
 from rayfree import settings
-from rayfree.cluster.config import ClusterConfig, ConfigError, load_config
+from rayfree.cluster.config import ClusterConfig, ConfigError
+from rayfree.cluster.loading import load_config
 from rayfree.transport.secure.policy import SecretError
 
 __all__ = ["run_doctor", "Check", "diagnose"]

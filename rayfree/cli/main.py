@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="only the checks that take no network action (for a container healthcheck)"
     )
     doc.add_argument("--fix", action="store_true", help="remove stale segments without asking")
-    from rayfree.cluster.config import add_config_arguments
+    from rayfree.cluster.loading import add_config_arguments
 
     add_config_arguments(doc)
     add_security_arguments(doc)

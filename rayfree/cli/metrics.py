@@ -102,7 +102,8 @@ class _Collector:
     def _heartbeats(self, node: str) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 
-        from rayfree.cluster.heartbeat import HeartbeatClient, HeartbeatServer
+        from rayfree.cluster.heartbeat import HeartbeatServer
+        from rayfree.cluster.heartbeat_client import HeartbeatClient
 
         lv = self.liveness
         failed = GaugeMetricFamily("rayfree_cluster_failed", "1 once this node's cluster has failed", labels=["node"])

@@ -31,7 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rayfree import logs
-from rayfree.cluster.config import ClusterConfig, ConfigError, add_config_arguments, load_config
+from rayfree.cluster.config import ClusterConfig, ConfigError
+from rayfree.cluster.loading import add_config_arguments, load_config
 from rayfree.imports import load_object
 from rayfree.transport.errors import TransportError
 

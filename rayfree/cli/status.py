@@ -19,8 +19,9 @@ __all__ = ["run_status", "format_status"]
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from rayfree.cluster.config import ConfigError, load_config
-    from rayfree.cluster.heartbeat import query_status
+    from rayfree.cluster.config import ConfigError
+    from rayfree.cluster.heartbeat_client import query_status
+    from rayfree.cluster.loading import load_config
     from rayfree.executor.status import decode_cluster
     from rayfree.transport.errors import TransportError
 

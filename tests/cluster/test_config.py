@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig, load_config
+from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
+from rayfree.cluster.loading import load_config
 
 
 def test_derived_values() -> None:

@@ -122,3 +122,13 @@ def test_nothing_reaches_into_a_room_from_outside_it() -> None:
                 line = text[: m.start()].count("\n") + 1
                 bad.append(f"{rel}:{line} reaches {what}: {m.group(0).strip()}")
     assert not bad, "\n".join(bad)
+
+
+def test_no_module_is_over_400_lines() -> None:
+    long = {}
+    for path in _modules().values():
+        with open(path) as f:
+            n = sum(1 for _ in f)
+        if n > 400:
+            long[os.path.relpath(path, ROOT)] = n
+    assert not long, long

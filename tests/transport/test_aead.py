@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from rayfree.transport.secure.aead import SEG_MIN, SEG_SIZE, Opener, Sealer, plan
+from rayfree.transport.secure.aead import SEG_MIN, SEG_SIZE, Sealer, plan
+from rayfree.transport.secure.opener import Opener
 
 KIB, MIB = 1 << 10, 1 << 20
 

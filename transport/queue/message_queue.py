@@ -228,7 +228,7 @@ class MessageQueue:
     def enqueue(self, obj: Any, timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> None:
         """Send `obj` to every reader. Blocks while readers lag, up to `timeout` seconds (a negative one counts as
         0), calling `on_wait()` every few milliseconds meanwhile (the executor reads replies there)."""
-        if self._usable:
+        if self._usable and self._w is not None:
             return self._send(obj, timeout, on_wait)
         if self._w is None:
             raise RuntimeError(f"reader rank {self.rank} cannot enqueue: only the queue's writer sends")
@@ -237,7 +237,7 @@ class MessageQueue:
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message. Waits up to `timeout` seconds (None: forever, logging
         every minute unless `indefinite`)."""
-        if self._usable:
+        if self._usable and self._r is not None:
             return self._recv(timeout, indefinite)
         if self._r is None:
             raise RuntimeError("the writer cannot dequeue: readers are made with create_from_handle()")

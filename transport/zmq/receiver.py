@@ -17,7 +17,8 @@ from rayfree.transport import serde
 from rayfree.transport.channel import EMPTY, Receiver
 from rayfree.transport.errors import BadFrame, QueueClosed
 from rayfree.transport.secure import policy
-from rayfree.transport.secure.aead import Opener, admission_token, queue_key
+from rayfree.transport.secure.aead import admission_token, queue_key
+from rayfree.transport.secure.opener import Opener
 from rayfree.transport.zmq.link import LinkWatch
 from rayfree.transport.zmq.sender import CLOSE, CTRL, SLICE_MS
 from rayfree.transport.zmq.sockets import HELLO_PREFIX, make_subscriber, zmq_errors

@@ -14,7 +14,8 @@ from typing import Any
 
 import msgspec
 
-from rayfree.cluster.config import ClusterConfig, ConfigError, load_config
+from rayfree.cluster.config import ClusterConfig, ConfigError
+from rayfree.cluster.loading import load_config
 
 __all__ = ["cluster_config", "follower_vllm_config", "COLLECTIVE_METHODS", "VLLM_SPIN_US"]
 
