@@ -92,6 +92,8 @@ class RpcRecorder:
     def __init__(self, world_size: int, histograms: bool = False) -> None:
         #: record each call's latency (metrics); off, a call costs two clock reads and a few stores
         self.histograms = histograms
+        #: the call being waited for in place (at most one: calls take turns), and the pending futures' calls
+        self.current: Call | None = None
         self.calls: list[Call] = []
         self.last_reply: list[float] = [0.0] * world_size
         self.hist: dict[str, Histogram] = {}
@@ -108,12 +110,11 @@ class RpcRecorder:
 
     def end(self, call: Call, ok: bool) -> None:
         t = _perf()
-        calls = self.calls
-        if calls and calls[-1] is call:  # the common case: the only call, or the newest
-            calls.pop()
+        if self.current is call:
+            self.current = None
         else:
             try:
-                calls.remove(call)
+                self.calls.remove(call)
             except ValueError:
                 return
         for r in call.got:
@@ -126,7 +127,8 @@ class RpcRecorder:
     def in_flight(self) -> list[tuple[str, float, list[int], float]]:
         """(method, age in seconds, ranks whose replies are still awaited, its start), oldest first."""
         now = _perf()
-        out = [(c.name, now - c.t0, [r for r in c.ranks if r not in c.got], c.t0) for c in list(self.calls)]
+        calls = [c for c in (self.current, *self.calls) if c is not None]
+        out = [(c.name, now - c.t0, [r for r in c.ranks if r not in c.got], c.t0) for c in calls]
         return sorted(out, key=lambda x: -x[1])
 
     def since_last_reply(self) -> list[float | None]:

@@ -151,7 +151,8 @@ class RpcPipe:
             else:
                 send, name = cloudpickle.dumps(method), getattr(method, "__name__", "<callable>")
             ranks = list(range(self.world_size)) if output_rank is None else [output_rank]
-            collect = Collector(self, name, ranks, deadline, timeout, output_rank is not None)
+            in_place = not non_block and not self.futures  # nothing older pending: read here, without a Future
+            collect = Collector(self, name, ranks, deadline, timeout, output_rank is not None, in_place)
             try:
                 # While the ring is full, read the replies of older calls: the workers may wait for that room.
                 self._enqueue((send, args, kwargs, output_rank), timeout, self._drain if self.futures else None)
@@ -163,8 +164,7 @@ class RpcPipe:
             except BaseException as e:
                 self.recorder.end(collect, False)
                 raise self.map_failure(e, name, "sending it", timeout)  # noqa: B904 - map_failure sets the cause
-            if not non_block and not self.futures:
-                # Nothing older is pending: read the replies here, without a Future.
+            if in_place:
                 value = collect(None)
                 return value if aggregator is None else aggregator(value)
             fut = FutureWrapper(self.futures, self.lock, collect, aggregator if aggregator is not None else _same)
@@ -254,7 +254,14 @@ class Collector(Call):
     __slots__ = ("pipe", "deadline", "timeout", "single")
 
     def __init__(
-        self, pipe: RpcPipe, name: str, ranks: list[int], deadline: float | None, timeout: float | None, single: bool
+        self,
+        pipe: RpcPipe,
+        name: str,
+        ranks: list[int],
+        deadline: float | None,
+        timeout: float | None,
+        single: bool,
+        in_place: bool,
     ) -> None:
         self.name = name
         self.t0 = _perf()
@@ -264,7 +271,10 @@ class Collector(Call):
         self.deadline = deadline
         self.timeout = timeout
         self.single = single
-        pipe.recorder.calls.append(self)  # (RpcRecorder.begin, without the call)
+        if in_place:  # read by the caller now (calls take turns: one at a time)
+            pipe.recorder.current = self
+        else:  # a future's
+            pipe.recorder.calls.append(self)
 
     def __call__(self, wait_deadline: float | None) -> Any:
         pipe = self.pipe

@@ -108,7 +108,7 @@ def _until_lost(ex, pending) -> int:
     error = kind = ""
     try:
         pending()
-    except NodeLost as e:  # by the name the README gives it
+    except NodeLost as e:  # by the name the docs give it
         error, kind = str(e), "NodeLost" + ("+ExecutorFailed" if isinstance(e, ExecutorFailed) else "")
     except ExecutorError as e:
         error, kind = str(e), type(e).__name__

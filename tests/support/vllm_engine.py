@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w5 w5 w5 w5 w5"]
-#: what the engines need on this CPU-only machine (see the README's vLLM section)
+#: what the engines need on this CPU-only machine (see docs/vllm.md)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from rayfree.transport.channel import Sender
 from rayfree.transport.errors import QueueShutdown, TransportError
 from rayfree.transport.queue.handle import Handle
 from rayfree.transport.queue.reader import QueueReader
@@ -56,7 +57,9 @@ class MessageQueue:
     _w: QueueWriter | None
     _r: QueueReader | None
     _handle: Handle | None
-    _send: Callable[[Any, float | None, Callable[[], None] | None], None]
+    _one: Sender | None
+    _dumps: Callable[[Any], list[Any]]
+    _send_frames: Callable[[list[Any], float | None, Callable[[], None] | None], None]
     _recv: Callable[[float | None, bool], Any]
 
     def __init__(
@@ -205,11 +208,19 @@ class MessageQueue:
             self._r.handshake(deadline, timeout)
         self._ready = True
         # the role's own call, looked up once (the methods of this facade stay what they are)
+        self._one = None
         if self._w is not None:
-            self._send = self._w.enqueue
+            self._recv = self._not_a_reader
+            self._one, self._dumps, self._send_frames = self._w.one_path, self._w.dumps, self._w.send_frames
         elif self._r is not None:
-            self._recv = self._r.receiver.recv
+            self._dumps, self._recv = self._not_the_writer, self._r.receiver.recv
         self._usable = not self._shutdown
+
+    def _not_the_writer(self, *_: Any) -> list[Any]:
+        raise RuntimeError(f"reader rank {self.rank} cannot enqueue: only the queue's writer sends")
+
+    def _not_a_reader(self, *_: Any) -> Any:
+        raise RuntimeError("the writer cannot dequeue: readers are made with create_from_handle()")
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """vLLM's symmetric call: the writer sends `obj` and returns it, a reader returns what it receives."""
@@ -228,8 +239,13 @@ class MessageQueue:
     def enqueue(self, obj: Any, timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> None:
         """Send `obj` to every reader. Blocks while readers lag, up to `timeout` seconds (a negative one counts as
         0), calling `on_wait()` every few milliseconds meanwhile (the executor reads replies there)."""
-        if self._usable and self._w is not None:
-            return self._send(obj, timeout, on_wait)
+        if self._usable:
+            frames = self._dumps(obj)
+            one = self._one
+            if one is not None and one.try_send(frames):  # a queue with one path (most), taking it now
+                return
+            self._send_frames(frames, timeout, on_wait)  # every path, waiting where one lags
+            return
         if self._w is None:
             raise RuntimeError(f"reader rank {self.rank} cannot enqueue: only the queue's writer sends")
         self._check_usable()  # raises: not ready yet, or shut down
@@ -237,7 +253,7 @@ class MessageQueue:
     def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
         """The next message. Waits up to `timeout` seconds (None: forever, logging
         every minute unless `indefinite`)."""
-        if self._usable and self._r is not None:
+        if self._usable:
             return self._recv(timeout, indefinite)
         if self._r is None:
             raise RuntimeError("the writer cannot dequeue: readers are made with create_from_handle()")

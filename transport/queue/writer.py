@@ -73,7 +73,8 @@ class QueueWriter:
         self.remote: SocketSender | None = None
         #: every path, in the order a message takes them
         self.senders: list[Sender] = []
-        self._dumps = serde.Serializer().dumps
+        #: the object's frames (the writer's own pickler)
+        self.dumps = serde.Serializer().dumps
         queue_id = secrets.token_bytes(16)
         try:
             if local_reader_ranks:
@@ -87,6 +88,8 @@ class QueueWriter:
         except BaseException:
             self.abort()
             raise
+        #: the one path of a queue that has one, when nothing (a size limit) must be checked first
+        self.one_path = self.senders[0] if len(self.senders) == 1 and max_message_bytes is None else None
         self._finalizer = weakref.finalize(self, _cleanup, self.shm)
         names = (
             self.shm.names()
@@ -150,9 +153,9 @@ class QueueWriter:
 
     # -- sending -----------------------------------------------------------------------------
 
-    def enqueue(self, obj: Any, timeout: float | None = None, on_wait: Callable[[], None] | None = None) -> None:
-        """To every path: `try_send` first, `send` (waiting, up to `timeout`) only where a path lags."""
-        frames = self._dumps(obj)
+    def send_frames(self, frames: list[Any], timeout: float | None, on_wait: Callable[[], None] | None) -> None:
+        """A message's frames to every path: `try_send` first, `send` (waiting, up to `timeout`) only where a path
+        lags (MessageQueue.enqueue tries a queue's one path itself first)."""
         sizes = None if self.max_message_bytes is None else self._sizes_within_limit(frames)
         deadline: float | None = None
         waited = False

@@ -104,9 +104,10 @@ class ShmSender(Sender):
 
     def try_send(self, frames: list[Any], sizes: list[int] | None = None) -> bool:
         if len(frames) == 1:
-            done = self._put_one(frames[0])
+            data = frames[0]
+            done = self._put_one(data)
             if done:
-                self.sent_bytes += len(frames[0])
+                self.sent_bytes += len(data)
                 if done == 2:
                     self.wake_parked()
                 return True
