@@ -82,9 +82,19 @@ def test_stale_segments_of_dead_processes_are_found_and_removed_on_request(tmp_p
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A master port whose heartbeat port (master_port + 1) is free too, both below the kernel's ephemeral range
+    (where another test's outgoing connection cannot take them meanwhile: seen in CI)."""
+    from rayfree.transport import get_open_port
+
+    for _ in range(100):
+        port = get_open_port("127.0.0.1")
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two free ports in a row on 127.0.0.1")
 
 
 @pytest.mark.timeout(90)
