@@ -92,19 +92,22 @@ class Endpoint:
         on_wait: Callable[[], None] | None = None,
         log: Callable[[float], str] | None = None,
         log_level: int = logging.INFO,
+        log_every: float | None = None,
         t0: float | None = None,
     ) -> T:
         """Call `attempt(seconds)` (it may block up to that long) until it returns something not None.
 
         Before each attempt: QueueShutdown once `shutdown()` was called. After a fruitless one:
         QueueTimeout past `deadline` (its text: `what` timed out after N s, then `late(waited)`), the
-        line `log(waited)` every RAYFREE_WAIT_LOG_INTERVAL_S (at `log_level`; None: no line), and `on_wait()` (then
+        line `log(waited)` every `log_every` seconds (default RAYFREE_WAIT_LOG_INTERVAL_S; at `log_level`; None:
+        no line), and `on_wait()` (then
         the slices are 5 ms, so the caller's work keeps going). The attempt at the deadline is a
         zero-second look, so what has already arrived is taken.
         """
         if t0 is None:
             t0 = _perf()
-        next_log = t0 + self.log_interval
+        every = self.log_interval if log_every is None else log_every
+        next_log = t0 + every
         if on_wait is not None:
             slice_s = min(slice_s, 0.005)
         with self.waiters:
@@ -124,7 +127,7 @@ class Endpoint:
                 if now >= next_log:
                     if log is not None:
                         logger.log(log_level, "%s", log(now - t0))
-                    next_log = now + self.log_interval
+                    next_log = now + every
                 if on_wait is not None:
                     on_wait()
 

@@ -133,6 +133,7 @@ class QueueWriter:
             "wait_until_ready",
             lambda _: f": {self._describe(socks, missing)}",
             slice_s=0.2,
+            log_every=10.0,
             log=lambda w: f"writer waiting {w:.0f}s for readers: {self._describe(socks, missing)}",
         )
         # Every local reader has mapped the ring and opened its pipes: the names can go.
