@@ -105,9 +105,6 @@ class RpcRecorder:
             h = self.hist[name] = Histogram()
         h.observe(seconds)
 
-    def begin(self, call: Call) -> None:
-        self.calls.append(call)
-
     def end(self, call: Call, ok: bool) -> None:
         t = _perf()
         if self.current is call:
