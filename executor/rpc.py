@@ -102,11 +102,11 @@ class RpcPipe:
 
     def fail(self, error: Exception | None) -> None:
         """Wake every blocked call: with `error` (the executor's failure), or None (it is shutting down)."""
-        if error is not None and self.failure is None:
+        if error is None:
+            self.stopping = True
+        elif self.failure is None:
             self.failure = error
             self.failure_known.set()
-        else:
-            self.stopping = True
         for mq in (self.broadcast, *self._attached.values()):
             mq.shutdown()
 

@@ -59,7 +59,7 @@ class MessageQueue:
     _handle: Handle | None
     _one: Sender | None
     _dumps: Callable[[Any], list[Any]]
-    _send_frames: Callable[[list[Any], float | None, Callable[[], None] | None], None]
+    _send_frames: Callable[[list[Any], float | None, Callable[[], None] | None, Sender | None], None]
     _recv: Callable[[float | None, bool], Any]
 
     def __init__(
@@ -244,7 +244,7 @@ class MessageQueue:
             one = self._one
             if one is not None and one.try_send(frames):  # a queue with one path (most), taking it now
                 return
-            self._send_frames(frames, timeout, on_wait)  # every path, waiting where one lags
+            self._send_frames(frames, timeout, on_wait, one)  # every path, waiting where one lags
             return
         if self._w is None:
             raise RuntimeError(f"reader rank {self.rank} cannot enqueue: only the queue's writer sends")

@@ -7,8 +7,6 @@ writer's TCP publisher. Either way the reader holds one `Receiver`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from rayfree.transport.channel import Receiver, Waiters
 from rayfree.transport.errors import BadFrame, QueueTimeout
 from rayfree.transport.queue.handle import Handle
@@ -65,9 +63,6 @@ class QueueReader:
             raise BadFrame(f"{what}: expected READY, got {len(parts)} frame(s) starting {bytes(parts[0][:16])!r}")
         if isinstance(r, SocketReceiver):
             r.watch_link(self._endpoint)
-
-    def dequeue(self, timeout: float | None = None, indefinite: bool = False) -> Any:
-        return self.receiver.recv(timeout, indefinite)
 
     def shutdown(self) -> None:
         if not self._closed:

@@ -154,14 +154,16 @@ class QueueWriter:
 
     # -- sending -----------------------------------------------------------------------------
 
-    def send_frames(self, frames: list[Any], timeout: float | None, on_wait: Callable[[], None] | None) -> None:
-        """A message's frames to every path: `try_send` first, `send` (waiting, up to `timeout`) only where a path
-        lags (MessageQueue.enqueue tries a queue's one path itself first)."""
+    def send_frames(
+        self, frames: list[Any], timeout: float | None, on_wait: Callable[[], None] | None, tried: Sender | None = None
+    ) -> None:
+        """A message's frames to every path: `try_send` first (but on `tried`, which the caller just tried), `send`
+        (waiting, up to `timeout`) only where a path lags."""
         sizes = None if self.max_message_bytes is None else self._sizes_within_limit(frames)
         deadline: float | None = None
         waited = False
         for s in self.senders:
-            if not s.try_send(frames, sizes):
+            if s is tried or not s.try_send(frames, sizes):
                 if not waited:
                     deadline, waited = deadline_of(timeout), True
                 s.send(frames, sizes, deadline, on_wait)
