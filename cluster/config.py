@@ -207,10 +207,11 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The parallel layout plus every timeout the cluster uses (seconds)."""
 
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
-    #: joining torch.distributed: how long a rank waits for the others
-    join_timeout_s: float = 120.0
-    #: workers becoming ready after spawn (model load included)
-    ready_timeout_s: float = 600.0
+    #: joining torch.distributed: how long a rank waits for the others (long enough for a late node still
+    #: pulling its image: a node that comes within it is normal)
+    join_timeout_s: float = 900.0
+    #: workers becoming ready after spawn (the join and the model load included)
+    ready_timeout_s: float = 1800.0
     #: default deadline of an RPC; None waits forever
     rpc_timeout_s: float | None = None
     #: shutdown stages: after closing the death pipes, after SIGTERM (then SIGKILL)

@@ -32,7 +32,7 @@ import msgspec
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
-__all__ = ["Beat", "Bye", "StatusQuery", "HeartbeatServer"]
+__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "HeartbeatServer"]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -66,12 +66,19 @@ class Bye(msgspec.Struct, tag="bye", array_like=True):
     reason: str
 
 
+class Verdict(msgspec.Struct, tag="verdict", array_like=True):
+    """Node 0's view of the whole cluster's readiness, pushed to every follower when it changes (each
+    follower's /readyz answers with it): "" ready, else why not."""
+
+    reason: str
+
+
 class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
     """`rayfree status` asks node 0 for the cluster's status (it must hold the secret to get through)."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Beat | Bye | StatusQuery).decode
+_decode = msgspec.msgpack.Decoder(Beat | Bye | Verdict | StatusQuery).decode
 
 #: on_lost(node_rank, ranks, ip, why) / on_bye(node_rank, clean, reason)
 LostCallback = Callable[[int, list[int], str, str], None]
@@ -91,6 +98,17 @@ class _Peer:
         self.done = False
         self.status = b""
 
+
+#: how often node 0 says which followers it still waits for at start-up
+JOIN_LOG_S = 5.0
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)
+
+
+#: how often node 0 judges the cluster's readiness for its followers
+VERDICT_S = 0.1
 
 #: how long a leader that failed keeps answering followers that have not beaten yet with its goodbye
 TELL_LATE_S = 2.0
@@ -174,13 +192,20 @@ class HeartbeatServer(_Beater):
         interval: float,
         timeout: float,
         on_lost: LostCallback,
+        join_timeout: float | None = None,
     ) -> None:
         super().__init__(interval, timeout, "RayfreeHeartbeatServer")
+        #: how long the followers have to join (the progress lines say how much of it has passed)
+        self.join_timeout = join_timeout
         self.endpoint = tcp_endpoint(bind_ip, port)
         self.peers = {k: _Peer(k, ranks) for k, ranks in followers.items()}
         self.on_lost = on_lost
         #: answers a StatusQuery (set by the layer above); None: the query gets an empty reply
         self.status_fn: Callable[[], bytes] | None = None
+        #: the cluster's readiness ("" ready, else why not; set by the layer above), pushed to followers
+        self.verdict_fn: Callable[[], str] | None = None
+        self.verdict = "starting"
+        self._verdict_at = 0.0
         self._sock = ControlSocket.listen(self.endpoint)  # in the caller's thread: a busy port fails the start-up
         self._thread.start()
 
@@ -189,6 +214,8 @@ class HeartbeatServer(_Beater):
         poll_ms = int(min(self.interval, 0.1) * 1000)
         me = os.getpid()
         seq = 0
+        started = time.monotonic()
+        next_log = started + JOIN_LOG_S
         sock.watch()
         try:
             while not self._stop.is_set():
@@ -196,6 +223,10 @@ class HeartbeatServer(_Beater):
                     seq += 1
                     self._on_message(sock, frames, me, seq)
                 self._check()
+                if self.armed_at is None and time.monotonic() >= next_log:
+                    self._log_waiting(time.monotonic() - started)
+                    next_log = time.monotonic() + JOIN_LOG_S
+                self._push_verdict(sock)
             self._say_bye(sock)
             if self._bye is not None and not self._bye.clean:
                 self._tell_latecomers(sock, poll_ms)
@@ -215,6 +246,9 @@ class HeartbeatServer(_Beater):
         if isinstance(msg, StatusQuery):
             self._answer_status(sock, identity)
             return
+        if isinstance(msg, Verdict):
+            self._dropped("a verdict sent to node 0 (only node 0 sends them)")
+            return
         peer = self.peers.get(msg.node_rank)
         if peer is None:
             self._dropped(
@@ -231,6 +265,7 @@ class HeartbeatServer(_Beater):
             return
         if peer.last_seen is None:
             logger.info("follower node %d (%s, ranks %s) is beating", msg.node_rank, msg.ip, msg.ranks)
+            sock.try_send([identity, _encode(Verdict(self.verdict))])
         peer.identity, peer.ip, peer.last_seen, peer.done = identity, msg.ip, time.monotonic(), msg.done
         if msg.status:
             peer.status = msg.status
@@ -251,6 +286,42 @@ class HeartbeatServer(_Beater):
                     why = f"it never sent a heartbeat to {self.endpoint} (is that port reachable from it?)"
                 logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, why)
                 self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
+
+    def _log_waiting(self, waited: float) -> None:
+        """While followers are missing at start-up: which, for how long, out of how long."""
+        missing = [p for p in self.peers.values() if p.last_seen is None and not p.gone]
+        if not missing:
+            return
+        total = len(self.peers) + 1
+        bound = f" of {self.join_timeout:.0f}s (join_timeout_s)" if self.join_timeout else ""
+        for p in missing:
+            logger.info(
+                "node 0: waiting for node %d of %d (ranks %s) for %.0fs%s; a node still starting (pulling its "
+                "image, say) is fine until then",
+                p.node_rank,
+                total,
+                _span(p.ranks),
+                waited,
+                bound,
+            )
+
+    def _push_verdict(self, sock: ControlSocket) -> None:
+        """Every VERDICT_S, the cluster's readiness; sent to every follower when it changed."""
+        now = time.monotonic()
+        if self.verdict_fn is None or now - self._verdict_at < VERDICT_S:
+            return
+        self._verdict_at = now
+        try:
+            verdict = self.verdict_fn()
+        except Exception:  # noqa: BLE001 - a readiness check must never stop the heartbeats
+            logger.exception("heartbeat: could not judge the cluster's readiness")
+            return
+        if verdict == self.verdict:
+            return
+        self.verdict = verdict
+        for peer in self.peers.values():
+            if peer.identity is not None and not peer.gone:
+                sock.try_send([peer.identity, _encode(Verdict(verdict))])
 
     def _answer_status(self, sock: ControlSocket, identity: bytes) -> None:
         try:

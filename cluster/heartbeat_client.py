@@ -19,6 +19,7 @@ from rayfree.cluster.heartbeat import (
     Bye,
     ByeCallback,
     StatusQuery,
+    Verdict,
     _Beater,
     _decode,
     _encode,
@@ -55,6 +56,8 @@ class HeartbeatClient(_Beater):
         self.on_bye = on_bye
         self.contact = threading.Event()
         self.last_reply: float | None = None
+        #: node 0's last word on the cluster's readiness ("" ready; see Verdict)
+        self.leader_verdict = "node 0 has not answered yet"
         #: carried by every beat from now on (see Beat.done)
         self.done = False
         #: this node's status for node 0 (set by the layer above), sent with every beat
@@ -93,8 +96,8 @@ class HeartbeatClient(_Beater):
                 now = time.monotonic()
                 if not self.contact.is_set() and now >= next_log:
                     logger.warning(
-                        "node %d: still waiting for the leader (node 0) to answer at %s after %.0fs; "
-                        "is node 0 started, and is that port reachable from here?",
+                        "node %d: still waiting for the leader (node 0) to answer at %s after %.0fs (the join "
+                        "waits up to join_timeout_s); is node 0 started, and is that port reachable from here?",
                         self.node_rank,
                         self.endpoint,
                         now - started,
@@ -139,6 +142,9 @@ class HeartbeatClient(_Beater):
             logger.info("node %d: the leader stopped (%s)", self.node_rank, msg.reason)
             self.on_bye(msg.node_rank, msg.clean, msg.reason)
             return True
+        if isinstance(msg, Verdict):
+            self.leader_verdict = msg.reason
+            return False
         self.last_reply = time.monotonic()
         if self._sent_at:
             self.rtt_s = self.last_reply - self._sent_at

@@ -85,6 +85,7 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
         )
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError/...
         if rank == 0:
+            _second_rank_zero(host, port, world_size, node, shape)
             raise JoinError(
                 f"rank 0 could not host the rendezvous at {host}:{port}: {e}. Is the port free and "
                 f"the address one of this node's?"
@@ -98,6 +99,7 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
     keys = [f"rayfree/join/{r}" for r in range(world_size)]
     missing = [r for r in range(world_size) if r != rank]
     try:
+        _claim(store, rank, me, deadline)
         store.set(f"rayfree/join/{rank}", me)
         n = store.add("rayfree/arrivals", 1)
         store.set(f"rayfree/arrival/{n}", me)
@@ -127,8 +129,50 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
     return store
 
 
+def _second_rank_zero(host: str, port: int, world_size: int, node: int, shape: str) -> None:
+    """Rank 0 could not host the store: if another rank 0 hosts it already, claim rank 0 there, so both are
+    told (JoinError) that two nodes are node 0; else return (the port is taken by something else)."""
+    from rayfree.transport.secure.policy import fingerprint
+
+    try:
+        store = dist.TCPStore(
+            host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=3), wait_for_workers=False
+        )
+    except Exception:  # noqa: BLE001 - no store there: not a second rank 0
+        return
+    _claim(store, 0, f"0|{world_size}|{node}|{host}|{fingerprint()}|{shape}", time.monotonic() + 3)
+
+
+def _claim(store, rank: int, me: str, deadline: float) -> None:
+    """Take `rank`; if another node took it first, both are told (the later one here, the first at its next
+    scan, through rayfree/duplicate), naming both nodes: not "rank N never joined" later."""
+    if int(store.add(f"rayfree/claim/{rank}", 1)) == 1:
+        store.set(f"rayfree/claim-by/{rank}", me)
+        return
+    store.wait([f"rayfree/claim-by/{rank}"], datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    first = store.get(f"rayfree/claim-by/{rank}").decode()
+    text = (
+        f"two nodes claim rank {rank}: {_where(first)} and {_where(me)}; give each node its own node rank "
+        f"(--node-rank / RAYFREE_NODE_RANK, or the launcher's: under Slurm SLURM_NODEID inside the step, not "
+        f"expanded in the batch script)"
+    )
+    store.set("rayfree/duplicate", text)
+    raise JoinError(text)
+
+
+def _where(entry: str) -> str:
+    f = _fields(entry)
+    return f"node {f[2]} ({f[3]})" if f[2] != "-1" else f"the process at {f[3]}"
+
+
 def _check_agreement(store, seen: int, me: str, rank: int, deadline: float) -> int:
-    """Read the arrivals after the first `seen`; JoinError if one's world or shape is not this rank's."""
+    """Read the arrivals after the first `seen`; JoinError if one's world or shape is not this rank's, or two
+    nodes claimed one rank."""
+    if store.check(["rayfree/duplicate"]):
+        err = JoinError(store.get("rayfree/duplicate").decode())
+        if rank == 0:
+            _tell_late_ranks(store, err, deadline)
+        raise err
     count = int(store.add("rayfree/arrivals", 0))
     for i in range(seen + 1, count + 1):
         other = store.get(f"rayfree/arrival/{i}").decode()

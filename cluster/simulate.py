@@ -52,13 +52,21 @@ class SimulatedNode:
     """One node: where its processes run and how to reach it."""
 
     def __init__(
-        self, cluster: SimulatedCluster, index: int, ip: str, netns: str | None, shm_dir: str | None = None
+        self,
+        cluster: SimulatedCluster,
+        index: int,
+        ip: str,
+        netns: str | None,
+        shm_dir: str | None = None,
+        hostname: str | None = None,
     ) -> None:
         self.cluster = cluster
         self.index = index
         self.ip = ip
         self.netns = netns
         self.shm_dir = shm_dir
+        #: the node's own host name (its own UTS namespace), when the cluster names its nodes
+        self.hostname = hostname
         self.procs: list[subprocess.Popen] = []
 
     def command(self, argv: Sequence[str]) -> list[str]:
@@ -67,16 +75,23 @@ class SimulatedNode:
         if self.netns is None:
             return argv
         inner = argv
-        if self.shm_dir:
-            # Every process of the node sees the node's tmpfs as its /dev/shm.
+        steps = []
+        if self.shm_dir:  # every process of the node sees the node's tmpfs as its /dev/shm
+            steps.append(f"mount --bind {self.shm_dir} /dev/shm")
+        if self.cluster.hosts_file:  # and the cluster's names in its /etc/hosts
+            steps.append(f"mount --bind {self.cluster.hosts_file} /etc/hosts")
+        if self.hostname:
+            steps.append(f"hostname {self.hostname}")
+        if steps:
             inner = [
                 "unshare",
                 "--mount",
+                *(["--uts"] if self.hostname else []),
                 "--propagation",
                 "private",
                 "sh",
                 "-c",
-                f'mount --bind {self.shm_dir} /dev/shm && exec "$@"',
+                " && ".join(steps) + ' && exec "$@"',
                 "sh",
                 *argv,
             ]
@@ -112,8 +127,17 @@ class SimulatedCluster:
     """`nnodes` simulated nodes; a context manager (see the module docstring)."""
 
     def __init__(
-        self, nnodes: int, *, private_shm: bool = True, shm_size: str = "1g", use_netns: bool | None = None
+        self,
+        nnodes: int,
+        *,
+        private_shm: bool = True,
+        shm_size: str = "1g",
+        use_netns: bool | None = None,
+        hostnames: Sequence[str] | None = None,
+        aliases: dict[str, int] | None = None,
     ) -> None:
+        """`hostnames`: a name per node (its own hostname, and in every node's /etc/hosts); `aliases`: more
+        names for node k in /etc/hosts (a Kubernetes service name, say)."""
         if nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {nnodes}")
         self.nnodes = nnodes
@@ -126,8 +150,14 @@ class SimulatedCluster:
             self.tag = f"rf{os.getpid() % 100000}x{_seq}"
         self.switch_ns = f"{self.tag}-sw"
         self.nodes: list[SimulatedNode] = []
+        self.hostnames = list(hostnames) if hostnames else []
+        if self.hostnames and len(self.hostnames) != nnodes:
+            raise ValueError(f"hostnames: {len(self.hostnames)} names for {nnodes} nodes")
+        self.aliases = dict(aliases or {})
+        self.hosts_file: str | None = None
         self._made: list[str] = []
         self._mounts: list[str] = []
+        self._files: list[str] = []
         self._finalizer: weakref.finalize | None = None
 
     @property
@@ -149,7 +179,7 @@ class SimulatedCluster:
             )
             self.nodes = [SimulatedNode(self, k, "127.0.0.1", None) for k in range(self.nnodes)]
             return self
-        self._finalizer = weakref.finalize(self, _remove_all, self._made, self._mounts)
+        self._finalizer = weakref.finalize(self, _remove_all, self._made, self._mounts, self._files)
         try:
             self._add_ns(self.switch_ns)
             _ip("-n", self.switch_ns, "link", "add", "br0", "type", "bridge")
@@ -166,7 +196,10 @@ class SimulatedCluster:
                 _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
                 _ip("-n", ns, "link", "set", "eth0", "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
-                self.nodes.append(SimulatedNode(self, k, ip, ns, self._node_shm(k)))
+                name = self.hostnames[k] if self.hostnames else None
+                self.nodes.append(SimulatedNode(self, k, ip, ns, self._node_shm(k), name))
+            if self.hostnames or self.aliases:
+                self.hosts_file = self._write_hosts()
         except BaseException:
             self.close()
             raise
@@ -190,6 +223,20 @@ class SimulatedCluster:
         self._mounts.append(d)
         return d
 
+    def _write_hosts(self) -> str:
+        """The nodes' /etc/hosts: localhost, each node's name, the aliases."""
+        os.makedirs(_SHM_BASE, mode=0o755, exist_ok=True)
+        path = os.path.join(_SHM_BASE, f"{self.tag}-hosts")
+        lines = ["127.0.0.1 localhost"]
+        for k, n in enumerate(self.nodes):
+            names = ([self.hostnames[k]] if self.hostnames else []) + [a for a, i in self.aliases.items() if i == k]
+            if names:
+                lines.append(f"{n.ip} {' '.join(names)}")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        self._files.append(path)
+        return path
+
     def _add_ns(self, name: str) -> None:
         _ip("netns", "add", name)
         self._made.append(name)
@@ -210,14 +257,20 @@ class SimulatedCluster:
         if self._finalizer is not None:
             self._finalizer()
         else:
-            _remove_all(self._made, self._mounts)
+            _remove_all(self._made, self._mounts, self._files)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def _remove_all(names: list[str], mounts: list[str]) -> None:
+def _remove_all(names: list[str], mounts: list[str], files: list[str]) -> None:
     _remove_namespaces(names)
+    for path in files:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    files.clear()
     for d in reversed(mounts):
         subprocess.run(["umount", "-l", d], capture_output=True, timeout=30)
         try:

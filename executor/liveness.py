@@ -71,6 +71,10 @@ class NodeLiveness:
             self.beater.status_fn = (
                 (lambda: encode(self.cluster_status())) if self.node == 0 else (lambda: encode(self.node_status()))
             )
+            if isinstance(self.beater, HeartbeatServer):
+                from .health import ready
+
+                self.beater.verdict_fn = lambda: ready(self)
 
     # -- heartbeats ------------------------------------------------------------------
 
@@ -84,6 +88,7 @@ class NodeLiveness:
             cfg.heartbeat_interval_s,
             cfg.heartbeat_timeout_s,
             self._node_lost,
+            cfg.join_timeout_s,
         )
         logger.info(
             "node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
@@ -150,6 +155,11 @@ class NodeLiveness:
     def executors(self) -> list[ReplicaView]:
         with self._lock:
             return [x for x in (r() for r in self._executors) if x is not None]
+
+    @property
+    def ready_count(self) -> int:
+        """How many of this node's executors are ready."""
+        return self._ready
 
     def ready(self) -> None:
         """One executor is ready; once all of this node's are, silence counts as a loss."""

@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "RAYFREE_SECRET_FILE, or the compose secret rayfree_secret.",
     )
     k.add_argument("file", metavar="FILE")
-    from .node import add_node_arguments, add_security_arguments
+    from .node_options import add_node_arguments, add_security_arguments
 
     n = sub.add_parser(
         "node",
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("doctor", "status"):  # `rayfree node` applies them inside its own error handling
         from rayfree.transport.secure.policy import SecretError
 
-        from .node import apply_security_arguments
+        from .node_options import apply_security_arguments
 
         try:
             apply_security_arguments(args)

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from rayfree.cli.node import NodeUsageError, add_node_arguments, metrics_port, plan
+from rayfree.cli.node_options import NodeUsageError, add_node_arguments, plan, port_option
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -21,7 +21,7 @@ def test_a_config_file_can_hold_the_whole_node(tmp_path) -> None:
         'nnodes = 2\nnode_rank = 1\nmaster_addr = "10.0.0.1"\n[parallel]\ntensor_parallel_size = 2\n'
         '[node]\nworker = "rayfree.cli.toy_engine:ToyWorker"\nheadless = true\nworker_kwargs = {seed = 7}\n'
     )
-    config, worker, kwargs, entry = plan(parse("--config", str(f)), env={})
+    config, worker, kwargs, entry, _ = plan(parse("--config", str(f)), env={})
     assert (config.parallel.node_rank, config.parallel.tensor_parallel_size) == (1, 2)
     assert worker == "rayfree.cli.toy_engine:ToyWorker" and kwargs == {"seed": 7} and entry is None
 
@@ -30,9 +30,9 @@ def test_flags_win_over_the_environment_which_wins_over_the_file(tmp_path) -> No
     f = tmp_path / "n.json"
     f.write_text('{"node": {"worker": "from.file:W", "entry": "from.file:main"}}')
     env = {"RAYFREE_WORKER": "from.env:W"}
-    _, worker, _, entry = plan(parse("--config", str(f)), env=env)
+    _, worker, _, entry, _ = plan(parse("--config", str(f)), env=env)
     assert (worker, entry) == ("from.env:W", "from.file:main")
-    _, worker, _, _ = plan(parse("--config", str(f), "--worker", "from.flag:W"), env=env)
+    _, worker, _, _, _ = plan(parse("--config", str(f), "--worker", "from.flag:W"), env=env)
     assert worker == "from.flag:W"
 
 
@@ -94,10 +94,10 @@ def test_an_unknown_node_key_in_the_file_is_named(tmp_path) -> None:
     ],
 )
 def test_the_metrics_port_comes_from_the_flag_or_the_environment(argv, env, want) -> None:
-    assert metrics_port(parse(*argv), env=env) == want
+    assert port_option(parse(*argv), "metrics_port", env=env) == want
 
 
 @pytest.mark.parametrize("value", ["http", "0", "70000"])
 def test_a_metrics_port_that_is_not_a_port_is_refused(value) -> None:
     with pytest.raises(NodeUsageError, match=f"--metrics-port '{value}' is not a TCP port"):
-        metrics_port(parse("--metrics-port", value), env={})
+        port_option(parse("--metrics-port", value), "metrics_port", env={})

@@ -216,3 +216,18 @@ def calls_then_serve(ex) -> int:
     say("CALLED", calls=n)
     threading.Event().wait(int(os.environ.get("RF_SERVE_S", "300")))
     return 0
+
+
+def busy(ex) -> int:
+    """Calls always in flight (each a short nap on every rank) until the cluster fails or stops: the health
+    probes' test stops a rank, a worker or a node under it."""
+    from rayfree import ExecutorError
+
+    ex.collective_rpc(nap, args=(0.0,), timeout=60)
+    say("SERVING", pids=[w.proc.pid for w in ex.workers])
+    try:
+        while True:
+            ex.collective_rpc(nap, args=(0.05,))
+    except ExecutorError as e:
+        say("FAILED", error=str(e).split("\n")[0], t=time.monotonic())
+        return 1

@@ -1,0 +1,121 @@
+"""What the health probes answer: is this node up (`alive`), and is the whole cluster able to serve (`ready`).
+
+Both return "" for yes, else one line saying why not, so a probe's 503 names
+the node, rank or call at fault. Node 0 judges the cluster from what it has
+anyway: its own workers' process states, every follower's heartbeat age and
+last status, the calls in flight; a follower answers with its own workers,
+its last answer from node 0, and node 0's verdict, which node 0 pushes to it
+over the heartbeat channel the moment it changes. A follower whose
+connection dropped counts as not ready at once (a killed node's kernel closes
+it), well before the heartbeats declare it lost.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rayfree.cluster.heartbeat import HeartbeatServer
+from rayfree.cluster.heartbeat_client import HeartbeatClient
+from rayfree.procs import proc_state
+
+from .status import decode_node
+
+#: a NodeLiveness (liveness.py imports this module, so it is not imported back)
+NodeLiveness = Any
+
+__all__ = ["alive", "ready"]
+
+#: process states that mean a rank cannot answer
+_DOWN = ("gone", "a zombie", "stopped")
+
+
+def _line(error: object) -> str:
+    return str(error).split("\n")[0][:300]
+
+
+def _workers(lv: NodeLiveness) -> str:
+    for ex in lv.executors():
+        if ex.stopped:
+            continue
+        for w in ex.workers:
+            pid = w.proc.pid
+            state = proc_state(pid) if pid else "not started"
+            if state.startswith(_DOWN):
+                rank = ex.parallel_config.global_rank(w.rank, ex.dp_rank)
+                return f"node {lv.node}: rank {rank} (pid {pid}) is {state}"
+    return ""
+
+
+def alive(lv: NodeLiveness | None) -> str:
+    """This node's process and its workers are up ("" yes); start-up counts as alive."""
+    if lv is None:
+        return ""
+    if lv.failure is not None:
+        return f"node {lv.node} failed: {_line(lv.failure)}"
+    return _workers(lv)
+
+
+def _stalled(lv: NodeLiveness) -> str:
+    bound = lv.config.stall_report_s
+    for ex in lv.executors():
+        snap = None if ex.stopped else ex.rpc_snapshot()
+        for method, age, waiting, _start in snap.calls if snap is not None else []:
+            if age > bound:
+                return f"call {method} has waited {age:.1f}s (stall_report_s={bound:g}) for rank(s) {waiting}" + (
+                    f" of DP replica {ex.dp_rank}" if lv.par.data_parallel_size > 1 else ""
+                )
+    return ""
+
+
+def _followers(lv: NodeLiveness, server: HeartbeatServer) -> str:
+    now = time.monotonic()
+    fresh = server.suspect_window + server.interval
+    dropped = server.suspect_at
+    for node, ip, _ranks, age, gone, raw in server.peer_views():
+        if gone:
+            return f"node {node} ({ip}) is lost"
+        if age is None:
+            return f"node {node} has not joined yet"
+        if age > fresh:
+            return f"node {node} ({ip}): no heartbeat for {age:.1f}s"
+        if dropped is not None and now - age < dropped and now - dropped > server.interval + 0.15:
+            return f"node {node} ({ip}): its connection dropped {now - dropped:.1f}s ago and it has not beaten since"
+        if raw:
+            try:
+                status = decode_node(raw)
+            except Exception:  # noqa: BLE001 - an unreadable status: the heartbeats above still judge
+                continue
+            if status.state != "ok":
+                return f"node {node} ({ip}) is {status.state}"
+            down = [w for w in status.workers if w.state.startswith(_DOWN)]
+            if down:
+                return f"node {node}: rank {down[0].global_rank} (pid {down[0].pid}) is {down[0].state}"
+    return ""
+
+
+def ready(lv: NodeLiveness | None) -> str:
+    """The whole cluster can serve ("" yes): every rank alive, every heartbeat fresh, no call stalled."""
+    if lv is None:
+        return "starting: the node's workers are not started yet"
+    if lv.failure is not None:
+        return f"the cluster failed: {_line(lv.failure)}"
+    if lv.stop_requested or lv.settled.is_set():
+        return "the cluster is stopping" + (f" ({lv.stop_requested})" if lv.stop_requested else "")
+    if lv.ready_count < lv.replicas:
+        return f"starting: {lv.ready_count} of {lv.replicas} replica(s) on node {lv.node} ready"
+    why = _workers(lv) or _stalled(lv)
+    if why:
+        return why
+    beater = lv.beater
+    if isinstance(beater, HeartbeatServer):
+        return _followers(lv, beater)
+    if isinstance(beater, HeartbeatClient):
+        if beater.last_reply is None:
+            return "node 0 has not answered yet"
+        age = time.monotonic() - beater.last_reply
+        if age > beater.suspect_window + beater.interval:
+            return f"no answer from node 0 for {age:.1f}s"
+        if beater.leader_verdict:
+            return f"node 0 says: {beater.leader_verdict}"
+    return ""
