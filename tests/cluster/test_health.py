@@ -32,7 +32,8 @@ def node_argv(sim: SimulatedCluster, k: int) -> list[str]:
     return [
         sys.executable, "-m", "rayfree.cli", "node", "--worker", "tests.support.sample_workers:EchoWorker",
         "--tp", "3", "--nnodes", "3", "--node-rank", str(k), "--master-addr", sim.nodes[0].ip,
-        "--master-port", "29500", "--insecure", "--health-port", str(PORT), "--worker-kwargs", '{"distributed": true}', *role,
+        "--master-port", "29500", "--insecure", "--health-port", str(PORT),
+        "--worker-kwargs", '{"distributed": true}', *role,
     ]  # fmt: skip
 
 
