@@ -82,6 +82,10 @@ class SimulatedNode:
             steps.append(f"mount --bind {self.cluster.hosts_file} /etc/hosts")
         if self.hostname:
             steps.append(f"hostname {self.hostname}")
+        if self.cluster.files:  # a /run of the node's own, holding the files it is given (a pod's secrets)
+            steps.append("mount -t tmpfs -o mode=755 rayfree-sim-run /run")
+            for inside, src in self.cluster.files.items():
+                steps.append(f"mkdir -p {os.path.dirname(inside)} && cp -p {src} {inside}")
         if steps:
             inner = [
                 "unshare",
@@ -135,9 +139,11 @@ class SimulatedCluster:
         use_netns: bool | None = None,
         hostnames: Sequence[str] | None = None,
         aliases: dict[str, int] | None = None,
+        files: dict[str, str] | None = None,
     ) -> None:
         """`hostnames`: a name per node (its own hostname, and in every node's /etc/hosts); `aliases`: more
-        names for node k in /etc/hosts (a Kubernetes service name, say)."""
+        names for node k in /etc/hosts (a Kubernetes service name, say); `files`: {path under /run: host
+        file} copied into each node's own /run (a tmpfs), as a pod's mounted secret."""
         if nnodes < 1:
             raise ValueError(f"nnodes must be >= 1, got {nnodes}")
         self.nnodes = nnodes
@@ -155,6 +161,9 @@ class SimulatedCluster:
             raise ValueError(f"hostnames: {len(self.hostnames)} names for {nnodes} nodes")
         self.aliases = dict(aliases or {})
         self.hosts_file: str | None = None
+        self.files = dict(files or {})
+        if any(not p.startswith("/run/") for p in self.files):
+            raise ValueError(f"files: paths inside a node must be under /run/, got {sorted(self.files)}")
         self._made: list[str] = []
         self._mounts: list[str] = []
         self._files: list[str] = []

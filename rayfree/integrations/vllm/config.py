@@ -8,6 +8,7 @@ variables or config file as `rayfree node` reads them.
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -16,6 +17,8 @@ import msgspec
 
 from rayfree.cluster.config import ClusterConfig, ConfigError
 from rayfree.cluster.loading import load_config
+from rayfree.launch.launchers import LaunchError
+from rayfree.launch.placement import place
 
 __all__ = ["cluster_config", "follower_vllm_config", "COLLECTIVE_METHODS", "VLLM_SPIN_US"]
 
@@ -53,7 +56,11 @@ def cluster_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> Cl
             f"nodes (RAYFREE_NNODES, RAYFREE_MASTER_ADDR, and `rayfree node --headless` on the others)"
         )
     env = os.environ if env is None else env
-    config = load_config([], env=env)
+    try:  # rayfree's placement from the launcher (Slurm, LeaderWorkerSet, ...) where RAYFREE_* say nothing
+        placement = place(argparse.Namespace(), env)
+    except LaunchError as e:
+        raise ConfigError(str(e)) from None
+    config = load_config([f"--{k.replace('_', '-')}={v}" for k, v in placement.filled.items()], env=env)
     if config.parallel.data_parallel_size > 1:
         raise ConfigError(
             "RAYFREE_DATA_PARALLEL_SIZE > 1: vLLM runs one executor per DP rank; give vLLM its "
