@@ -128,7 +128,7 @@ def test_the_leaderworkerset_commands_form_a_cluster_on_simulated_pods(tmp_path)
                 get = c[kind]["httpGet"]
                 url = f"http://{sim.nodes[k].ip}:{get['port']}{get['path']}"
                 probes[k, kind] = NodeProc(sim.nodes[k], [sys.executable, "-m", "tests.support.probe", url], {})
-        for (k, kind), p in probes.items():
+        for (k, _kind), p in probes.items():
             m = p.expect(r"^PROBE 200 (\S+) (.*)$", 120)
             assert json.loads(m.group(2))["node"] == k
         assert "node 1/2 (follower)" in pods[1].text() and "LWS_WORKER_INDEX=1" in pods[1].text()
