@@ -141,5 +141,6 @@ def test_the_leaderworkerset_commands_form_a_cluster_on_simulated_pods(tmp_path)
         assert code != 0, pods[0].text()[-3000:]
         assert not wait_group_empty(pods[0].p.pid, 15) and not shm_files(sim.nodes[0])
     print(
-        f"\nLWS pods: leader /readyz 503 {float(m.group(1)) - t0:.2f} s after the worker pod died, exit {code} after {took:.1f} s"
+        f"\nLWS pods: leader /readyz 503 {float(m.group(1)) - t0:.2f} s after the worker pod died, exit {code} "
+        f"after {took:.1f} s"
     )
