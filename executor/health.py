@@ -24,7 +24,7 @@ from .status import decode_node
 #: a NodeLiveness (liveness.py imports this module, so it is not imported back)
 NodeLiveness = Any
 
-__all__ = ["alive", "ready"]
+__all__ = ["alive", "ready", "suspect"]
 
 #: process states that mean a rank cannot answer
 _DOWN = ("gone", "a zombie", "stopped")
@@ -68,7 +68,7 @@ def _stalled(lv: NodeLiveness) -> str:
     return ""
 
 
-def _followers(lv: NodeLiveness, server: HeartbeatServer) -> str:
+def _followers(lv: NodeLiveness, server: HeartbeatServer, grace: float | None = None) -> str:
     now = time.monotonic()
     fresh = server.suspect_window + server.interval
     dropped = server.suspect_at
@@ -79,7 +79,8 @@ def _followers(lv: NodeLiveness, server: HeartbeatServer) -> str:
             return f"node {node} has not joined yet"
         if age > fresh:
             return f"node {node} ({ip}): no heartbeat for {age:.1f}s"
-        if dropped is not None and now - age < dropped and now - dropped > server.interval + 0.15:
+        wait = server.interval + 0.15 if grace is None else grace
+        if dropped is not None and now - age < dropped and now - dropped >= wait:
             return f"node {node} ({ip}): its connection dropped {now - dropped:.1f}s ago and it has not beaten since"
         if raw:
             try:
@@ -119,3 +120,15 @@ def ready(lv: NodeLiveness | None) -> str:
         if beater.leader_verdict:
             return f"node 0 says: {beater.leader_verdict}"
     return ""
+
+
+def suspect(lv: NodeLiveness | None) -> str:
+    """What looks wrong right now, before any verdict ("" nothing): for a node stopped by its launcher (srun's
+    --kill-on-bad-exit) a moment after a peer died, so its last words name that peer."""
+    if lv is None:
+        return ""
+    if lv.failure is not None:
+        return _line(lv.failure)
+    beater = lv.beater  # a peer first: the launcher's signal may have reached this node's workers already
+    why = _followers(lv, beater, grace=0.0) if isinstance(beater, HeartbeatServer) else ""
+    return why or _workers(lv)

@@ -135,6 +135,7 @@ class MultiprocExecutor(Executor):
                     self.config.spin_us,
                 )
                 self.pipe.recorder.histograms = self._latencies
+                self.pipe.judge = weak_callback(self._judge_fatal)
                 handle = broadcast.export_handle().to_bytes()
             start = par.global_start_rank
             self.group = WorkerGroup(
@@ -281,6 +282,16 @@ class MultiprocExecutor(Executor):
         self._fast_stop = True
         note = "a collective step: the executor has stopped every worker"
         self._fail(FatalWorkerError(msg.rank, msg.error_type, msg.message, msg.traceback, msg.method, note=note))
+
+    def _judge_fatal(self, error: FatalWorkerError) -> Exception:
+        """A caller got a rank's collective error that reads like a lost peer: wait for the heartbeats' verdict
+        (bounded), and report the lost node if they name one."""
+        lv = self.liveness
+        if lv is None or not lv.verdict_s() or not peer_gone(error.error_type, error.message, timeouts=False):
+            return error
+        lv.settled.wait(lv.verdict_s())
+        failure = self._failure
+        return failure if isinstance(failure, (NodeLost, LeaderLost)) else error
 
     def _fail(self, error: Exception) -> None:
         """Mark failed, wake every pending call with `error`, shut down, fire the callback once."""

@@ -37,7 +37,7 @@ import cloudpickle
 from rayfree.transport import MessageQueue, QueueBroken, QueueClosed, QueueShutdown, QueueTimeout, TransportError
 from rayfree.worker.messages import Boxed, RemoteError, is_special
 
-from .errors import RpcTimeout, failed_as, unreadable_reply, unwrap, unwrap_error
+from .errors import FatalWorkerError, RpcTimeout, failed_as, unreadable_reply, unwrap, unwrap_error
 from .observe import Call, RpcRecorder
 from .view import RpcSnapshot
 
@@ -77,6 +77,9 @@ class RpcPipe:
         self.owed = [0] * world_size
         self.failure: Exception | None = None
         self.failure_known = threading.Event()
+        #: a rank's error in a collective step, judged by the executor: the error itself, or what caused it (a
+        #: node the heartbeats declared lost while its peers' collective broke)
+        self.judge: Callable[[FatalWorkerError], Exception] | None = None
         self.stopping = False
         self._on_interrupted = on_interrupted
         self._spin_us = spin_us
@@ -316,8 +319,12 @@ class Collector(Call):
                 out = [unwrap(v, self.name, fatal) if is_special(v) else v for v in (got[r] for r in self.ranks)]
         except WaitExpired:
             raise
-        except BaseException:
+        except BaseException as e:
             pipe.recorder.end(self, False)
+            if pipe.judge is not None and isinstance(e, FatalWorkerError):
+                cause = pipe.judge(e)  # a lost peer's collective error: the lost node is the cause to report
+                if cause is not None and cause is not e:
+                    raise cause from e
             raise
         pipe.recorder.end(self, True)
         return out

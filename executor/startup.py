@@ -50,13 +50,13 @@ def broadcast_queue(config: ClusterConfig) -> MessageQueue:
     return MessageQueue(par.world_size, n_local, list(range(n_local)), connect_ip=connect_ip, spin_us=config.spin_us)
 
 
-def weak_callback(method: Callable[..., Any]) -> Callable[..., None]:
-    """`method` (bound) for a thread or an object the executor owns, without that keeping the executor alive."""
+def weak_callback(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` (bound) for a thread or an object the executor owns, without that keeping the executor alive
+    (None once the executor is gone)."""
     ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
 
-    def call(*args: Any) -> None:
+    def call(*args: Any) -> Any:
         m = ref()
-        if m is not None:
-            m(*args)
+        return None if m is None else m(*args)
 
     return call

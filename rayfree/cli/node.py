@@ -153,7 +153,19 @@ def run_node(args: argparse.Namespace) -> int:
             return EXIT_FAILED
         return 0
     except _StopRequested as e:
-        logger.warning("node %d: %s received; stopping", par.node_rank, e)
+        from rayfree.executor.health import suspect
+
+        seen = suspect(lives[0]) if lives else ""
+        logger.warning(
+            "node %d: %s received; stopping%s", par.node_rank, e, f" (and before it: {seen})" if seen else ""
+        )
+        if seen:  # the launcher stops us because a peer failed: a failure, and peers may hang in gloo: at once
+            from rayfree.executor.errors import ExecutorFailed
+
+            lives[0].fail_all(ExecutorFailed(f"node {par.node_rank}: stopped by {e} after: {seen}"))
+            if probes is not None:
+                probes.stopping = f"{e} received after: {seen}"
+            return EXIT_FAILED
         if probes is not None:
             probes.stopping = f"{e} received"
         return 0

@@ -222,7 +222,21 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> NodePlan
         # One command on every node (srun, a LeaderWorkerSet template): the entry is node 0's alone.
         entry, headless = None, True
     _check_role(par, leader, headless, entry)
+    _check_host_ip(env)
     return NodePlan(config, worker, kwargs, entry, placement)
+
+
+def _check_host_ip(env: dict[str, str] | Any) -> None:
+    """RAYFREE_HOST_IP names this node's own address; one exported to every task (sbatch --export=ALL, a
+    shared env file) would make each node claim another's."""
+    from rayfree.transport.net import HOST_IP_ENV, is_local_address, local_addresses
+
+    ip = env.get(HOST_IP_ENV)
+    if ip and not is_local_address(ip):
+        raise NodeUsageError(
+            f"{HOST_IP_ENV}={ip} is not an address of this machine (it has {', '.join(sorted(local_addresses()))}): "
+            f"was it exported to every node? Leave it unset (rayfree finds the address that routes to node 0)"
+        )
 
 
 def _check_role(par: Any, leader: bool, headless: bool, entry: str | None) -> None:
