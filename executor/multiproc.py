@@ -28,7 +28,7 @@ from .abstract import Executor
 from .errors import FatalWorkerError, LeaderLost, NodeLost, NotLeaderError, WorkerDied, failed_as
 from .liveness import NodeLiveness
 from .observe import StallWatch
-from .peers import peer_gone
+from .peers import await_verdict
 from .rpc import RpcPipe
 from .startup import broadcast_queue, init_method, preflight, weak_callback
 from .view import RpcSnapshot
@@ -161,16 +161,10 @@ class MultiprocExecutor(Executor):
         except BaseException as e:
             self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             lv = self.liveness
-            if (
-                self._failure is None
-                and lv is not None
-                and lv.verdict_s()
-                and isinstance(e, Exception)
-                and peer_gone(type(e).__name__, str(e), timeouts=False)
-            ):
+            if self._failure is None and isinstance(e, Exception):
                 # A rank's rendezvous or handshake broke because another node went away: the heartbeats' verdict
                 # (that node, or the leader's own failure) is the cause to report, and it comes within this window.
-                lv.settled.wait(lv.verdict_s())
+                await_verdict(lv, type(e).__name__, str(e), timeouts=False)
             failure = self._failure or (
                 lv.failure if lv is not None and isinstance(lv.failure, (NodeLost, LeaderLost)) else None
             )
@@ -265,17 +259,10 @@ class MultiprocExecutor(Executor):
         """A collective step raised on rank `w.rank`: its peers may be stuck in a collective, so stop them all."""
         if self.shutting_down or self.is_failed:
             return
-        lv = self.liveness
-        if lv is not None and lv.verdict_s() and peer_gone(msg.error_type, msg.message):
-            # A rank on another node that died shows up here first, as a collective's connection error; the
-            # heartbeats name that node within their suspect window, and that is the cause to report.
-            what = f"{w.describe()}: {msg.error_type} in {msg.method}"
-            logger.info(
-                "%s looks like a lost peer; waiting up to %.1fs for the heartbeats' verdict", what, lv.verdict_s()
-            )
-            lv.settled.wait(lv.verdict_s())
-            if self.shutting_down or self.is_failed:
-                return
+        # A rank on another node that died shows up here first, as a collective's connection error; the
+        # heartbeats name that node within their suspect window, and that is the cause to report.
+        if await_verdict(self.liveness, msg.error_type, msg.message) and (self.shutting_down or self.is_failed):
+            return
         logger.error(
             "%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type, msg.method
         )
@@ -286,10 +273,7 @@ class MultiprocExecutor(Executor):
     def _judge_fatal(self, error: FatalWorkerError) -> Exception:
         """A caller got a rank's collective error that reads like a lost peer: wait for the heartbeats' verdict
         (bounded), and report the lost node if they name one."""
-        lv = self.liveness
-        if lv is None or not lv.verdict_s() or not peer_gone(error.error_type, error.message, timeouts=False):
-            return error
-        lv.settled.wait(lv.verdict_s())
+        await_verdict(self.liveness, error.error_type, error.message, timeouts=False)
         failure = self._failure
         return failure if isinstance(failure, (NodeLost, LeaderLost)) else error
 

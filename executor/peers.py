@@ -11,7 +11,9 @@ every phrase has its own test (tests/executor/test_peers.py).
 
 from __future__ import annotations
 
-__all__ = ["peer_gone", "GLOO_GONE_PHRASES", "GLOO_TIMEOUT_PHRASES"]
+from typing import Any
+
+__all__ = ["peer_gone", "await_verdict", "GLOO_GONE_PHRASES", "GLOO_TIMEOUT_PHRASES"]
 
 #: exception classes (as a worker reports them, by name) raised when the other end of a link went away
 GONE_TYPES = frozenset(
@@ -44,3 +46,12 @@ def peer_gone(error_type: str, message: str, timeouts: bool = True) -> bool:
         return timeouts
     m = message.lower()
     return any(p in m for p in GLOO_GONE_PHRASES) or (timeouts and any(p in m for p in GLOO_TIMEOUT_PHRASES))
+
+
+def await_verdict(liveness: Any, error_type: str, message: str, timeouts: bool = True) -> bool:
+    """If an error reads like a lost peer and this node's heartbeats can judge (a NodeLiveness of a cluster of
+    several nodes), wait for their verdict, bounded by their suspect window; True if it waited."""
+    if liveness is None or not liveness.verdict_s() or not peer_gone(error_type, message, timeouts):
+        return False
+    liveness.settled.wait(liveness.verdict_s())
+    return True

@@ -11,13 +11,12 @@ receive together, under one lock), so no thread is handed another's reply.
 What comes back is the method's value, a `RemoteError` (the worker raised)
 or a `Boxed` value (a value that is itself one of those); every failure of
 the transport during a call is mapped to the executor's errors in one place,
-`RpcPipe._mapped`. `fail(error)` wakes every blocked call with the
-executor's failure; `snapshot()` is what status, metrics and the stall watch
-read (another thread, racy by design).
-
-Unlike vLLM's futures, `result(timeout=...)` works: a wait that runs out
-leaves the call pending (and what it already received kept), so a later
-`result()` continues where it stopped.
+`RpcPipe.map_failure`, and a rank's collective error is judged by the
+executor (`judge`: a lost node may be its cause). `fail(error)` wakes every
+blocked call; `snapshot()` is what status, metrics and the stall watch read
+(another thread, racy by design). Unlike vLLM's futures, `result(timeout=)`
+works: a wait that runs out leaves the call pending, and a later `result()`
+continues where it stopped.
 """
 
 from __future__ import annotations
@@ -77,8 +76,6 @@ class RpcPipe:
         self.owed = [0] * world_size
         self.failure: Exception | None = None
         self.failure_known = threading.Event()
-        #: a rank's error in a collective step, judged by the executor: the error itself, or what caused it (a
-        #: node the heartbeats declared lost while its peers' collective broke)
         self.judge: Callable[[FatalWorkerError], Exception] | None = None
         self.stopping = False
         self._on_interrupted = on_interrupted
@@ -214,8 +211,7 @@ class RpcPipe:
         if isinstance(e, QueueTimeout):
             if where == "sending it":
                 return RpcTimeout(f"RPC {name}: could not even send it before the {timeout}s deadline: {e}")
-            late = ranks or []
-            for r in late:  # these ranks will still send a reply nobody waits for: skip it before reading theirs
+            for r in (late := ranks or []):  # these ranks will still send a reply nobody waits for: skip it later
                 self.owed[r] += 1
             busy = [r for r in late if self.owed[r] > 1]
             return RpcTimeout(
@@ -223,8 +219,7 @@ class RpcPipe:
                 + (f" (ranks {busy} are still busy with earlier calls that timed out)" if busy else "")
             )
         if isinstance(e, QueueBroken):  # a reply queue's TCP link dropped: say so, it is the cause
-            failed = failed_as(None, f"RPC {name} failed: {e}")
-            failed.__cause__ = e
+            (failed := failed_as(None, f"RPC {name} failed: {e}")).__cause__ = e
             return failed
         if isinstance(e, (TransportError, QueueShutdown, QueueClosed, IndexError)):
             return self.failed(name)
@@ -321,10 +316,9 @@ class Collector(Call):
             raise
         except BaseException as e:
             pipe.recorder.end(self, False)
-            if pipe.judge is not None and isinstance(e, FatalWorkerError):
-                cause = pipe.judge(e)  # a lost peer's collective error: the lost node is the cause to report
-                if cause is not None and cause is not e:
-                    raise cause from e
+            cause = pipe.judge(e) if pipe.judge is not None and isinstance(e, FatalWorkerError) else None
+            if cause is not None and cause is not e:
+                raise cause from e
             raise
         pipe.recorder.end(self, True)
         return out

@@ -125,6 +125,9 @@ class WorkerHandle:
         return f"worker rank {self.rank} (pid {self.proc.pid}, rayfree::{self.title})"
 
 
+READY_LOG_S = 10.0  # how often a start-up that waits for its workers says so
+
+
 class WorkerGroup:
     """The worker processes of ranks `ranks` on this node (see the module docstring): it owns the processes,
     as torch elastic's PContext does; the queues to them belong to the leader's RPC pipe (rpc.py)."""
@@ -198,14 +201,21 @@ class WorkerGroup:
         """Every worker's READY; WorkerStartupError naming whoever failed, StartupTimeout naming who was late
         (after dumping their stacks to their stderr). The status pipes stay open for later reports."""
         pending = {w.ready_pipe: w for w in self.workers if w.ready_pipe is not None}
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         abort_r = self._abort[0]
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             sentinels = {w.proc.sentinel: w for w in pending.values()}  # type: ignore[union-attr]
-            ready = multiprocessing.connection.wait([*pending, *sentinels, abort_r], timeout=left)
+            slice_s = READY_LOG_S if left is None else min(left, READY_LOG_S)
+            ready = multiprocessing.connection.wait([*pending, *sentinels, abort_r], timeout=slice_s)
             if abort_r in ready:
                 raise StartupAborted("the executor failed while its workers were starting")
+            if not ready and (deadline is None or time.monotonic() < deadline):
+                bound = "" if timeout is None else f" of {timeout:.0f}s (ready_timeout_s)"
+                waiting = (sorted(w.rank for w in pending.values()), time.monotonic() - started, bound)
+                logger.info("waiting for worker rank(s) %s to be ready (join, model load) for %.0fs%s", *waiting)
+                continue
             if not ready:
                 late = sorted(w.rank for w in pending.values())
                 self.dump_stacks([w for w in pending.values()])

@@ -139,6 +139,16 @@ TABLE: dict[str, Setting] = {
             "RAYFREE_METRICS_PORT", None, _str, "`rayfree node --metrics-port`: serve Prometheus metrics on this port"
         ),
         # the demo's nodes
+        Setting(
+            "RAYFREE_HEALTH_PORT", None, _str, "`rayfree node --health-port`: serve /livez and /readyz on this port"
+        ),
+        Setting(
+            "RAYFREE_LAUNCHER",
+            "auto",
+            _str,
+            "`rayfree node --launcher`: where node rank, count and master come from (auto, none, slurm, lws, "
+            "torchrun, skypilot)",
+        ),
         Setting("RAYFREE_DEMO_STEPS", 200, int, "steps the demo's driver runs on a node"),
         Setting("RAYFREE_DEMO_T0", None, float, "when the demo started (time.time()), for its wall-time line"),
     )

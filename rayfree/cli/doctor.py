@@ -326,6 +326,15 @@ def diagnose(
 
 
 def run_doctor(args: argparse.Namespace) -> int:
+    from rayfree.launch.launchers import LaunchError
+    from rayfree.launch.placement import place
+
+    try:
+        placement = place(args, os.environ)
+    except LaunchError as e:
+        print(f"rayfree doctor: {e}")
+        return 2
+    args = argparse.Namespace(**{**vars(args), **placement.filled})
     try:
         # Node 0's "master_addr must be local" is reported as a check, not as a crash.
         config = load_config(args, check_local_master=False)
@@ -337,6 +346,10 @@ def run_doctor(args: argparse.Namespace) -> int:
         f"rayfree doctor: node {par.node_rank} of {par.nnodes}, {par.local_ranks * len(par.node_replicas)} "
         f"rank(s) here, master {par.master_addr}:{par.master_port}"
     )
+    launch = placement.launch
+    print(f"  placement (launcher {launch.launcher if launch else 'none detected'}):")
+    for line in placement.describe():
+        print(f"    {line}")
     if par.data_parallel_size > 1:
         print(
             f"  DP={par.data_parallel_size} replicas of {par.world_size} rank(s), in one world of "

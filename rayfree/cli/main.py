@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="only the checks that take no network action (for a container healthcheck)"
     )
     doc.add_argument("--fix", action="store_true", help="remove stale segments without asking")
+    doc.add_argument("--launcher", metavar="NAME", help="as `rayfree node --launcher` (default auto: detect)")
     from rayfree.cluster.loading import add_config_arguments
 
     add_config_arguments(doc)

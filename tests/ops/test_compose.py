@@ -13,7 +13,7 @@ from rayfree.cli.cluster_demo import node_command, node_env
 from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from tests.support.nodes import ROOT, compose, compose_invocation
 
-NODE_OPTIONS = {"RAYFREE_WORKER", "RAYFREE_ENTRY", "RAYFREE_HEADLESS", "RAYFREE_WORKER_KWARGS"}
+NODE_OPTIONS = {"RAYFREE_WORKER", "RAYFREE_ENTRY", "RAYFREE_HEADLESS", "RAYFREE_WORKER_KWARGS", "RAYFREE_HEALTH_PORT"}
 CONFIG_OPTIONS = {"RAYFREE_" + f.upper() for f in (*ParallelConfig.__struct_fields__, *ClusterConfig.__struct_fields__)}
 VALUES = {"RAYFREE_MASTER_ADDR": "10.0.0.1", "RAYFREE_MASTER_PORT": "29500"}
 
@@ -43,6 +43,21 @@ def test_every_variable_is_an_option_rayfree_reads() -> None:
         for key in svc.get("environment") or {}:
             if key.startswith("RAYFREE_"):
                 assert key in NODE_OPTIONS | CONFIG_OPTIONS, f"{name}: {key} is not a rayfree option (typo?)"
+
+
+def test_the_vllm_profile_serves_vllm_on_node_0_and_vllm_s_worker_headless_on_the_others() -> None:
+    services = compose()["services"]
+    head, follower = services["vllm-head"], services["vllm-follower"]
+    assert head["profiles"] == follower["profiles"] == ["vllm"]
+    assert head["command"][:2] == ["vllm", "serve"]
+    assert "rayfree.integrations.vllm.RayfreeExecutor" in head["command"]
+    assert follower["command"][:3] == ["rayfree", "node", "--headless"]
+    assert "rayfree.integrations.vllm:VllmWorker" in follower["command"]
+    assert head["environment"]["RAYFREE_NODE_RANK"] == "0" and "RAYFREE_HEALTH_PORT" in follower["environment"]
+    port = follower["environment"]["RAYFREE_HEALTH_PORT"]
+    assert f"127.0.0.1:{port}/readyz" in follower["healthcheck"]["test"][-1]
+    for svc in (head, follower):
+        assert svc["network_mode"] == "host" and svc["ipc"] == "host"
 
 
 def test_cpu_profile_runs_the_same_nodes_on_one_machine() -> None:

@@ -28,7 +28,15 @@ def _hooks():
 def _nav() -> list[str]:
     with open(os.path.join(ROOT, "mkdocs.yml")) as f:
         conf = yaml.safe_load(f)
-    return [next(iter(item.values())) for item in conf["nav"]]
+
+    def pages(items: list) -> list[str]:
+        out: list[str] = []
+        for item in items:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            out += pages(value) if isinstance(value, list) else [value]
+        return out
+
+    return pages(conf["nav"])
 
 
 def test_the_readme_is_at_most_8_kib_and_links_only_to_pages_that_exist() -> None:
@@ -40,7 +48,10 @@ def test_the_readme_is_at_most_8_kib_and_links_only_to_pages_that_exist() -> Non
 
 
 def test_every_page_is_in_the_site_and_every_entry_is_a_page() -> None:
-    pages = {f for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")}
+    docs = os.path.join(ROOT, "docs")
+    pages = {
+        os.path.relpath(os.path.join(d, f), docs) for d, _, fs in os.walk(docs) for f in fs if f.endswith(".md")
+    }
     assert set(_nav()) == pages
 
 

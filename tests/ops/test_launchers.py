@@ -208,3 +208,20 @@ def test_a_refused_placement_is_one_line_and_exit_2() -> None:
     )
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert "flag --node-rank says node_rank=1 but slurm's SLURM_NODEID=2 says 2" in r.stderr
+
+
+def test_the_doctor_prints_the_placement_and_refuses_what_disagrees() -> None:
+    env = {**os.environ, **STEP, "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "localhost"}
+    env["PYTHONPATH"] = ROOT
+    r = subprocess.run(
+        [sys.executable, "-m", "rayfree.cli", "doctor", "--quick"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "placement (launcher slurm):" in r.stdout and "node_rank   = 0  (slurm: SLURM_NODEID=0)" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "rayfree.cli", "doctor", "--quick", "--node-rank", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "flag --node-rank says node_rank=1 but slurm's SLURM_NODEID=0" in r.stdout, r.stdout

@@ -122,10 +122,10 @@ def test_a_killed_worker_fails_the_engine_at_once_and_nothing_is_left(model) -> 
     print(f"\nworker SIGKILLed during generate: vLLM's EngineDeadError after {r['after_s']:.2f} s")
 
 
-def _two_nodes(sim: SimulatedCluster, model: str, mode: str, secret: str) -> tuple[NodeProc, NodeProc]:
-    """vLLM's engine on node 0 (rayfree placed by its environment), `rayfree node --headless` on node 1."""
+def _common(sim: SimulatedCluster, secret: str) -> dict[str, str]:
+    """rayfree's placement for both nodes (node 0's engine reads it from its environment)."""
     security.write_secret(secret)
-    common = {
+    return {
         "RAYFREE_NNODES": "2",
         "RAYFREE_MASTER_ADDR": sim.nodes[0].ip,
         "RAYFREE_MASTER_PORT": "29500",
@@ -133,23 +133,19 @@ def _two_nodes(sim: SimulatedCluster, model: str, mode: str, secret: str) -> tup
         "RAYFREE_TENSOR_PARALLEL_SIZE": "2",
         **FAST,
     }
-    follow = NodeProc(
-        sim.nodes[1],
-        [
-            sys.executable,
-            "-m",
-            "rayfree.cli",
-            "node",
-            "--headless",
-            "--node-rank",
-            "1",
-            "--worker",
-            "rayfree.integrations.vllm:VllmWorker",
-            "--worker-kwargs",
-            json.dumps(engine_args(model)),
-        ],
-        _env(**common),
-    )
+
+
+def _follower(sim: SimulatedCluster, model: str, common: dict[str, str]) -> NodeProc:
+    """`rayfree node --headless` with vLLM's worker, on node 1."""
+    argv = [sys.executable, "-m", "rayfree.cli", "node", "--headless", "--node-rank", "1"]
+    argv += ["--worker", "rayfree.integrations.vllm:VllmWorker", "--worker-kwargs", json.dumps(engine_args(model))]
+    return NodeProc(sim.nodes[1], argv, _env(**common))
+
+
+def _two_nodes(sim: SimulatedCluster, model: str, mode: str, secret: str) -> tuple[NodeProc, NodeProc]:
+    """vLLM's engine on node 0 (rayfree placed by its environment), `rayfree node --headless` on node 1."""
+    common = _common(sim, secret)
+    follow = _follower(sim, model, common)
     lead = NodeProc(
         sim.nodes[0],
         [sys.executable, "-m", "tests.support.vllm_engine", model, "rayfree", mode],
@@ -181,6 +177,81 @@ def test_tp2_across_two_simulated_nodes_gives_the_same_tokens(model, mp_tokens, 
         _nothing_left(sim, [lead, follow])
     assert r["calls"] == [mp_tokens, mp_tokens], (r, mp_tokens)
     assert "node 0 stopped the cluster" in follow.text()
+
+
+SERVE = [
+    "--tensor-parallel-size", "2", "--distributed-executor-backend", "rayfree.integrations.vllm.RayfreeExecutor",
+    "--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
+]  # fmt: skip
+
+
+@needs_root
+@pytest.mark.timeout(900)
+def test_the_openai_server_across_two_simulated_nodes_gives_mp_s_tokens_and_health_turns_503(
+    model, mp_tokens, tmp_path
+) -> None:
+    """vLLM's OpenAI server on node 0 through rayfree, vLLM's worker headless on node 1; a client asks
+    /v1/completions; node 1 killed: vLLM's /health answers 503."""
+    with SimulatedCluster(2) as sim:
+        common = _common(sim, str(tmp_path / "secret"))
+        follow = _follower(sim, model, common)
+        server = NodeProc(
+            sim.nodes[0],
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *SERVE, "--port", "8000"],
+            _env(**common, RAYFREE_NODE_RANK="0"),
+        )
+        server.others = follow.others = [server, follow]
+        server.expect("Application startup complete", 600)
+        client = NodeProc(
+            sim.nodes[0], [sys.executable, "-m", "tests.support.openai_client", "http://127.0.0.1:8000", model], _env()
+        )
+        r = client.result("TOKENS", 300)
+        probe = NodeProc(sim.nodes[0], [sys.executable, "-m", "tests.support.probe", "http://127.0.0.1:8000/health"], {})
+        probe.expect(r"^PROBE 200 ", 60)
+        t0 = time.monotonic()
+        sim.nodes[1].kill()
+        m = probe.expect(r"^PROBE (?!200)(\d+) (\S+)", 30)
+        code, took = int(m.group(1)), float(m.group(2)) - t0
+        server.wait(120)
+        _nothing_left(sim, [server])
+    assert r["calls"] == [mp_tokens], (r, mp_tokens)
+    assert code == 503, f"/health answered {code} after node 1's death\n{probe.text()}"
+    print(f"\nvLLM's OpenAI server across two nodes: /health 503 {took:.2f} s after node 1 was killed")
+    assert took < 2.0 + SLACK
+
+
+@needs_root
+@pytest.mark.timeout(900)
+def test_the_shipped_slurm_script_serves_vllm_across_two_slurm_nodes_with_mp_s_tokens(model, mp_tokens, tmp_path) -> None:
+    """deploy/slurm/vllm.sbatch on a real Slurm (tests/support/slurm.py; installed where missing): vLLM's
+    OpenAI server on the step's first node, vLLM's worker under `rayfree node` on the second."""
+    from tests.support.slurm import SlurmCluster, install_slurm
+
+    install_slurm()
+    secret, out = str(tmp_path / "secret"), tmp_path / "job.out"
+    security.write_secret(secret)
+    with SlurmCluster(2) as slurm:
+        env = slurm.client_env(
+            {
+                **ENV, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "MODEL": model, "TP": "2",
+                "VLLM_ARGS": " ".join(SERVE[4:]), "ENGINE_ARGS": json.dumps(engine_args(model)),
+                "RAYFREE_SECRET_FILE": secret, **FAST,
+            }
+        )  # fmt: skip
+        script = os.path.join(ROOT, "deploy", "slurm", "vllm.sbatch")
+        job = slurm.popen(["sbatch", "--wait", "-o", str(out), script], env=env, stdout=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 600
+        while "Application startup complete" not in (out.read_text() if out.exists() else ""):
+            assert job.poll() is None and time.monotonic() < deadline, out.read_text() if out.exists() else ""
+            time.sleep(0.5)
+        url = f"http://{slurm.sim.nodes[0].ip}:8000"
+        r = slurm.run([sys.executable, "-m", "tests.support.openai_client", url, model], timeout=300, env=env)
+        slurm.run(["scancel", "--full", "--partition=rf"], timeout=30)
+        job.wait(120)
+    calls = _lines(r.stdout, "TOKENS")
+    assert calls and calls[0]["calls"] == [mp_tokens], (r.stdout, r.stderr[-3000:], out.read_text()[-3000:])
+    text = out.read_text()
+    assert "node placed by slurm" in text and "SLURM_NODEID=1" in text, text[-3000:]
 
 
 @needs_root
