@@ -31,6 +31,7 @@ from typing import Any
 
 from rayfree import settings
 from rayfree.cluster.config import ClusterConfig
+from rayfree.cluster.heartbeat import WAIT_LOG_S
 from rayfree.transport.secure import policy as security
 from rayfree.transport.shm.segment import remove_entries_of
 from rayfree.worker.main import worker_main
@@ -125,9 +126,6 @@ class WorkerHandle:
         return f"worker rank {self.rank} (pid {self.proc.pid}, rayfree::{self.title})"
 
 
-READY_LOG_S = 10.0  # how often a start-up that waits for its workers says so
-
-
 class WorkerGroup:
     """The worker processes of ranks `ranks` on this node (see the module docstring): it owns the processes,
     as torch elastic's PContext does; the queues to them belong to the leader's RPC pipe (rpc.py)."""
@@ -207,7 +205,7 @@ class WorkerGroup:
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             sentinels = {w.proc.sentinel: w for w in pending.values()}  # type: ignore[union-attr]
-            slice_s = READY_LOG_S if left is None else min(left, READY_LOG_S)
+            slice_s = WAIT_LOG_S if left is None else min(left, WAIT_LOG_S)
             ready = multiprocessing.connection.wait([*pending, *sentinels, abort_r], timeout=slice_s)
             if abort_r in ready:
                 raise StartupAborted("the executor failed while its workers were starting")

@@ -49,9 +49,7 @@ def test_the_readme_is_at_most_8_kib_and_links_only_to_pages_that_exist() -> Non
 
 def test_every_page_is_in_the_site_and_every_entry_is_a_page() -> None:
     docs = os.path.join(ROOT, "docs")
-    pages = {
-        os.path.relpath(os.path.join(d, f), docs) for d, _, fs in os.walk(docs) for f in fs if f.endswith(".md")
-    }
+    pages = {os.path.relpath(os.path.join(d, f), docs) for d, _, fs in os.walk(docs) for f in fs if f.endswith(".md")}
     assert set(_nav()) == pages
 
 

@@ -206,7 +206,8 @@ def test_the_openai_server_across_two_simulated_nodes_gives_mp_s_tokens_and_heal
             sim.nodes[0], [sys.executable, "-m", "tests.support.openai_client", "http://127.0.0.1:8000", model], _env()
         )
         r = client.result("TOKENS", 300)
-        probe = NodeProc(sim.nodes[0], [sys.executable, "-m", "tests.support.probe", "http://127.0.0.1:8000/health"], {})
+        health = "http://127.0.0.1:8000/health"
+        probe = NodeProc(sim.nodes[0], [sys.executable, "-m", "tests.support.probe", health], {})
         probe.expect(r"^PROBE 200 ", 60)
         t0 = time.monotonic()
         sim.nodes[1].kill()
@@ -222,7 +223,7 @@ def test_the_openai_server_across_two_simulated_nodes_gives_mp_s_tokens_and_heal
 
 @needs_root
 @pytest.mark.timeout(900)
-def test_the_shipped_slurm_script_serves_vllm_across_two_slurm_nodes_with_mp_s_tokens(model, mp_tokens, tmp_path) -> None:
+def test_the_shipped_slurm_script_serves_vllm_on_two_slurm_nodes_with_mp_s_tokens(model, mp_tokens, tmp_path) -> None:
     """deploy/slurm/vllm.sbatch on a real Slurm (tests/support/slurm.py; installed where missing): vLLM's
     OpenAI server on the step's first node, vLLM's worker under `rayfree node` on the second."""
     from tests.support.slurm import SlurmCluster, install_slurm
