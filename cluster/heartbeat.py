@@ -126,6 +126,8 @@ class _Beater:
         #: when a connection last dropped; a peer silent since then is lost after `suspect_window`
         self.suspect_at: float | None = None
         self.suspect_window = min(timeout, 2 * interval + 0.2)
+        #: another signal (a collective's connection error) confirmed the drop: a silent peer is lost at once
+        self.corroborated = False
         self.dropped = 0
         self._dropped_logged_at = 0.0
         self._stop = threading.Event()
@@ -135,6 +137,12 @@ class _Beater:
     def arm(self) -> None:
         """From now on, silence longer than the timeout is a loss."""
         self.armed_at = time.monotonic()
+
+    def corroborate(self) -> None:
+        """A collective with a peer just broke with a connection error: if a connection dropped too, its silent
+        peer is lost now, not a suspect window later (two signals agree)."""
+        if self.suspect_at is not None:
+            self.corroborated = True
 
     def close(self, bye: Bye | None = None, timeout: float = 5.0) -> None:
         """Stop the thread; say `bye` to the other side(s) first, if given."""
@@ -164,7 +172,8 @@ class _Beater:
         since = max(last or 0.0, self.armed_at)
         if now - since > self.timeout:
             return f"no heartbeat for {now - since:.1f}s (heartbeat_timeout_s={self.timeout})"
-        if self.suspect_at is not None and since < self.suspect_at and now - self.suspect_at > self.suspect_window:
+        window = 0.0 if self.corroborated else self.suspect_window
+        if self.suspect_at is not None and since < self.suspect_at and now - self.suspect_at >= window:
             return (
                 f"its connection dropped and it did not beat again within {self.suspect_window:.1f}s "
                 f"(its process died, or its host went down)"

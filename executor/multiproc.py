@@ -278,7 +278,8 @@ class MultiprocExecutor(Executor):
         return failure if isinstance(failure, (NodeLost, LeaderLost)) else error
 
     def _fail(self, error: Exception) -> None:
-        """Mark failed, wake every pending call with `error`, shut down, fire the callback once."""
+        """Mark failed, wake every pending call with `error`, fire the callback once, shut down (an idle engine
+        hears of it at once: a second shutdown, from its callback, waits for this one)."""
         with self._callback_lock:
             if self.is_failed:
                 return
@@ -287,8 +288,10 @@ class MultiprocExecutor(Executor):
         if self.pipe is not None:  # blocked sends and receives return now
             self.pipe.fail(error)
         if self._started:
+            self._fire_failure_callback()
             self.shutdown()
-        elif self.group is not None:
+            return
+        if self.group is not None:
             # Start-up: the starting thread stops waiting for READY, raises this failure and shuts down (a
             # worker blocked in native code, say a rendezvous, does not hear SIGTERM: the staged close kills it).
             self._fast_stop = True

@@ -53,5 +53,7 @@ def await_verdict(liveness: Any, error_type: str, message: str, timeouts: bool =
     several nodes), wait for their verdict, bounded by their suspect window; True if it waited."""
     if liveness is None or not liveness.verdict_s() or not peer_gone(error_type, message, timeouts):
         return False
+    if liveness.beater is not None and peer_gone(error_type, message, timeouts=False):
+        liveness.beater.corroborate()  # a dropped heartbeat connection and a broken collective: a loss now
     liveness.settled.wait(liveness.verdict_s())
     return True

@@ -37,8 +37,6 @@ class Launch(msgspec.Struct, kw_only=True):
     hosts: list[str] = []
     #: ports the launcher itself uses on node 0 (torchrun's store): rayfree must not take them
     reserved_ports: list[int] = []
-    #: followers run headless unless told otherwise (LeaderWorkerSet's workers)
-    followers_headless: bool = True
 
 
 def _int(env: Mapping[str, str], name: str, launcher: str) -> int:

@@ -70,6 +70,13 @@ def nothing_left(sim: SimulatedCluster, nodes: list[NodeProc]) -> None:
         assert not shm_files(n.node), f"node {n.node.index}: {shm_files(n.node)}"
 
 
+def live_probe(sim: SimulatedCluster, k: int) -> NodeProc:
+    """Node k's /livez, once it answers 200."""
+    p = probe(sim, k, "livez")
+    until(p, 200, 30)
+    return p
+
+
 def ready_cluster(sim: SimulatedCluster) -> tuple[list[NodeProc], list[NodeProc], float]:
     t = time.monotonic()
     nodes = start_cluster(sim)
@@ -83,13 +90,13 @@ def ready_cluster(sim: SimulatedCluster) -> tuple[list[NodeProc], list[NodeProc]
 def test_a_killed_node_turns_every_survivors_readyz_503_and_every_node_exits_then_the_same_commands_restart() -> None:
     with SimulatedCluster(3) as sim:
         nodes, probes, first_ready = ready_cluster(sim)
-        live = probe(sim, 1, "livez")
-        until(live, 200, 30)
+        live = live_probe(sim, 1)
         t0 = time.monotonic()
         sim.nodes[2].kill()
         t_n0, why0 = until(probes[0], 503, 10)
         t_n1, why1 = until(probes[1], 503, 10)
         assert "node 2" in why0["reason"] and "node 2" in why1["reason"], (why0, why1)
+        live.expect(r"^PROBE (503|0) ", 10)  # node 1 itself fails (then its port closes): not alive
         codes = [nodes[k].wait(30) for k in (0, 1)]
         t_out = time.monotonic() - t0
         assert codes[0] != 0 and codes[1] != 0, codes
@@ -129,8 +136,7 @@ def test_a_killed_worker_turns_readyz_503_on_node_0_and_the_other_follower() -> 
 def test_a_stopped_rank_turns_readyz_503_within_stall_report_s_and_200_once_it_runs_again() -> None:
     with SimulatedCluster(3) as sim:
         nodes, probes, _ = ready_cluster(sim)
-        live = probe(sim, 0, "livez")
-        until(live, 200, 30)
+        live = live_probe(sim, 0)
         victim = workers_of(nodes[2])
         t0 = time.monotonic()
         os.kill(victim[0], signal.SIGSTOP)
@@ -141,6 +147,7 @@ def test_a_stopped_rank_turns_readyz_503_within_stall_report_s_and_200_once_it_r
             os.kill(victim[0], signal.SIGCONT)
         t_back, _ = until(probes[0], 200, 30)
         sim.kill_all()
+    assert live.text().count("PROBE") == 1, live.text()  # node 0 itself stayed alive throughout
     print(
         f"\n/readyz 503 after SIGSTOP of rank 2: node 0 {t_n0 - t0:.3f} s ({why0['reason']}), node 1 {t_n1 - t0:.3f} s"
     )

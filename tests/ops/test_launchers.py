@@ -225,3 +225,26 @@ def test_the_doctor_prints_the_placement_and_refuses_what_disagrees() -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "flag --node-rank says node_rank=1 but slurm's SLURM_NODEID=0" in r.stdout, r.stdout
+
+
+def test_entry_takes_a_script_as_torchrun_does(tmp_path) -> None:
+    (tmp_path / "helper.py").write_text("CODE = 3\n")
+    (tmp_path / "driver.py").write_text(
+        "from helper import CODE\n\n\ndef main(ex):\n"
+        "    print('ECHO', ex.collective_rpc('echo', args=(5,)), flush=True)\n    return CODE\n"
+    )
+    argv = ["node", "--worker", "tests.support.sample_workers:EchoWorker", "--entry", f"{tmp_path}/driver.py:main"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAYFREE_MASTER_PORT": "0"}
+    r = subprocess.run(
+        [sys.executable, "-m", "rayfree.cli", *argv], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert r.returncode == 3 and "ECHO [5]" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "rayfree.cli", *argv[:-1], "nowhere.py:main"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 2 and r.stderr.strip().endswith(f"no file {tmp_path}/nowhere.py"), r.stderr

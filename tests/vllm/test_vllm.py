@@ -217,8 +217,9 @@ def test_the_openai_server_across_two_simulated_nodes_gives_mp_s_tokens_and_heal
         _nothing_left(sim, [server])
     assert r["calls"] == [mp_tokens], (r, mp_tokens)
     assert code == 503, f"/health answered {code} after node 1's death\n{probe.text()}"
-    print(f"\nvLLM's OpenAI server across two nodes: /health 503 {took:.2f} s after node 1 was killed")
-    assert took < 2.0 + SLACK
+    why = next((ln for ln in server.text().splitlines() if "lost:" in ln), "")
+    print(f"\nvLLM's OpenAI server across two nodes: /health 503 {took:.2f} s after node 1 was killed; {why}")
+    assert took < 2.0
 
 
 @needs_root

@@ -60,7 +60,8 @@ def cluster_config(vllm_config: Any, env: Mapping[str, str] | None = None) -> Cl
         placement = place(argparse.Namespace(), env)
     except LaunchError as e:
         raise ConfigError(str(e)) from None
-    config = load_config([f"--{k.replace('_', '-')}={v}" for k, v in placement.filled.items()], env=env)
+    given = {**placement.filled, **{k: str(v).lower() for k, v in _sizes(par).items()}}  # vLLM's sizes win
+    config = load_config([f"--{k.replace('_', '-')}={v}" for k, v in given.items()], env=env)
     if config.parallel.data_parallel_size > 1:
         raise ConfigError(
             "RAYFREE_DATA_PARALLEL_SIZE > 1: vLLM runs one executor per DP rank; give vLLM its "
