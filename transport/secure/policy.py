@@ -160,7 +160,11 @@ def secret_from(secret: bytes | str | os.PathLike[str] | ClusterSecret) -> Clust
     if isinstance(secret, ClusterSecret):
         return secret
     if isinstance(secret, (bytes, bytearray, memoryview)):
-        return _parse(bytes(secret).strip(), "memory")
+        raw = bytes(secret)  # hex text (a key file's) may end in a newline; random bytes are taken as they are
+        try:
+            return ClusterSecret(bytes.fromhex(raw.strip().decode()), "memory")
+        except (ValueError, UnicodeDecodeError):
+            return ClusterSecret(raw, "memory")
     if isinstance(secret, (str, os.PathLike)):
         return _read(os.fspath(secret))
     raise TypeError(f"secret must be bytes, a path or a ClusterSecret, got {type(secret).__name__}")
