@@ -144,3 +144,52 @@ def test_the_leaderworkerset_commands_form_a_cluster_on_simulated_pods(tmp_path)
         f"\nLWS pods: leader /readyz 503 {float(m.group(1)) - t0:.2f} s after the worker pod died, exit {code} "
         f"after {took:.1f} s"
     )
+
+
+def sts_env(container: dict, index: int, namespace: str) -> dict[str, str]:
+    """The StatefulSet pod's env as the kubelet makes it: fieldRefs resolved, $(VAR) expanded."""
+    fields = {"metadata.labels['apps.kubernetes.io/pod-index']": str(index), "metadata.namespace": namespace}
+    env: dict[str, str] = {}
+    for e in container["env"]:
+        value = fields[e["valueFrom"]["fieldRef"]["fieldPath"]] if "valueFrom" in e else e["value"]
+        for k, v in env.items():
+            value = value.replace(f"$({k})", v)
+        env[e["name"]] = value
+    return {**env, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO"}
+
+
+@pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
+@pytest.mark.timeout(240)
+def test_the_statefulset_commands_form_a_cluster_on_simulated_pods(tmp_path) -> None:
+    service, sts = docs("statefulset.yaml")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    n = sts["spec"]["replicas"]
+    assert service["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == service["metadata"]["name"]
+    script = c["command"][2].replace("exec rayfree ", f"exec {sys.executable} -m rayfree.cli ")
+    secret = str(tmp_path / "secret")
+    security.write_secret(secret)
+    names = [f"rayfree-{k}" for k in range(n)]
+    with SimulatedCluster(
+        n,
+        hostnames=names,
+        aliases={"rayfree-0.rayfree.default.svc.cluster.local": 0},
+        files={security.DOCKER_SECRET: secret},
+    ) as sim:
+        pods = [NodeProc(sim.nodes[k], ["sh", "-c", script], sts_env(c, k, "default")) for k in range(n)]
+        for p in pods:
+            p.others = pods
+        get = c["readinessProbe"]["httpGet"]
+        probes = [
+            NodeProc(
+                sim.nodes[k],
+                [sys.executable, "-m", "tests.support.probe", f"http://127.0.0.1:{get['port']}{get['path']}"],
+                {},
+            )
+            for k in range(n)
+        ]
+        for p in probes:
+            p.expect(r"^PROBE 200 ", 120)
+        pods[0].expect(r"workers on 2 node\(s\) ready", 30)
+        sim.nodes[1].kill()
+        assert pods[0].wait(30) != 0, pods[0].text()[-3000:]
+    assert "node 1/2 (follower)" in pods[1].text()
