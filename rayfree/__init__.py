@@ -109,6 +109,9 @@ if TYPE_CHECKING:  # pragma: no cover - the list of public names
         MessageTooLarge as MessageTooLarge,
     )
     from rayfree.transport.errors import (
+        OutOfSequence as OutOfSequence,
+    )
+    from rayfree.transport.errors import (
         QueueBroken as QueueBroken,
     )
     from rayfree.transport.errors import (

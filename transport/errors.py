@@ -28,6 +28,11 @@ class QueueBroken(TransportError, ConnectionError):
     not take the reconnected reader back, so the queue cannot go on."""
 
 
+class OutOfSequence(QueueBroken):
+    """A stream's message arrived with another sequence number than the next one: one was lost, repeated or
+    reordered. The stream cannot be trusted from here on; the message names it and both numbers."""
+
+
 class MessageTooLarge(TransportError, ValueError):
     """The message exceeds the queue's `max_message_bytes`; nothing was sent."""
 

@@ -2,7 +2,10 @@
 
 It blocks inside ZeroMQ, in slices (so shutdown and the deadline are seen,
 through the channel's one wait loop), opens sealed messages before anything
-else looks at them, and skips (and counts) what cannot be parsed.
+else looks at them, and skips (and counts) what cannot be parsed. Each
+message's sequence number must be the next one (insecure streams: 8 bytes
+before frame 0; sealed ones: checked by the opener): anything else is
+`OutOfSequence`, naming the stream and both numbers, never a skip.
 """
 
 from __future__ import annotations
@@ -15,12 +18,12 @@ import zmq
 
 from rayfree.transport import serde
 from rayfree.transport.channel import EMPTY, Receiver
-from rayfree.transport.errors import BadFrame, QueueClosed
+from rayfree.transport.errors import BadFrame, OutOfSequence, QueueClosed
 from rayfree.transport.secure import policy
 from rayfree.transport.secure.aead import admission_token, queue_key
 from rayfree.transport.secure.opener import Opener
 from rayfree.transport.zmq.link import LinkWatch
-from rayfree.transport.zmq.sender import CLOSE, CTRL, SLICE_MS
+from rayfree.transport.zmq.sender import CLOSE, CTRL, SEQ, SLICE_MS
 from rayfree.transport.zmq.sockets import HELLO_PREFIX, make_subscriber, zmq_errors
 
 __all__ = ["SocketReceiver"]
@@ -29,6 +32,8 @@ logger = logging.getLogger("rayfree.transport")
 
 _perf = time.perf_counter
 _loads = serde.loads
+_seq_of = SEQ.unpack_from
+_SEQ_LEN = SEQ.size
 
 
 class SocketReceiver(Receiver):
@@ -39,11 +44,20 @@ class SocketReceiver(Receiver):
     """
 
     def __init__(
-        self, sock: zmq.Socket, path: str, hello_topic: bytes | None = None, opener: Opener | None = None
+        self,
+        sock: zmq.Socket,
+        path: str,
+        hello_topic: bytes | None = None,
+        opener: Opener | None = None,
+        endpoint: str = "",
     ) -> None:
         super().__init__()
         self.sock = sock
         self.path = path
+        #: the writer's address, for the errors that name this stream
+        self.endpoint = endpoint
+        #: an insecure stream's next sequence number (a sealed one's is the opener's)
+        self.expect = 0
         #: a sealed queue's messages are verified and decrypted (aead.py) before anything else looks at them
         self.opener = opener
         #: dropped when CLOSE is read: the writer's sign that this reader has every message
@@ -68,7 +82,7 @@ class SocketReceiver(Receiver):
             opener = Opener(queue_key(secret.derive(b"queue-aead"), qid), qid)
             hello += b":" + admission_token(secret.derive(b"queue-admit"), qid, rank)
         sock = make_subscriber(endpoint, hello, maxmsgsize=maxmsgsize)
-        return cls(sock, path, HELLO_PREFIX + hello if path == "tcp" else None, opener)
+        return cls(sock, path, HELLO_PREFIX + hello if path == "tcp" else None, opener, endpoint)
 
     def try_recv(self) -> Any:
         with self._again:
@@ -135,7 +149,9 @@ class SocketReceiver(Receiver):
         if not frame.more:  # the common small message, with the least work
             buf = frame.buffer
             opener = self.opener
-            if opener is not None:
+            if opener is None:
+                buf = self._in_order(buf)
+            else:
                 buf = opener.open_one(buf)
                 if buf is None:  # not the common kind: the general path judges it
                     return self.decode(self._rest(frame, what, deadline))
@@ -160,11 +176,29 @@ class SocketReceiver(Receiver):
         parts = self._parts(frame)
         opener = self.opener
         if opener is None:
+            parts[0] = self._in_order(parts[0])
             return parts
         out = opener.open(parts)
         while out is None:  # the next segment is on its way (or already here)
             out = opener.open(self._parts(self._next_frame(deadline, True, what)))
         return out
+
+    def _in_order(self, buf: Any) -> Any:
+        """An insecure message's first frame without its sequence number, which must be the next one."""
+        if len(buf) < _SEQ_LEN:
+            raise BadFrame(f"a {len(buf)}-byte message, shorter than its sequence number")
+        (seq,) = _seq_of(buf)
+        if seq != self.expect:
+            raise self.out_of_sequence(seq, self.expect)
+        self.expect = seq + 1
+        return buf[_SEQ_LEN:]
+
+    def out_of_sequence(self, seq: int, expect: int) -> OutOfSequence:
+        what = f"{expect - seq} message(s) repeated or reordered" if seq < expect else f"{seq - expect} lost"
+        return OutOfSequence(
+            f"the {self.path} stream from {self.endpoint or 'its writer'} to this reader: message {seq} arrived where "
+            f"{expect} was due ({what}); the queue cannot go on"
+        )
 
     @staticmethod
     def decode(parts: list[Any]) -> Any:

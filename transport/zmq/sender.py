@@ -6,7 +6,10 @@ A message is one multipart ZeroMQ message: frame 0 the pickle stream, the
 rest out-of-band buffers (see serde.py). A single frame that starts with
 `CTRL` is a control message (READY, CLOSE); one that starts with serde's `RAW`
 is a small bytes message sent without pickle. A pickle stream starts with
-neither. Every raw socket call sits inside one `zmq_errors` block (sockets.py).
+neither. Every message of a stream carries its sequence number (a sealed
+one in its sealed header, an insecure one as 8 bytes before frame 0), so a
+reader knows a lost, repeated or reordered message for what it is. Every
+raw socket call sits inside one `zmq_errors` block (sockets.py).
 
 Both ends keep the Python work around each send and receive small: on a
 machine with few cores, every microsecond spent there is a microsecond that
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import struct
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +34,7 @@ from rayfree.transport.secure import policy
 from rayfree.transport.secure.aead import SEG_MIN, Sealer, admission_token, queue_key
 from rayfree.transport.zmq.sockets import HELLO_PREFIX, make_publisher, tracker_done, zmq_errors
 
-__all__ = ["SocketSender", "CTRL", "READY", "CLOSE", "SLICE_MS", "hello_rank"]
+__all__ = ["SocketSender", "CTRL", "READY", "CLOSE", "SLICE_MS", "SEQ", "hello_rank"]
 
 logger = logging.getLogger("rayfree.transport")
 
@@ -44,6 +48,9 @@ SLICE_MS = 100
 ZERO_COPY_MIN = 64 << 10
 
 _perf = time.perf_counter
+#: An insecure stream's sequence number, in front of each message's first frame (a sealed one's is in its header)
+SEQ = struct.Struct("<Q")
+_seq_pack = SEQ.pack
 #: What a send raises only before ZeroMQ took the message: then its sequence number is taken back. Anything else
 #: (a KeyboardInterrupt just after ZeroMQ took it) keeps the number spent: a gap the readers report beats a GCM
 #: nonce used twice.
@@ -86,6 +93,8 @@ class SocketSender(Sender):
         #: where subscribers connect (the bound address)
         self.endpoint = endpoint
         self.sealer = sealer
+        #: an insecure stream's next sequence number (a sealed stream's is its sealer's)
+        self.seq = 0
         self._admit = admit
         #: bytes this path has carried (the caller's frames, before sealing), for metrics
         self.sent_bytes = 0
@@ -124,13 +133,22 @@ class SocketSender(Sender):
             if self._in_flight:
                 self._recycle()
             data = sealer.seal(frames)[0]
+        else:
+            data = _seq_pack(self.seq) + data
+            self.seq += 1
         with self._again:
             self.sock.send(data, zmq.NOBLOCK)
             self.sent_bytes += len(frames[0])
             return True
-        if sealer is not None:
-            sealer.seq -= 1  # not sent: the readers must not see a gap
+        self._take_back()
         return False
+
+    def _take_back(self) -> None:
+        """A message that did not go: its sequence number is the next one's (the readers must not see a gap)."""
+        if self.sealer is not None:
+            self.sealer.seq -= 1
+        else:
+            self.seq -= 1
 
     def send(
         self,
@@ -153,13 +171,16 @@ class SocketSender(Sender):
                     self.sent_bytes += sum(sizes)
                     return
             frames = sealer.seal(frames)
+        else:
+            first = frames[0]
+            frames = [_seq_pack(self.seq) + (first if type(first) is bytes else bytes(first)), *frames[1:]]
+            self.seq += 1
         try:
             tracker = self._put_now(frames)
             if tracker is False:  # a reader is a full HWM behind: nothing was sent (ZeroMQ takes a message whole)
                 tracker = self._send_waiting(frames, deadline, on_wait)
         except _NOT_SENT:
-            if sealer is not None:
-                sealer.seq -= 1  # not sent: the readers must not see a gap
+            self._take_back()
             raise
         self.sent_bytes += sum(sizes)
         if tracker is None:
@@ -265,7 +286,10 @@ class SocketSender(Sender):
 
     def send_control(self, msg: bytes, block: bool) -> bool:
         """READY or CLOSE (sealed like any message on a sealed queue); False if it could not go now."""
-        frames = [msg] if self.sealer is None else self.sealer.seal([msg])
+        if self.sealer is None:
+            frames, self.seq = [_seq_pack(self.seq) + msg], self.seq + 1
+        else:
+            frames = self.sealer.seal([msg])
         if block:
             with zmq_errors(f"sending {msg[len(CTRL) :].decode()} to {self.path} readers"):
                 self._put(frames, 0)
@@ -273,8 +297,7 @@ class SocketSender(Sender):
         with zmq_errors(f"sending {msg[len(CTRL) :].decode()} to {self.path} readers", again=True):
             self._put(frames, zmq.NOBLOCK)
             return True
-        if self.sealer is not None:
-            self.sealer.seq -= 1  # not sent: the readers must not see a gap
+        self._take_back()
         return False
 
     # -- who is there ----------------------------------------------------------------------------
