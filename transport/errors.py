@@ -32,6 +32,11 @@ class OutOfSequence(QueueBroken):
     """A stream's message arrived with another sequence number than the next one: one was lost, repeated or
     reordered. The stream cannot be trusted from here on; the message names it and both numbers."""
 
+    def __init__(self, message: str, seq: int = -1, expected: int = -1) -> None:
+        super().__init__(message)
+        self.seq = seq
+        self.expected = expected
+
 
 class MessageTooLarge(TransportError, ValueError):
     """The message exceeds the queue's `max_message_bytes`; nothing was sent."""

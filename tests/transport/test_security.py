@@ -336,49 +336,61 @@ class _Boom:
         return (open, (self.path, "w"))
 
 
-@pytest.mark.timeout(120)
-def test_forged_tampered_truncated_replayed_reordered_and_foreign_messages_are_refused_unread(tmp_path) -> None:
-    """A remote reader gets 6 good messages; between them arrive sealed messages that are tampered,
-    truncated, replayed, out of order, of another queue and of another cluster, each carrying a payload that
-    would write a file if it were ever unpickled. Every one is skipped; no file appears; nothing good is lost."""
-    import pickle
-
+def _forger(secret, qid, payload):
     from rayfree.transport.secure.aead import Sealer, queue_key
+
+    def forged(seq: int, key_secret=secret, queue_id=qid) -> list:
+        s = Sealer(queue_key(key_secret.derive(b"queue-aead"), queue_id), queue_id)
+        s.seq = seq
+        return [bytes(f) for f in s.seal(payload)]
+
+    return forged
+
+
+@pytest.mark.timeout(120)
+def test_forged_tampered_truncated_and_foreign_messages_are_refused_unread(tmp_path) -> None:
+    """A remote reader gets 6 good messages; between them arrive sealed messages that are tampered,
+    truncated, of another queue and of another cluster, each carrying a payload that would write a file if it
+    were ever unpickled. Every one is skipped; no file appears; nothing good is lost."""
+    import pickle
 
     boom = str(tmp_path / "unpickled")
     payload = [pickle.dumps(_Boom(boom), 5)]
     with tcp_writer() as w, sealed_reader(w, 6) as (conn, qid, secret, sock, real, _):
-
-        def forged(seq: int, key_secret=secret, queue_id=qid) -> list:
-            s = Sealer(queue_key(key_secret.derive(b"queue-aead"), queue_id), queue_id)
-            s.seq = seq
-            return [bytes(f) for f in s.seal(payload)]
-
+        forged = _forger(secret, qid, payload)
         other = ClusterSecret(os.urandom(32), "another cluster")
-        replay = None
         for i in range(6):
             nxt = real.seq  # the sequence number the reader expects next
             tampered = forged(nxt)
             tampered[-1] = tampered[-1][:-1] + bytes([tampered[-1][-1] ^ 1])
             truncated = forged(nxt)
             truncated[-1] = truncated[-1][:-1]
-            attacks = [
-                tampered,
-                truncated,
-                forged(nxt + 1),
-                forged(nxt, queue_id=os.urandom(16)),
-                forged(nxt, key_secret=other),
-            ]
-            if replay is not None:
-                attacks.append(replay)
-            for frames in attacks:
+            for frames in (tampered, truncated, forged(nxt, queue_id=os.urandom(16)), forged(nxt, key_secret=other)):
                 sock.send_multipart(frames)
-            replay = forged(nxt - 1) if nxt else None  # a copy of the last genuine message's slot
             w.enqueue(("good", i), timeout=30)
         kind, got, bad = procs.recv(conn, timeout=90)
     assert kind == "done" and got == [("good", i) for i in range(6)], (kind, got)
-    assert bad == 5 * 6 + 5, bad
+    assert bad == 4 * 6, bad
     assert not os.path.exists(boom), "a forged message was unpickled"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shift, said", [(-1, r"message 1 arrived where 2 was due \(1 message"), (1, r"\(1 lost\)")])
+def test_a_genuine_message_out_of_order_breaks_the_stream_naming_both_numbers_unread(tmp_path, shift, said) -> None:
+    """A replayed copy of the last genuine message (shift -1), or a genuine one ahead of its turn (+1): the
+    reader's next dequeue raises OutOfSequence naming the stream and both numbers; the payload is not
+    unpickled."""
+    import pickle
+
+    boom = str(tmp_path / "unpickled")
+    with tcp_writer() as w, sealed_reader(w, 2) as (conn, qid, secret, sock, real, _):
+        w.enqueue(("good", 0), timeout=30)
+        forged = _forger(secret, qid, [pickle.dumps(_Boom(boom), 5)])
+        sock.send_multipart(forged(real.seq + shift))
+        kind, text, _ = procs.recv(conn, timeout=90)
+    assert kind == "error" and "OutOfSequence" in text and re.search(said, text), text
+    assert "the sealed tcp stream from tcp://" in text
+    assert not os.path.exists(boom), "an out-of-order message was unpickled"
 
 
 @pytest.mark.timeout(120)
@@ -430,11 +442,11 @@ def test_a_subscriber_without_the_token_gets_nothing_and_cannot_stall_the_writer
 
 
 @pytest.mark.timeout(120)
-def test_segments_forged_tampered_truncated_replayed_reordered_or_foreign_are_refused_unread(tmp_path) -> None:
+def test_segments_forged_tampered_truncated_or_foreign_are_refused_unread(tmp_path) -> None:
     """Messages of SEG_MIN bytes or more travel as separately sealed segments. Before each genuine segment of
-    three such messages arrive segments that are tampered, truncated, out of order, replayed, of another queue
-    and of another cluster (their heads carry a pickle that would write a file). Every one is skipped, no file
-    appears, and the three messages arrive whole."""
+    three such messages arrive segments that are tampered, truncated, of another queue and of another cluster
+    (their heads carry a pickle that would write a file). Every one is skipped, no file appears, and the three
+    messages arrive whole. (A genuine segment out of order breaks the stream: the test after this one.)"""
     import pickle
 
     from rayfree.transport import serde
@@ -455,7 +467,7 @@ def test_segments_forged_tampered_truncated_replayed_reordered_or_foreign_are_re
             _, segments = s.segments([pickle.dumps(_Boom(boom), 5)] + frames[1:])
             return [bytes(x) for x in segments]
 
-        attacks, last = 0, None
+        attacks = 0
         for good in goods:
             _, segments = real.segments(good)
             for k, seg in enumerate(segments):
@@ -469,15 +481,10 @@ def test_segments_forged_tampered_truncated_replayed_reordered_or_foreign_are_re
                     forged(seq - k, good, queue_id=os.urandom(16))[k],
                     forged(seq - k, good, key_secret=other)[k],
                 ]
-                if k + 1 < len(mine):
-                    batch.append(mine[k + 1])  # the next segment, too early
-                if last is not None:
-                    batch.append(last)  # the segment before, again
                 for frame in batch:
                     sock.send(frame)
                 attacks += len(batch)
                 sock.send(seg)
-                last = seg
         kind, got, bad = procs.recv(conn, timeout=90)
     assert kind == "done", got
     assert [(g[0], g[1], g[2].shape[0], bool((g[2] == i + 1).all())) for i, g in enumerate(got)] == [
@@ -485,6 +492,27 @@ def test_segments_forged_tampered_truncated_replayed_reordered_or_foreign_are_re
     ]
     assert bad == attacks, (bad, attacks)
     assert not os.path.exists(boom), "a forged segment's message was unpickled"
+
+
+@pytest.mark.timeout(120)
+def test_a_genuine_segment_sent_again_breaks_the_stream_naming_both_numbers() -> None:
+    import numpy as np
+
+    from rayfree.transport import serde
+    from rayfree.transport.secure.aead import SEG_MIN
+
+    good = serde.Serializer().dumps(("good", np.ones(2 * SEG_MIN, dtype=np.uint8)))
+    with tcp_writer() as w, sealed_reader(w, 2) as (conn, _qid, _secret, sock, real, _):
+        _, segments = real.segments(good)
+        segs = [bytes(x) for x in segments]
+        after = real.seq  # the number due after the last segment
+        for seg in segs:
+            sock.send(seg)
+        sock.send(segs[-1])  # the last segment again
+        w.enqueue("next", timeout=30)
+        kind, text, _ = procs.recv(conn, timeout=90)
+    assert kind == "error" and "OutOfSequence" in text, text
+    assert re.search(rf"message {after - 1} arrived where {after} was due", text), text
 
 
 @pytest.mark.timeout(60)

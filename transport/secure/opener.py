@@ -14,7 +14,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from rayfree.transport.errors import BadFrame
+from rayfree.transport.errors import BadFrame, OutOfSequence
 from rayfree.transport.secure.aead import (
     _ALIGN,
     _HEAD,
@@ -95,7 +95,6 @@ class Opener:
         lengths = struct.unpack_from(f"<{n}Q", head, _HEAD.size)
         if any(memoryview(p).nbytes != ln for p, ln in zip(parts[1:], lengths)):
             raise BadFrame("a sealed message whose frame lengths do not match its header (truncated?)")
-        self._check_order(seq)
         dec = Cipher(self._alg, modes.GCM(_nonce(seq), head[-_TAG:])).decryptor()
         dec.authenticate_additional_data(self._qid + head[:-_TAG])
         out = []
@@ -112,7 +111,7 @@ class Opener:
             dec.finalize()
         except InvalidTag:
             raise _forged() from None
-        self.expect = seq + 1
+        self._check_order(seq)
         if self._partial is not None:
             self._drop_partial()
         return out
@@ -126,11 +125,11 @@ class Opener:
         hl = _SEG_HEAD.size + 8 * n
         if not 0 < n <= _MAX_FRAMES or not 0 < seg <= _SEG_BOUND or len(mv) < hl + _TAG:
             raise BadFrame("a segmented message whose head is malformed")
-        self._check_order(seq)
         try:  # first the tag: nothing in the head (the layout, the buffer's size) is used before it passed
             first = self._aead.decrypt(_nonce(seq), mv[hl:], self._qid + bytes(mv[:hl]))
         except InvalidTag:
             raise _forged() from None
+        self._check_order(seq)
         lengths = struct.unpack_from(f"<{n}Q", mv, _SEG_HEAD.size)
         offs, size, segs = plan(lengths, seg)
         b, e = segs[0][0], segs[0][1]
@@ -139,7 +138,6 @@ class Opener:
         view, addr = self.pool.take(size + _ALIGN - 1)
         view = view[-addr % _ALIGN :]  # frame offsets are 64-byte aligned in memory too
         view[b:e] = first  # the head usually carries only the small frames (the pickle stream)
-        self.expect = seq + 1
         if self._partial is not None:
             self._drop_partial()
         self._partial = [view, lengths, offs, segs, 1]
@@ -151,9 +149,13 @@ class Opener:
         if nparts != 1 or len(mv) < _SEG_CONT.size + _TAG:
             raise BadFrame("a segment that is not one frame, or is truncated")
         _, seq, k = _SEG_CONT.unpack_from(mv)
-        self._check_order(seq)
         part = self._partial
         if part is None or k != part[4]:
+            try:  # genuine, then out of order (the stream is broken); else a forgery to skip
+                self._aead.decrypt(_nonce(seq), mv[_SEG_CONT.size :], self._qid + bytes(mv[: _SEG_CONT.size]))
+            except InvalidTag:
+                raise BadFrame(f"segment {k} of a segmented message whose earlier segments did not arrive") from None
+            self._check_order(seq)
             raise BadFrame(f"segment {k} of a segmented message whose earlier segments did not arrive")
         view, segs = part[0], part[3]
         b, e = segs[k][0], segs[k][1]
@@ -165,7 +167,7 @@ class Opener:
             )
         except InvalidTag:
             raise _forged() from None
-        self.expect = seq + 1
+        self._check_order(seq)
         part[4] = k + 1
         return self._finish() if k + 1 == len(segs) else None
 
@@ -184,10 +186,11 @@ class Opener:
         return [view[o : o + n] for o, n in zip(offs, lengths)]
 
     def _check_order(self, seq: int) -> None:
+        """A genuine message (its tag passed) must be the next: else one was lost, repeated or reordered, and
+        the stream is broken (OutOfSequence), not skipped past. The next one is due only once this one is."""
         if seq != self.expect:
-            raise BadFrame(
-                f"a sealed message out of order: sequence {seq}, expected {self.expect} (replayed, reordered, or lost)"
-            )
+            raise OutOfSequence(f"sealed message {seq} arrived where {self.expect} was due", seq, self.expect)
+        self.expect = seq + 1
 
     def _open_one(self, msg, nparts: int) -> list:
         """A one-frame sealed message: header, the ciphertext of every frame joined, tag."""
@@ -199,13 +202,12 @@ class Opener:
         lengths = struct.unpack_from(f"<{n}Q", msg, _HEAD.size)
         if sum(lengths) != size - hlen - _TAG:
             raise BadFrame("a sealed message whose length does not match its header (truncated?)")
-        self._check_order(seq)
         mv = msg if isinstance(msg, memoryview) else memoryview(msg)
         try:
             pt = self._aead.decrypt(_nonce(seq), mv[hlen:], self._qid + bytes(mv[:hlen]))
         except InvalidTag:
             raise _forged() from None
-        self.expect = seq + 1
+        self._check_order(seq)
         if self._partial is not None:
             self._drop_partial()
         if n == 1:

@@ -152,7 +152,10 @@ class SocketReceiver(Receiver):
             if opener is None:
                 buf = self._in_order(buf)
             else:
-                buf = opener.open_one(buf)
+                try:
+                    buf = opener.open_one(buf)
+                except OutOfSequence as e:
+                    raise self.out_of_sequence(e.seq, e.expected) from None
                 if buf is None:  # not the common kind: the general path judges it
                     return self.decode(self._rest(frame, what, deadline))
             if buf[:4] != CTRL:
@@ -178,9 +181,12 @@ class SocketReceiver(Receiver):
         if opener is None:
             parts[0] = self._in_order(parts[0])
             return parts
-        out = opener.open(parts)
-        while out is None:  # the next segment is on its way (or already here)
-            out = opener.open(self._parts(self._next_frame(deadline, True, what)))
+        try:
+            out = opener.open(parts)
+            while out is None:  # the next segment is on its way (or already here)
+                out = opener.open(self._parts(self._next_frame(deadline, True, what)))
+        except OutOfSequence as e:
+            raise self.out_of_sequence(e.seq, e.expected) from None
         return out
 
     def _in_order(self, buf: Any) -> Any:
@@ -195,9 +201,12 @@ class SocketReceiver(Receiver):
 
     def out_of_sequence(self, seq: int, expect: int) -> OutOfSequence:
         what = f"{expect - seq} message(s) repeated or reordered" if seq < expect else f"{seq - expect} lost"
+        sealed = "sealed " if self.opener is not None else ""
         return OutOfSequence(
-            f"the {self.path} stream from {self.endpoint or 'its writer'} to this reader: message {seq} arrived where "
-            f"{expect} was due ({what}); the queue cannot go on"
+            f"the {sealed}{self.path} stream from {self.endpoint or 'its writer'} to this reader: message {seq} "
+            f"arrived where {expect} was due ({what}); the queue cannot go on",
+            seq,
+            expect,
         )
 
     @staticmethod
