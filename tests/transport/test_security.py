@@ -473,7 +473,6 @@ def test_segments_forged_tampered_truncated_or_foreign_are_refused_unread(tmp_pa
             for k, seg in enumerate(segments):
                 seg = bytes(seg)
                 seq = real.seq - 1  # this segment's
-                mine = forged(seq - k, good)
                 tampered = seg[:-1] + bytes([seg[-1] ^ 1])
                 batch = [
                     tampered,
