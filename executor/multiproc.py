@@ -261,7 +261,10 @@ class MultiprocExecutor(Executor):
             return
         # A rank on another node that died shows up here first, as a collective's connection error; the
         # heartbeats name that node within their suspect window, and that is the cause to report.
-        if await_verdict(self.liveness, msg.error_type, msg.message) and (self.shutting_down or self.is_failed):
+        what = f"{w.describe()}: {msg.error_type} in {msg.method}"
+        if await_verdict(self.liveness, msg.error_type, msg.message, what=what) and (
+            self.shutting_down or self.is_failed
+        ):
             return
         logger.error(
             "%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type, msg.method

@@ -11,9 +11,12 @@ every phrase has its own test (tests/executor/test_peers.py).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 __all__ = ["peer_gone", "await_verdict", "GLOO_GONE_PHRASES", "GLOO_TIMEOUT_PHRASES"]
+
+logger = logging.getLogger("rayfree.executor")
 
 #: exception classes (as a worker reports them, by name) raised when the other end of a link went away
 GONE_TYPES = frozenset(
@@ -48,12 +51,16 @@ def peer_gone(error_type: str, message: str, timeouts: bool = True) -> bool:
     return any(p in m for p in GLOO_GONE_PHRASES) or (timeouts and any(p in m for p in GLOO_TIMEOUT_PHRASES))
 
 
-def await_verdict(liveness: Any, error_type: str, message: str, timeouts: bool = True) -> bool:
+def await_verdict(liveness: Any, error_type: str, message: str, timeouts: bool = True, what: str = "") -> bool:
     """If an error reads like a lost peer and this node's heartbeats can judge (a NodeLiveness of a cluster of
     several nodes), wait for their verdict, bounded by their suspect window; True if it waited."""
     if liveness is None or not liveness.verdict_s() or not peer_gone(error_type, message, timeouts):
         return False
     if liveness.beater is not None and peer_gone(error_type, message, timeouts=False):
         liveness.beater.corroborate()  # a dropped heartbeat connection and a broken collective: a loss now
+    if what and not liveness.settled.is_set():
+        logger.info(
+            "%s looks like a lost peer; waiting up to %.1fs for the heartbeats' verdict", what, liveness.verdict_s()
+        )
     liveness.settled.wait(liveness.verdict_s())
     return True
