@@ -223,6 +223,11 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_port: int | None = None
     #: treat every rank as on another node (no shared memory between them)
     force_remote: bool = False
+    #: how a broadcast reaches other nodes: "relay" (once per node, into its ring, by its node process) or
+    #: "flat" (once per remote rank, each subscribed to node 0)
+    broadcast: str = "relay"
+    #: past this many follower nodes, relays pass the broadcast on as a tree of this fan-out
+    relay_fanout: int = 8
     #: workers hand their outputs to a sender thread, so the next step can start at once
     async_scheduling: bool = False
     #: how long a worker or the executor may spin for the next message before it parks (microseconds; the
@@ -280,6 +285,10 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"master_port={self.parallel.master_port} leaves no room for the heartbeat port "
                 f"(master_port + 1): lower master_port or set heartbeat_port"
             )
+        if self.broadcast not in ("relay", "flat"):
+            raise ConfigError(f"broadcast={self.broadcast!r}: use 'relay' (once per node) or 'flat' (once per rank)")
+        if self.relay_fanout < 1:
+            raise ConfigError(f"relay_fanout={self.relay_fanout}: a node relays to at least 1 other")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 f"heartbeat_timeout_s={self.heartbeat_timeout_s} must exceed heartbeat_interval_s="

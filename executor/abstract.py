@@ -129,6 +129,22 @@ class Executor(ABC):
             "take_draft_token_ids", unique_reply_rank=self.output_rank, timeout=self.config.rpc_timeout_s
         )
 
+    @property
+    def response_mqs(self) -> list[Any]:
+        """Every rank's reply queue, by rank (vLLM's name; empty where no queues are read)."""
+        return []
+
+    def get_response_mqs(self, unique_reply_rank: int = -1) -> list[Any]:
+        """The reply queues, by rank (vLLM's accessor): every rank's (-1), or the one of `unique_reply_rank`."""
+        if unique_reply_rank == -1:
+            return list(self.response_mqs)
+        if not isinstance(unique_reply_rank, int) or not 0 <= unique_reply_rank < len(self.response_mqs):
+            raise ValueError(
+                f"unique_reply_rank={unique_reply_rank!r} is not a rank with a reply queue here "
+                f"(0..{len(self.response_mqs) - 1}, or -1 for all)"
+            )
+        return [self.response_mqs[unique_reply_rank]]
+
     def check_health(self) -> None:
         timeout = self.config.rpc_timeout_s
         self.collective_rpc("check_health", timeout=10.0 if timeout is None else min(10.0, timeout))

@@ -25,12 +25,13 @@ from rayfree.transport.secure import policy as security
 from rayfree.worker.messages import Fatal
 
 from .abstract import Executor
+from .broadcast import NodeBroadcast
 from .errors import FatalWorkerError, LeaderLost, NodeLost, NotLeaderError, WorkerDied, failed_as
 from .liveness import NodeLiveness
 from .observe import StallWatch
 from .peers import await_verdict
 from .rpc import RpcPipe
-from .startup import broadcast_queue, init_method, preflight, weak_callback
+from .startup import init_method, preflight, weak_callback
 from .view import RpcSnapshot
 from .workers import WorkerGroup, WorkerHandle, exit_description
 
@@ -92,6 +93,8 @@ class MultiprocExecutor(Executor):
         self.group: WorkerGroup | None = None
         #: the leader's queues and calls (None on a follower, and before start-up has made them)
         self.pipe: RpcPipe | None = None
+        #: this node's end of the broadcast: node 0's queue (the pipe's), or a follower's relay
+        self.broadcast: NodeBroadcast | None = None
         self._failure: Exception | None = None
         self._stop_reason: str | None = None
         self._fast_stop = False  # a node is gone: its peers may hang in gloo, so do not wait long for them
@@ -124,11 +127,10 @@ class MultiprocExecutor(Executor):
                     )
                 self.liveness = NodeLiveness(self.config)
             self.liveness.attach(self)
-            handle = None
-            if self.is_leader:
-                broadcast = broadcast_queue(self.config)
+            self.broadcast = NodeBroadcast(self.config, weak_callback(self._relay_broken))
+            if self.broadcast.queue is not None:
                 self.pipe = RpcPipe(
-                    broadcast,
+                    self.broadcast.queue,
                     self.world_size,
                     frozenset(self.config.collective_methods),
                     weak_callback(self._interrupted),  # the pipe must not keep us alive
@@ -136,7 +138,6 @@ class MultiprocExecutor(Executor):
                 )
                 self.pipe.recorder.histograms = self._latencies
                 self.pipe.judge = weak_callback(self._judge_fatal)
-                handle = broadcast.export_handle().to_bytes()
             start = par.global_start_rank
             self.group = WorkerGroup(
                 self.config,
@@ -144,8 +145,8 @@ class MultiprocExecutor(Executor):
                 self.worker_kwargs,
                 list(range(start, start + self.local_world_size)),
                 self.distributed_init_method,
-                handle,
-                on_ready=weak_callback(self._on_worker_ready) if self.pipe is not None else None,
+                self.broadcast.worker_handle(),
+                on_ready=weak_callback(self._on_worker_ready),
             )
             if self.is_failed:  # failed while spawning (another node, a replica): `_fail` found no group to wake
                 self.group.abort()
@@ -176,8 +177,17 @@ class MultiprocExecutor(Executor):
                 self.shutdown()
 
     def _on_worker_ready(self, w: WorkerHandle) -> None:
-        assert self.pipe is not None and self.group is not None
-        self.pipe.attach_replies(w.rank, w.reply_handle, w.peer_reply_handles, self.group.ranks)
+        if self.pipe is not None and self.group is not None:
+            self.pipe.attach_replies(w.rank, w.reply_handle, w.peer_reply_handles, self.group.ranks)
+        if self.broadcast is not None:
+            self.broadcast.worker_ready(w.upstream)
+
+    def _relay_broken(self, error: Exception) -> None:
+        """This node's relay lost its stream: its parent node went away, most likely (the heartbeats say)."""
+        if not self.stopped and not await_verdict(self.liveness, type(error).__name__, str(error), what="the relay"):
+            logger.error("this node's relay stopped: %s: %s", type(error).__name__, error)
+        if not self.stopped:
+            self.fail(error)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -193,17 +203,6 @@ class MultiprocExecutor(Executor):
     def response_mqs(self) -> list[MessageQueue]:
         """Every rank's reply queue, by rank (vLLM's name; empty on a follower)."""
         return self.pipe.replies if self.pipe is not None else []
-
-    def get_response_mqs(self, unique_reply_rank: int = -1) -> list[MessageQueue]:
-        """The reply queues, by rank (vLLM's accessor): every rank's (-1), or the one of `unique_reply_rank`."""
-        if unique_reply_rank == -1:
-            return list(self.response_mqs)
-        if not isinstance(unique_reply_rank, int) or not 0 <= unique_reply_rank < len(self.response_mqs):
-            raise ValueError(
-                f"unique_reply_rank={unique_reply_rank!r} is not a rank with a reply queue here "
-                f"(0..{len(self.response_mqs) - 1}, or -1 for all)"
-            )
-        return [self.response_mqs[unique_reply_rank]]
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:  # (vLLM's question)
@@ -389,6 +388,8 @@ class MultiprocExecutor(Executor):
             self.group.close(grace, term)
         if self.pipe is not None:
             self.pipe.close()
+        if self.broadcast is not None:
+            self.broadcast.close()
         if self._finalizer is not None:
             self._finalizer.detach()
 

@@ -1,5 +1,5 @@
 """What an executor's start-up needs around its worker group: where the workers meet, the checks made before
-anything is spawned, the leader's broadcast queue, and callbacks that do not keep the executor alive.
+anything is spawned, and callbacks that do not keep the executor alive.
 
 Plain functions of the configuration; the order of start-up, and what a failure in it means, stay in
 multiproc.py.
@@ -12,13 +12,13 @@ from collections.abc import Callable
 from typing import Any
 
 from rayfree.cluster.config import ClusterConfig, ConfigError
-from rayfree.transport import MessageQueue, get_ip, get_open_port
+from rayfree.transport import get_open_port
 from rayfree.transport.secure.policy import require_secret
 from rayfree.worker.proc import check_worker_path
 
 from .errors import WorkerStartupError
 
-__all__ = ["init_method", "preflight", "broadcast_queue", "weak_callback"]
+__all__ = ["init_method", "preflight", "weak_callback"]
 
 
 def init_method(config: ClusterConfig) -> str:
@@ -39,15 +39,6 @@ def preflight(config: ClusterConfig, worker_cls: type | str) -> None:
             raise WorkerStartupError(f"{e} (refused before starting any worker)") from None
     if config.parallel.nnodes > 1:
         require_secret(f"a cluster of {config.parallel.nnodes} nodes")
-
-
-def broadcast_queue(config: ClusterConfig) -> MessageQueue:
-    """The leader's queue to every rank of its replica: shared memory for this node's ranks, TCP for the others."""
-    par = config.parallel
-    multi_node = par.nnodes_within_dp > 1  # this replica spans nodes
-    connect_ip = get_ip(peer=par.master_addr) if multi_node else "127.0.0.1"
-    n_local = 0 if config.force_remote and not multi_node else par.local_ranks
-    return MessageQueue(par.world_size, n_local, list(range(n_local)), connect_ip=connect_ip, spin_us=config.spin_us)
 
 
 def weak_callback(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,15 +1,12 @@
 """`WorkerGroup`: one node's worker processes, owned by one object from spawn to the last SIGKILL.
 
-It starts a process per local rank with two one-way pipes each — *status*
-(child -> parent: a msgspec `Ready` or `StartupFailed`, later `Fatal`) and
-*death* (parent -> child: never written; EOF tells the child its parent is
-gone, see worker/main.py) — waits for every READY on the pipes and the
-process sentinels at once (a worker that dies first is named at once, with
-its pid, title and exit code), watches the processes and their status pipes
-once they run, dumps the stacks of workers stuck at start-up, removes what a
-dead worker left in /dev/shm, and closes them in stages: death pipes, wait,
-SIGTERM, wait, SIGKILL. Policy (what a death means for calls in flight) is
-the executor's; this module only reports.
+It starts a process per local rank with two one-way pipes each — *status* (child -> parent: a msgspec
+`Ready` or `StartupFailed`, later `Fatal`) and *death* (parent -> child: never written; EOF tells the child
+its parent is gone, see worker/main.py) — waits for every READY on the pipes and the process sentinels at once
+(a worker that dies first is named at once, with its pid, title and exit code), watches the processes and
+their status pipes once they run, dumps the stacks of workers stuck at start-up, removes what a dead worker
+left in /dev/shm, and closes them in stages: death pipes, wait, SIGTERM, wait, SIGKILL. Policy (what a death
+means for calls in flight) is the executor's; this module only reports.
 """
 
 from __future__ import annotations
@@ -118,9 +115,11 @@ class WorkerHandle:
     ready_pipe: Connection | None
     death_writer: Connection | None
     title: str = "Worker"
-    #: set at READY: the handle of this worker's reply queue, and (worker 0, multi-node) every rank's
+    #: set at READY: its reply queue's handle, (worker 0, multi-node) every rank's, and (a follower's first
+    #: worker, relay) the leader's queue handle and where this node's relay subscribes to it
     reply_handle: bytes | None = None
     peer_reply_handles: list[bytes] = field(default_factory=list)
+    upstream: tuple[bytes, str] | None = None
 
     def describe(self) -> str:
         return f"worker rank {self.rank} (pid {self.proc.pid}, rayfree::{self.title})"
@@ -266,6 +265,7 @@ class WorkerGroup:
             self._close_status(w)
             raise WorkerStartupError(f"{w.describe()} sent {type(msg).__name__} before READY", w.rank)
         w.reply_handle, w.peer_reply_handles = msg.response_handle, list(msg.peer_response_handles)
+        w.upstream = (msg.upstream_handle, msg.upstream_endpoint) if msg.upstream_handle else None
         if self.on_ready is not None:
             self.on_ready(w)
 

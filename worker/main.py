@@ -154,6 +154,7 @@ def worker_main(**kwargs: Any) -> None:
                     rank,
                     worker.worker_response_mq.export_handle().to_bytes(),
                     [h.to_bytes() for h in worker.peer_response_handles],
+                    *(worker.upstream or (b"", "")),
                 )
             )
         )

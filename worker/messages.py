@@ -27,6 +27,10 @@ class Ready(msgspec.Struct, tag="ready", frozen=True):
     response_handle: bytes
     #: on the leader node's first worker in multi-node runs: every rank's reply-queue handle
     peer_response_handles: list[bytes] = []
+    #: on a follower node's first worker (broadcast by relay): the leader's queue handle, and the endpoint this
+    #: node's relay subscribes to (node 0's, or its parent node's relay)
+    upstream_handle: bytes = b""
+    upstream_endpoint: str = ""
 
 
 class StartupFailed(msgspec.Struct, tag="failed", frozen=True):

@@ -93,6 +93,9 @@ class WorkerProc:
         self.rpc_broadcast_mq: MessageQueue | None = None
         self.worker_response_mq: MessageQueue | None = None
         self.peer_response_handles: list[Handle] = []
+        #: a follower node's first worker, broadcast by relay: (the leader's handle, where its node's relay subscribes)
+        self.upstream: tuple[bytes, str] | None = None
+        self.local_rank = local_rank
         self.async_output_queue: queue.Queue | None = None
         self._lifeline = lifeline
         self._finish: Any = None
@@ -136,17 +139,12 @@ class WorkerProc:
                 )
             )
             return
+        from rayfree.cluster.broadcast import attach_broadcast
         from rayfree.cluster.parallel_state import get_inner_dp_world_group
 
         group = get_inner_dp_world_group()
-        # Rank 0 (on the leader node) holds the executor's handle and relays it.
-        self.rpc_broadcast_mq = self._watched(
-            group.create_mq_broadcaster(
-                external_writer_handle=input_shm_handle if group.rank_in_group == 0 else None,
-                blocking=False,
-                spin_us=self.config.spin_us,
-            )
-        )
+        mq, self.upstream = attach_broadcast(group, self.config, self.local_rank, input_shm_handle)
+        self.rpc_broadcast_mq = self._watched(mq)
         mq, self.peer_response_handles = group.create_single_reader_mq_broadcasters(
             reader_rank_in_group=0,
             max_chunk_bytes=REPLY_CHUNK_BYTES,
@@ -326,7 +324,9 @@ def worker_info(_worker: Any = None) -> dict[str, Any]:
             return "-"
         if writer_side:
             return "shm" if mq.n_local_reader else "tcp"
-        return "shm" if mq.is_local_reader else "tcp"
+        if mq.is_local_reader:  # a follower node's local ring is its relay's
+            return "relay" if par is not None and par.node_rank_within_dp > 0 else "shm"
+        return "tcp"
 
     return {
         "rank": wp.rank if wp is not None else -1,

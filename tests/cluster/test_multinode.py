@@ -38,10 +38,16 @@ def assert_nothing_left(sim: SimulatedCluster, nodes) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("use_netns", [None, False], ids=["namespaces", "loopback-fallback"])
-def test_two_nodes_full_executor_equals_the_single_process_model(use_netns) -> None:
+@pytest.mark.parametrize(
+    "use_netns,broadcast",
+    [(None, "relay"), (None, "flat"), (False, "relay")],
+    ids=["namespaces", "namespaces-flat", "loopback-fallback"],
+)
+def test_two_nodes_full_executor_equals_the_single_process_model(use_netns, broadcast) -> None:
+    """One body over both broadcast paths: each follower rank subscribed to node 0 (flat), or node 1's relay
+    writing its ring (relay)."""
     with SimulatedCluster(2, use_netns=use_netns) as sim:
-        nodes = Nodes(sim, **FAST)
+        nodes = Nodes(sim, **FAST, RAYFREE_BROADCAST=broadcast)
         lead = nodes.start(0, RAYFREE_ENTRY="tests.support.multinode_entry:check")
         follow = nodes.start(1)
         r = lead.result("RESULT", 180)
@@ -54,8 +60,8 @@ def test_two_nodes_full_executor_equals_the_single_process_model(use_netns) -> N
     for rank, x in info.items():
         node = rank // 2
         assert x["node"] == node and x["ip"] == sim.nodes[node].ip, x
+        assert x["broadcast"] == ("shm" if node == 0 else "tcp" if broadcast == "flat" else "relay"), x
         if sim.mode == "netns":  # loopback fallback: every rank but the writer's node is remote anyway
-            assert x["broadcast"] == ("shm" if node == 0 else "tcp"), x
             assert x["replies"] == ("shm" if node == 0 else "tcp"), x
     assert r["unique"]["rank"] == 3 and r["unique"]["ip"] == sim.nodes[1].ip
     assert "worker rank 2 raised KeyError" in r["error"] and "raised on purpose by rank 2" in r["error"]

@@ -73,6 +73,7 @@ class MessageQueue:
         *,
         max_message_bytes: int | None = None,
         spin_us: float | None = None,
+        remote_subscribers: list[int] | None = None,
     ) -> None:
         """The writer's side (readers attach with `create_from_handle`).
 
@@ -85,6 +86,9 @@ class MessageQueue:
             connect_ip: the address remote readers connect to (this node's on the cluster network).
             max_message_bytes: refuse bigger messages with `MessageTooLarge` (None: no limit).
             spin_us: how long a waiting call may spin before it parks, in microseconds (None: RAYFREE_SPIN_US).
+            remote_subscribers: the remote readers that subscribe to this writer themselves (None: every remote
+                reader). A node's relay (transport/relay) subscribes once, under its first rank, for the
+                ranks of its node, which read its ring.
         """
         if not isinstance(n_reader, int) or n_reader < 1:
             raise ValueError(f"n_reader must be an int >= 1, got {n_reader!r}")
@@ -102,11 +106,25 @@ class MessageQueue:
             not isinstance(r, int) or not 0 <= r < n_reader for r in local_reader_ranks
         ):
             raise ValueError(f"local_reader_ranks {local_reader_ranks} must be distinct ints in 0..{n_reader - 1}")
+        if remote_subscribers is not None and (
+            not remote_subscribers or any(r in local_reader_ranks or not 0 <= r < n_reader for r in remote_subscribers)
+        ):
+            raise ValueError(
+                f"remote_subscribers {remote_subscribers} must be remote reader ranks (not in {local_reader_ranks}, "
+                f"in 0..{n_reader - 1})"
+            )
         if max_message_bytes is not None and max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be >= 1 or None, got {max_message_bytes}")
         self._init_common(n_reader, local_reader_ranks, max_message_bytes)
         self._w = w = QueueWriter(
-            n_reader, local_reader_ranks, max_chunk_bytes, max_chunks, connect_ip, max_message_bytes, spin_us
+            n_reader,
+            local_reader_ranks,
+            max_chunk_bytes,
+            max_chunks,
+            connect_ip,
+            max_message_bytes,
+            spin_us,
+            remote_subscribers,
         )
         self._handle = w.handle
 

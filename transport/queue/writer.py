@@ -63,11 +63,15 @@ class QueueWriter:
         connect_ip: str | None,
         max_message_bytes: int | None,
         spin_us: float | None,
+        subscribers: list[int] | None = None,
     ) -> None:
         local = set(local_reader_ranks)
         self.n_reader = n_reader
         self.local_reader_ranks = local_reader_ranks
-        self.remote_reader_ranks = [r for r in range(n_reader) if r not in local]
+        #: the readers that subscribe over TCP (all the remote ones, unless relays read for the rest)
+        self.remote_reader_ranks = (
+            [r for r in range(n_reader) if r not in local] if subscribers is None else list(subscribers)
+        )
         self.max_message_bytes = max_message_bytes
         self.shm: ShmSender | None = None
         self.remote: SocketSender | None = None

@@ -38,12 +38,12 @@ _perf = time.perf_counter
 class _Held:
     __slots__ = ("sender", "pending", "deadline", "limit", "close_sent", "pid")
 
-    def __init__(self, sender: SocketSender, ranks: list[int], limit: float) -> None:
+    def __init__(self, sender: SocketSender, ranks: list[int], limit: float, close_sent: bool = False) -> None:
         self.sender = sender
         self.pending = set(ranks)
         self.limit = limit
         self.deadline = _perf() + limit
-        self.close_sent = False
+        self.close_sent = close_sent
         self.pid = os.getpid()
 
     def step(self, wait_ms: int) -> bool:
@@ -69,8 +69,9 @@ class _Held:
         return True
 
 
-def hold(sender: SocketSender, ranks: list[int], limit: float) -> None:
-    """Take over a writer's remote publisher at close(): CLOSE, then keep it until its readers confirm."""
+def hold(sender: SocketSender, ranks: list[int], limit: float, close_sent: bool = False) -> None:
+    """Take over a writer's remote publisher at close(): CLOSE (unless a relay passed its writer's on already),
+    then keep it until its readers confirm."""
     global _hooked_pid
     with _lock:
         pid = os.getpid()
@@ -78,7 +79,7 @@ def hold(sender: SocketSender, ranks: list[int], limit: float) -> None:
             _held[:] = [h for h in _held if h.pid == pid]
             multiprocessing.util.Finalize(None, flush, exitpriority=100)  # atexit, and in mp children
             _hooked_pid = pid
-        h = _Held(sender, ranks, limit)
+        h = _Held(sender, ranks, limit, close_sent)
         _held.append(h)
         _held[:] = [x for x in _held if not x.step(0)]  # finish whoever is done already
 

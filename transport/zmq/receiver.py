@@ -189,6 +189,28 @@ class SocketReceiver(Receiver):
             raise self.out_of_sequence(e.seq, e.expected) from None
         return out
 
+    def recv_wire(self, deadline: float | None, what: str) -> list[zmq.Frame]:
+        """The next ZeroMQ message as it came off the wire (a relay forwards it as is, then `open_wire`s it)."""
+        frame = self._next_frame(deadline, True, what)
+        frames = [frame]
+        with self._raw:
+            while frame.more:
+                frame = self.sock.recv(copy=False)
+                frames.append(frame)
+        return frames
+
+    def open_wire(self, frames: list[zmq.Frame]) -> list[Any] | None:
+        """A wire message's plaintext frames, checked to be next in order (None: a segment of a sealed message
+        whose rest is still to come; BadFrame: not genuine, skip it)."""
+        parts: list[Any] = [f.buffer for f in frames]
+        if self.opener is None:
+            parts[0] = self._in_order(parts[0])
+            return parts
+        try:
+            return self.opener.open(parts)
+        except OutOfSequence as e:
+            raise self.out_of_sequence(e.seq, e.expected) from None
+
     def _in_order(self, buf: Any) -> Any:
         """An insecure message's first frame without its sequence number, which must be the next one."""
         if len(buf) < _SEQ_LEN:

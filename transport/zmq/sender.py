@@ -284,6 +284,26 @@ class SocketSender(Sender):
             ),
         )[0]
 
+    def forward(self, frames: list[Any], deadline: float | None) -> None:
+        """A message from another writer's stream, as it came off the wire (sealed, or with its sequence number):
+        a relay passes it on unchanged, so its readers check it against the first writer's key and numbers."""
+        if self._put_now(frames) is False:
+            self._send_waiting(frames, deadline, None)
+        self.sent_bytes += sum(len(f) for f in frames)
+
+    def admit_to(self, queue_id: bytes) -> None:
+        """A relay's publisher, once it knows the stream it passes on: admit that queue's readers by their
+        tokens (on a cluster with a secret)."""
+        secret = policy.process_secret()
+        if secret is None:
+            return
+        admit_key = secret.derive(b"queue-admit")
+
+        def admit(rank: int, token: bytes) -> bool:
+            return hmac.compare_digest(token, admission_token(admit_key, queue_id, rank))
+
+        self._admit = admit
+
     def send_control(self, msg: bytes, block: bool) -> bool:
         """READY or CLOSE (sealed like any message on a sealed queue); False if it could not go now."""
         if self.sealer is None:
