@@ -30,7 +30,7 @@ from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
 
 from .errors import LeaderLost, NodeLost, ReplicaFailed
-from .status import ClusterStatus, NodeStatus, decode_node, encode, replica_status, worker_statuses
+from .status import ClusterStatus, NodeStatus, decode_node, encode, relay_status, replica_status, worker_statuses
 from .view import ReplicaView
 
 __all__ = ["NodeLiveness"]
@@ -233,6 +233,7 @@ class NodeLiveness:
             workers=[w for ex in exs for w in worker_statuses(ex)],
             leads=[replica_status(ex) for ex in exs if ex.is_leader],
             heartbeat_rtt_ms=None if rtt is None else round(rtt * 1000, 3),
+            relays=[r for r in (relay_status(ex) for ex in exs) if r is not None],
             state="failed" if self.failure is not None else "ok",
         )
 

@@ -1,11 +1,10 @@
 """`MultiprocExecutor`: one worker process per local rank, RPCs through the broadcast queue.
 
-The leader (node_rank_within_dp 0) owns the RPC pipe (rpc.py) and reads every
-rank's replies; a follower node runs the same class headless: it spawns its
-workers and watches them. This module keeps the order of start-up (spawn, all
-READYs, then the queue handshakes as the workers do them), the failure policy
-(a worker's death, a collective step's exception, a lost node: docs'
-architecture page, "Fault model") and the staged shutdown.
+The leader (node_rank_within_dp 0) owns the RPC pipe (rpc.py) and reads every rank's replies; a follower node
+runs the same class headless: it spawns its workers, watches them, and relays the broadcast (broadcast.py).
+This module keeps the order of start-up (spawn, all READYs, then the queue handshakes as the workers do them),
+the failure policy (a worker's death, a collective step's exception, a lost node: docs' architecture page,
+"Fault model") and the staged shutdown.
 """
 
 from __future__ import annotations
@@ -184,8 +183,7 @@ class MultiprocExecutor(Executor):
 
     def _relay_broken(self, error: Exception) -> None:
         """This node's relay lost its stream: its parent node went away, most likely (the heartbeats say)."""
-        if not self.stopped and not await_verdict(self.liveness, type(error).__name__, str(error), what="the relay"):
-            logger.error("this node's relay stopped: %s: %s", type(error).__name__, error)
+        await_verdict(self.liveness, type(error).__name__, str(error), what="the relay")
         if not self.stopped:
             self.fail(error)
 
@@ -224,8 +222,10 @@ class MultiprocExecutor(Executor):
         return self.shutting_down or self.is_failed
 
     def rpc_snapshot(self) -> RpcSnapshot | None:
-        pipe = self.pipe
-        return pipe.snapshot() if pipe is not None and not self.shutting_down else None
+        return self.pipe.snapshot() if self.pipe is not None and not self.shutting_down else None
+
+    def relay_status(self) -> dict[str, Any]:
+        return self.broadcast.status() if self.broadcast is not None and not self.shutting_down else {}
 
     def dump_stacks(self, ranks: list[int]) -> None:
         if self.group is not None:

@@ -20,6 +20,8 @@ __all__ = [
     "CallStatus",
     "ReplicaStatus",
     "NodeStatus",
+    "RelayStatus",
+    "relay_status",
     "ClusterStatus",
     "replica_status",
     "worker_statuses",
@@ -61,6 +63,19 @@ class ReplicaStatus(msgspec.Struct):
     rpc_failures: int = 0
 
 
+class RelayStatus(msgspec.Struct):
+    """A follower node's relay of its replica's broadcast (transport/relay)."""
+
+    replica: int
+    parent: str  # the endpoint it subscribes to: node 0's, or its parent node's relay
+    children: list[int]  # the nodes it passes the stream on to
+    relayed: int  # messages written into this node's ring
+    relayed_bytes: int
+    forwarded_bytes: int  # bytes passed on to the children
+    ring_occupied: int = 0
+    ring_behind: dict[int, int] = {}
+
+
 class NodeStatus(msgspec.Struct):
     node: int
     ip: str
@@ -70,6 +85,7 @@ class NodeStatus(msgspec.Struct):
     workers: list[WorkerStatus] = []
     leads: list[ReplicaStatus] = []  # the replicas this node leads
     heartbeat_rtt_ms: float | None = None  # a follower's last beat round trip to node 0
+    relays: list[RelayStatus] = []  # a follower's relays, one per replica it serves
     #: filled in by node 0: seconds since this node's last heartbeat, and whether it counts as lost
     heartbeat_age_s: float | None = None
     state: str = "ok"
@@ -95,6 +111,24 @@ def worker_statuses(ex: ReplicaView) -> list[WorkerStatus]:
         )
         for w in ex.workers
     ]
+
+
+def relay_status(ex: ReplicaView) -> RelayStatus | None:
+    r = ex.relay_status()
+    if not r:
+        return None
+    per_node = ex.parallel_config.local_ranks
+    first = ex.parallel_config.node_rank_within_dp * per_node
+    return RelayStatus(
+        replica=ex.dp_rank,
+        parent=r.get("parent") or "",
+        children=[ex.parallel_config.nodes_of_replica(ex.dp_rank)[c // per_node] for c in r.get("children", [])],
+        relayed=r.get("relayed", 0),
+        relayed_bytes=r.get("relayed_bytes", 0),
+        forwarded_bytes=r.get("forwarded_bytes", 0),
+        ring_occupied=r.get("occupied", 0),
+        ring_behind={first + int(k): int(v) for k, v in (r.get("behind") or {}).items()},
+    )
 
 
 def replica_status(ex: ReplicaView) -> ReplicaStatus:

@@ -61,6 +61,9 @@ class ReplicaView(Protocol):
     def rpc_snapshot(self) -> RpcSnapshot | None:
         """The leader's calls in flight, replies and ring (None on a follower, or once closed)."""
 
+    def relay_status(self) -> dict[str, Any]:
+        """A follower node's relay: messages and bytes relayed, bytes passed on, its ring (empty: no relay)."""
+
     def dump_stacks(self, ranks: list[int]) -> None:
         """Have these local ranks log their Python stacks."""
 

@@ -231,3 +231,54 @@ def busy(ex) -> int:
     except ExecutorError as e:
         say("FAILED", error=str(e).split("\n")[0], t=time.monotonic())
         return 1
+
+
+def payload_len(worker: Any, payload: bytes) -> int:
+    return len(payload)
+
+
+def _tx_bytes() -> int:
+    """Bytes this node has put on its cable (`ip netns exec` shows the node's own /sys/class/net)."""
+    with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+        return int(f.read())
+
+
+def relay_bytes(ex) -> int:
+    """The toy engine equals the 1-process model; then 1 MiB broadcasts, and the bytes node 0 sent for each;
+    the relays as node 0 sees them (their parents, children and bytes)."""
+    import torch
+
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+
+    steps = 20
+    equal = sum(
+        torch.equal(ex.execute_model(make_batch(s)), reference_forward(make_batch(s)["x"])) for s in range(steps)
+    )
+    size, n = 1 << 20, 20
+    payload = os.urandom(size)
+    for _ in range(3):  # warm: every path has carried a big message
+        ex.collective_rpc(payload_len, args=(payload,), timeout=60)
+    before = _tx_bytes()
+    lens = [ex.collective_rpc(payload_len, args=(payload,), timeout=60) for _ in range(n)]
+    per_broadcast = (_tx_bytes() - before) / n / size
+    relays = []
+    deadline = time.monotonic() + 10  # statuses ride on heartbeats: wait for one taken after the broadcasts
+    while time.monotonic() < deadline:
+        nodes = ex.liveness.cluster_status().nodes
+        relays = [
+            dict(node=s.node, ip=s.ip, **{k: getattr(r, k) for k in r.__struct_fields__})
+            for s in nodes
+            for r in s.relays
+        ]
+        if len(relays) == len(nodes) - 1 and all(r["relayed"] >= n + 3 + steps for r in relays):
+            break
+        time.sleep(0.05)
+    say(
+        "RESULT",
+        steps=steps,
+        equal=int(equal),
+        lens_ok=all(x == [size] * ex.world_size for x in lens),
+        copies=per_broadcast,
+        relays=relays,
+    )
+    return 0

@@ -138,7 +138,7 @@ class Relay:
         if _perf() >= deadline:
             raise QueueTimeout(f"relay {self.relay_id}: {why} within {self.timeout_s:.0f}s")
 
-    def _handshake(self, sender: SocketSender, missing: set[int], deadline: float, who: str, ready: bytes | None) -> None:
+    def _handshake(self, sender: SocketSender, missing: set[int], deadline: float, who: str, ready: bytes | None):
         """Wait for the hellos of `missing` on `sender`; then `ready` (the ring's own READY; the children get
         their writer's, passed on)."""
 
