@@ -6,11 +6,15 @@ to the leader each interval and the leader answers each one; a side that hears
 nothing from the other for `timeout` seconds reports the other lost. A node
 that stops on purpose says `Bye`, so a clean stop is not mistaken for a loss.
 
-A dropped TCP connection (the peer's process died, so its kernel closed the
-socket) makes the other side suspicious: unless the peer beats again within a
-short window (two intervals and a reconnect), it is lost at once, without
-waiting out the whole timeout. A cut link drops no connection, so that case
-takes the timeout.
+Loss is judged from the connection, not from the beats' timing: both ends
+ping each other in libzmq's I/O thread (RAYFREE_LINK_TIMEOUT_S, no Python and
+no GIL involved), so a peer killed, stopped (SIGSTOP) or cut off drops its
+connection within that bound, and a starved interpreter that beats late drops
+nothing. A dropped connection makes its peer suspect (node 0 asks which peer
+by sending to each: ZeroMQ refuses a peer with no connection), and a suspect
+that does not connect and beat again within RECONNECT_S is lost. The beats
+themselves carry status and the readiness verdict; their own timeout is the
+fallback for a process whose Python is stuck while its sockets live.
 
 Liveness is only enforced once `arm()` is called (when the executor is ready):
 before that, start-up may legitimately take minutes (model load), and the
@@ -86,7 +90,7 @@ ByeCallback = Callable[[int, bool, str], None]
 
 
 class _Peer:
-    __slots__ = ("node_rank", "ranks", "ip", "identity", "last_seen", "gone", "done", "status")
+    __slots__ = ("node_rank", "ranks", "ip", "identity", "last_seen", "gone", "done", "status", "dropped_at")
 
     def __init__(self, node_rank: int, ranks: list[int]) -> None:
         self.node_rank = node_rank
@@ -97,6 +101,8 @@ class _Peer:
         self.gone = False
         self.done = False
         self.status = b""
+        #: when node 0 found it had no connection any more (None: it has one, as far as node 0 knows)
+        self.dropped_at: float | None = None
 
 
 #: how often node 0 says which followers it still waits for at start-up
@@ -109,6 +115,9 @@ def _span(ranks: list[int]) -> str:
 
 #: how often node 0 judges the cluster's readiness for its followers
 VERDICT_S = 0.1
+
+#: how long a peer whose connection dropped has to connect and beat again before it is lost
+RECONNECT_S = 0.3
 
 #: how long a leader that failed keeps answering followers that have not beaten yet with its goodbye
 TELL_LATE_S = 2.0
@@ -125,7 +134,7 @@ class _Beater:
         self.armed_at: float | None = None
         #: when a connection last dropped; a peer silent since then is lost after `suspect_window`
         self.suspect_at: float | None = None
-        self.suspect_window = min(timeout, 2 * interval + 0.2)
+        self.suspect_window = min(timeout, RECONNECT_S)
         #: another signal (a collective's connection error) confirmed the drop: a silent peer is lost at once
         self.corroborated = False
         self.dropped = 0
@@ -166,17 +175,18 @@ class _Beater:
             self.suspect_at = time.monotonic()
         return got
 
-    def _silent(self, last: float | None, now: float) -> str | None:
-        """Why a peer last heard from at `last` counts as lost now (None: it does not)."""
+    def _silent(self, last: float | None, now: float, dropped_at: float | None) -> str | None:
+        """Why a peer last heard from at `last`, whose connection dropped at `dropped_at`, counts as lost now
+        (None: it does not)."""
         assert self.armed_at is not None
         since = max(last or 0.0, self.armed_at)
         if now - since > self.timeout:
             return f"no heartbeat for {now - since:.1f}s (heartbeat_timeout_s={self.timeout})"
         window = 0.0 if self.corroborated else self.suspect_window
-        if self.suspect_at is not None and since < self.suspect_at and now - self.suspect_at >= window:
+        if dropped_at is not None and since < dropped_at and now - dropped_at >= window:
             return (
-                f"its connection dropped and it did not beat again within {self.suspect_window:.1f}s "
-                f"(its process died, or its host went down)"
+                f"its connection dropped and it did not connect and beat again within {self.suspect_window:.1f}s "
+                f"(its process died or was stopped, its host went down, or the link was cut)"
             )
         return None
 
@@ -231,6 +241,8 @@ class HeartbeatServer(_Beater):
                 for frames in self._receive(sock, poll_ms):
                     seq += 1
                     self._on_message(sock, frames, me, seq)
+                if self.suspect_at is not None and time.monotonic() - self.suspect_at < 2 * RECONNECT_S:
+                    self._find_dropped(sock, self.suspect_at)  # (ZeroMQ drops the peer's pipe a little later)
                 self._check()
                 if self.armed_at is None and time.monotonic() >= next_log:
                     self._log_waiting(time.monotonic() - started)
@@ -276,10 +288,18 @@ class HeartbeatServer(_Beater):
             logger.info("follower node %d (%s, ranks %s) is beating", msg.node_rank, msg.ip, msg.ranks)
             sock.try_send([identity, _encode(Verdict(self.verdict))])
         peer.identity, peer.ip, peer.last_seen, peer.done = identity, msg.ip, time.monotonic(), msg.done
+        peer.dropped_at = None
         if msg.status:
             peer.status = msg.status
         # False: its queue is full: it is not reading, and its own timeout will tell it
         sock.try_send([identity, _encode(Beat(0, [], "", me, seq))])
+
+    def _find_dropped(self, sock: ControlSocket, at: float) -> None:
+        """A connection dropped: whose? ZeroMQ refuses a message (the verdict) to a peer with no connection."""
+        for peer in self.peers.values():
+            if peer.identity is not None and not peer.gone and peer.dropped_at is None:
+                if not sock.reachable([peer.identity, _encode(Verdict(self.verdict))]):
+                    peer.dropped_at = at
 
     def _check(self) -> None:
         if self.armed_at is None:
@@ -288,7 +308,7 @@ class HeartbeatServer(_Beater):
         for peer in self.peers.values():
             if peer.gone:
                 continue
-            why = self._silent(peer.last_seen, now)
+            why = self._silent(peer.last_seen, now, peer.dropped_at)
             if why is not None:
                 peer.gone = True
                 if peer.last_seen is None:

@@ -78,6 +78,7 @@ class HeartbeatClient(_Beater):
         next_beat = 0.0
         started = next_log = time.monotonic()
         next_log += WAIT_LOG_S
+        dropped: float | None = None
         sock.watch()
         try:
             while not self._stop.is_set():
@@ -93,6 +94,8 @@ class HeartbeatClient(_Beater):
                 for frames in self._receive(sock, poll_ms):
                     if len(frames) == 1 and self._on_message(frames[0]):
                         return
+                if sock.take_connected() or self.suspect_at != dropped:  # (re)connected, or dropped: beat now
+                    dropped, next_beat = self.suspect_at, 0.0
                 now = time.monotonic()
                 if not self.contact.is_set() and now >= next_log:
                     logger.warning(
@@ -104,7 +107,7 @@ class HeartbeatClient(_Beater):
                     )
                     next_log = now + WAIT_LOG_S
                 if self.armed_at is not None:
-                    silent = self._silent(self.last_reply, now)
+                    silent = self._silent(self.last_reply, now, self.suspect_at)
                     if silent is not None:
                         why = f"the leader at {self.endpoint}: {silent}"
                         logger.error("node %d: leader lost: %s", self.node_rank, why)

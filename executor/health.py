@@ -70,7 +70,7 @@ def _stalled(lv: NodeLiveness) -> str:
 
 def _followers(lv: NodeLiveness, server: HeartbeatServer, grace: float | None = None) -> str:
     now = time.monotonic()
-    fresh = server.suspect_window + server.interval
+    fresh = server.suspect_window + 2 * server.interval
     dropped = server.suspect_at
     for node, ip, _ranks, age, gone, raw in server.peer_views():
         if gone:

@@ -90,6 +90,13 @@ TABLE: dict[str, Setting] = {
             "a closed writer keeps its remote publisher up to this long for readers to confirm CLOSE",
         ),
         Setting(
+            "RAYFREE_LINK_TIMEOUT_S",
+            0.4,
+            float,
+            "a heartbeat connection that carries nothing this long is closed by libzmq's own pings (every quarter "
+            "of it, in its I/O thread), and its node is lost unless it is back within 0.3 s (0: no link pings)",
+        ),
+        Setting(
             "RAYFREE_LINK_GRACE_S",
             10.0,
             float,

@@ -4,17 +4,30 @@ The cluster layer speaks through `ControlSocket` and never holds a ZeroMQ
 socket: `listen` binds a ROUTER (each message comes with its sender's
 identity), `connect` a DEALER (reconnecting by itself). Sends never block
 (a peer whose queue is full is not reading, and its own timeout will tell
-it); `receive` waits up to a slice for messages and notes dropped
-connections, which the heartbeats treat as a reason to suspect their peer.
+it); `receive` waits up to a slice for messages and notes dropped and
+(re)made connections, which the heartbeats treat as a reason to suspect
+their peer, and to beat at once. Both ends ping each other in libzmq's I/O
+thread (sockets.py, `_link_heartbeats`), so a peer that is killed, stopped or
+cut off drops its connection within RAYFREE_LINK_TIMEOUT_S whether or not
+any Python thread gets the interpreter in time.
 """
 
 from __future__ import annotations
 
+import struct
+
 import zmq
 
-from rayfree.transport.zmq.sockets import make_dealer, make_router, zmq_errors
+from rayfree.transport.zmq.sockets import SocketError, make_dealer, make_router, zmq_errors
 
 __all__ = ["ControlSocket"]
+
+
+_SENT, _FULL, _GONE = 0, 1, 2
+
+
+def _event_id(frame: bytes) -> int:
+    return int(struct.unpack_from("=H", frame)[0])
 
 
 class ControlSocket:
@@ -23,8 +36,9 @@ class ControlSocket:
     def __init__(self, sock: zmq.Socket, endpoint: str) -> None:
         self._sock = sock
         self.endpoint = endpoint
-        #: a connection dropped since `take_dropped` last looked
+        #: a connection dropped (or was made) since `take_dropped` (`take_connected`) last looked
         self._dropped = False
+        self._connected = False
         self._monitor: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
         self._again = zmq_errors(f"a control message at {endpoint}", again=True)
@@ -42,17 +56,29 @@ class ControlSocket:
     def watch(self) -> None:
         """Start noting dropped connections (from the thread that will use the socket)."""
         with zmq_errors(f"watching {self.endpoint}"):
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
             self._poller = zmq.Poller()
             self._poller.register(self._sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
 
     def try_send(self, frames: list[bytes]) -> bool:
-        """Now or not at all (False: the peer's queue is full, or it is not connected yet)."""
-        with self._again:
-            self._sock.send_multipart(frames, zmq.NOBLOCK)
-            return True
-        return False
+        """Now or not at all (False: the peer's queue is full, it is not connected yet, or its connection is gone)."""
+        return self._send(frames) == _SENT
+
+    def reachable(self, frames: list[bytes]) -> bool:
+        """Try to send `frames`; False only when a ROUTER's peer `frames[0]` has no connection any more."""
+        return self._send(frames) != _GONE
+
+    def _send(self, frames: list[bytes]) -> int:
+        try:
+            with self._again:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                return _SENT
+        except SocketError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return _GONE
+            raise
+        return _FULL
 
     def send_quietly(self, frames: list[bytes]) -> None:
         """A best-effort message on the way out (a goodbye): any error is ignored."""
@@ -70,8 +96,11 @@ class ControlSocket:
         if self._monitor in events:
             while True:
                 with self._again:
-                    self._monitor.recv_multipart(zmq.NOBLOCK)  # [event, endpoint]: which one does not matter
-                    self._dropped = True
+                    event = self._monitor.recv_multipart(zmq.NOBLOCK)  # [event id + value, endpoint]
+                    if _event_id(event[0]) == zmq.EVENT_DISCONNECTED:
+                        self._dropped = True
+                    else:
+                        self._connected = True
                     continue
                 break
         if self._sock in events:
@@ -86,6 +115,11 @@ class ControlSocket:
         """Did a connection drop since the last look?"""
         dropped, self._dropped = self._dropped, False
         return dropped
+
+    def take_connected(self) -> bool:
+        """Was a connection made (its handshake done) since the last look?"""
+        connected, self._connected = self._connected, False
+        return connected
 
     def request(self, payload: bytes, timeout: float) -> bytes | None:
         """Send `payload`, wait up to `timeout` seconds for one answer (None if none came)."""

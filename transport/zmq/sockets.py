@@ -18,6 +18,7 @@ import threading
 
 import zmq
 
+from rayfree import settings
 from rayfree.transport.errors import QueueTimeout, TransportError
 from rayfree.transport.net import is_ipv6
 from rayfree.transport.secure import policy, zap
@@ -198,6 +199,17 @@ def make_subscriber(endpoint: str, hello: bytes, *, maxmsgsize: int | None) -> z
     return sock
 
 
+def _link_heartbeats(sock: zmq.Socket) -> None:
+    """libzmq's own ZMTP pings, sent and checked by its I/O thread (no Python, no GIL): a connection that
+    carries nothing for RAYFREE_LINK_TIMEOUT_S (a peer killed, stopped, or cut off) is closed, and the
+    socket's monitor says so. 0 leaves them off."""
+    ms = int(settings.get("RAYFREE_LINK_TIMEOUT_S") * 1000)
+    if ms > 0:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, max(10, ms // 4))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, ms)
+
+
 def make_router(bind_to: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
     """A ROUTER bound to `bind_to` for small control messages (heartbeats); a busy port is a clear error."""
     sock = context().socket(zmq.ROUTER)
@@ -206,6 +218,8 @@ def make_router(bind_to: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
         sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
         sock.setsockopt(zmq.SNDHWM, 100)
         sock.setsockopt(zmq.RCVHWM, 1000)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer with no connection says so (EHOSTUNREACH)
+        _link_heartbeats(sock)
         if _is_tcp_v6(bind_to):
             sock.setsockopt(zmq.IPV6, 1)
         _secure_server(sock, bind_to, "the leader's heartbeat endpoint")
@@ -226,6 +240,7 @@ def make_dealer(endpoint: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
         sock.setsockopt(zmq.SNDHWM, 10)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        _link_heartbeats(sock)
         if _is_tcp_v6(endpoint):
             sock.setsockopt(zmq.IPV6, 1)
         _secure_client(sock, endpoint, "a follower's heartbeats")

@@ -1,0 +1,83 @@
+"""Node loss at the default heartbeat settings: a node killed, stopped (SIGSTOP) or cut off is known in about a
+second, by the connection's own pings (libzmq's I/O thread), not by a Python thread's timing.
+
+Two simulated nodes, one rank each, every rank busy in a call when the test takes node 1 (or node 0) away. The
+bound asserted is the design's (RAYFREE_LINK_TIMEOUT_S 0.4 + its ping period + the 0.3 s reconnect window +
+a 0.1 s poll: under 1 s) plus slack for a loaded 2-core machine; the figures are printed.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
+from tests.cluster.test_multinode import assert_nothing_left
+from tests.support.nodes import Nodes
+
+pytestmark = pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
+
+#: the defaults, not the faster heartbeats of the other multi-node tests
+DEFAULTS = {
+    "RAYFREE_HEARTBEAT_INTERVAL_S": "0.5",
+    "RAYFREE_HEARTBEAT_TIMEOUT_S": "10",  # the beats' own timeout must not be what decides
+    "RAYFREE_SHUTDOWN_GRACE_S": "2",
+    "RAYFREE_SHUTDOWN_TERM_S": "2",
+    "RAYFREE_READY_TIMEOUT_S": "60",
+    "RAYFREE_TENSOR_PARALLEL_SIZE": "2",
+    "RAYFREE_PIPELINE_PARALLEL_SIZE": "1",
+}
+BOUND = 1.0
+SLACK = 1.0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["killed", "stopped", "link-cut"])
+def test_a_lost_follower_is_known_within_a_second(how: str) -> None:
+    with SimulatedCluster(2) as sim:
+        nodes = Nodes(sim, **DEFAULTS)
+        lead = nodes.start(0, RAYFREE_ENTRY="tests.support.multinode_entry:hang")
+        follow = nodes.start(1)
+        lead.result("PENDING", 150)
+        t_lost = time.monotonic()
+        if how == "killed":
+            sim.nodes[1].kill(signal.SIGKILL)
+        elif how == "stopped":
+            sim.nodes[1].kill(signal.SIGSTOP)
+        else:
+            sim.nodes[1].set_link(False)
+        try:
+            r = lead.result("RESULT", 60)
+        finally:
+            if how == "stopped":  # a stopped node never stops by itself
+                sim.nodes[1].kill(signal.SIGKILL)
+        assert lead.wait(60) == 1, lead.text()[-3000:]
+        follow.wait(60)
+        assert_nothing_left(sim, [lead, follow])
+    took = r["t_fail"] - t_lost
+    assert r["kind"] == "NodeLost+ExecutorFailed" and "node 1 (" in r["error"], r
+    assert "connection dropped" in r["error"], r["error"]  # the link decided, not the beats' 10 s timeout
+    assert took <= BOUND + SLACK, f"node 1 {how}: the pending call failed only after {took:.2f}s"
+    print(f"\nfollower {how}: node 0's pending call failed after {took:.2f} s")
+
+
+@pytest.mark.timeout(180)
+def test_a_follower_knows_its_leader_is_gone_within_a_second() -> None:
+    with SimulatedCluster(2) as sim:
+        nodes = Nodes(sim, **DEFAULTS)
+        lead = nodes.start(0, RAYFREE_ENTRY="tests.support.multinode_entry:serve")
+        follow = nodes.start(1)
+        lead.result("SERVING", 150)
+        follow.expect("serving the leader", 30)
+        t_kill = time.monotonic()
+        sim.nodes[0].kill(signal.SIGKILL)
+        follow.expect("leader lost", 30)
+        took = time.monotonic() - t_kill
+        assert follow.wait(30) == 1, follow.text()[-3000:]
+        lead.wait(10)
+        assert_nothing_left(sim, [follow])
+    assert "connection dropped" in follow.text()
+    assert took <= BOUND + SLACK, f"the follower knew only after {took:.2f}s"
+    print(f"\nleader killed: the follower knew after {took:.2f} s")
