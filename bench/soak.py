@@ -20,6 +20,23 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SECRET: list[str] = []
+
+
+def _secret() -> str:
+    """A cluster secret for this run (the streams are sealed, as in production), removed at exit."""
+    if not _SECRET:
+        import atexit
+        import shutil
+        import tempfile
+
+        from rayfree.transport.secure.policy import write_secret
+
+        d = tempfile.mkdtemp(prefix="rayfree-bench-")
+        atexit.register(shutil.rmtree, d, True)
+        write_secret(os.path.join(d, "secret"))
+        _SECRET.append(os.path.join(d, "secret"))
+    return _SECRET[0]
 
 
 def soak(ex) -> int:
@@ -75,6 +92,7 @@ def main() -> int:
             for k in range(n):
                 env = {
                     "PYTHONPATH": ROOT,
+                    "RAYFREE_SECRET_FILE": _secret(),
                     "RAYFREE_NNODES": str(n),
                     "RAYFREE_NODE_RANK": str(k),
                     "RAYFREE_MASTER_ADDR": sim.nodes[0].ip,

@@ -20,7 +20,7 @@ from rayfree.transport.relay import tree
 from .config import ClusterConfig
 from .group import Group, GroupError
 
-__all__ = ["attach_broadcast", "relay_children"]
+__all__ = ["attach_broadcast", "relay_children", "runs_relay"]
 
 
 class _Offer(msgspec.Struct, array_like=True, frozen=True):
@@ -40,6 +40,12 @@ def relay_children(config: ClusterConfig, node: int) -> list[int]:
     return [c * par.local_ranks for c in tree.children(node, par.nnodes_within_dp, config.relay_fanout)]
 
 
+def runs_relay(config: ClusterConfig, node: int) -> bool:
+    """Does follower node `node` run a relay? Only with ranks to share it or child nodes to pass it on to: a
+    lone rank with no children is its node's one stream, and subscribes to its parent itself (no extra hop)."""
+    return config.parallel.local_ranks > 1 or bool(relay_children(config, node))
+
+
 def attach_broadcast(
     group: Group, config: ClusterConfig, local_rank: int, handle: bytes | None
 ) -> tuple[MessageQueue, tuple[bytes, str] | None]:
@@ -54,17 +60,18 @@ def attach_broadcast(
     spin = config.spin_us
     if config.broadcast == "flat":
         return MessageQueue.create_from_handle(leader, group.rank_in_group, spin_us=spin), None
-    if handle is None:
-        raise GroupError(f"rank {group.rank}: started without its node's broadcast handle (broadcast=relay)")
+    if node != 0:
+        up = tree.parent(node, config.relay_fanout)
+        endpoint = Handle.from_bytes(leader if up == 0 else offers[up * par.local_ranks].handle).remote_endpoint
+        if not endpoint:
+            raise GroupError(f"node {node}'s parent node {up} offered no endpoint for its child nodes")
+        if handle is None:  # no relay here (runs_relay): this lone rank reads its parent's stream itself
+            direct = msgspec.structs.replace(Handle.from_bytes(leader), remote_endpoint=endpoint)
+            return MessageQueue.create_from_handle(direct, group.rank_in_group, spin_us=spin), None
+    elif handle is None:
+        raise GroupError(f"rank {group.rank}: started without the broadcast queue's handle")
     mq = MessageQueue.create_from_handle(handle, group.rank_in_group if node == 0 else local_rank, spin_us=spin)
-    if node == 0 or local_rank != 0:
-        return mq, None
-    up = tree.parent(node, config.relay_fanout)
-    source = leader if up == 0 else offers[up * par.local_ranks].handle
-    endpoint = Handle.from_bytes(source).remote_endpoint
-    if not endpoint:
-        raise GroupError(f"node {node}'s parent node {up} offered no endpoint for its child nodes")
-    return mq, (leader, endpoint)
+    return mq, (leader, endpoint) if node != 0 and local_rank == 0 else None
 
 
 def _agree(offers: list[_Offer]) -> None:

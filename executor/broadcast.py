@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from rayfree.cluster.broadcast import relay_children
+from rayfree.cluster.broadcast import relay_children, runs_relay
 from rayfree.cluster.config import ClusterConfig
 from rayfree.transport import Handle, MessageQueue, get_ip
 from rayfree.transport.relay.relay import Relay
@@ -25,7 +25,8 @@ logger = logging.getLogger("rayfree.executor")
 
 
 class NodeBroadcast:
-    """Node 0: `queue` (the RPC pipe's broadcast). A follower with relays: `relay`. A flat follower: neither."""
+    """Node 0: `queue` (the RPC pipe's broadcast). A follower with a relay: `relay`. A flat follower, or a lone
+    rank with no child nodes (it subscribes itself): neither."""
 
     def __init__(self, config: ClusterConfig, on_broken: Callable[[Exception], None]) -> None:
         par = config.parallel
@@ -45,7 +46,7 @@ class NodeBroadcast:
                 spin_us=config.spin_us,
                 remote_subscribers=relay_children(config, 0) if relays else None,
             )
-        elif relays:
+        elif relays and runs_relay(config, node):
             self.relay = Relay(
                 par.local_ranks,
                 node * par.local_ranks,

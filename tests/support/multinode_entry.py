@@ -261,6 +261,10 @@ def relay_bytes(ex) -> int:
     before = _tx_bytes()
     lens = [ex.collective_rpc(payload_len, args=(payload,), timeout=60) for _ in range(n)]
     per_broadcast = (_tx_bytes() - before) / n / size
+    from rayfree.cluster.broadcast import runs_relay
+
+    cfg = ex.config
+    expect = 0 if cfg.broadcast == "flat" else sum(runs_relay(cfg, k) for k in range(1, cfg.parallel.nnodes))
     relays = []
     deadline = time.monotonic() + 10  # statuses ride on heartbeats: wait for one taken after the broadcasts
     while time.monotonic() < deadline:
@@ -270,7 +274,7 @@ def relay_bytes(ex) -> int:
             for s in nodes
             for r in s.relays
         ]
-        if len(relays) == len(nodes) - 1 and all(r["relayed"] >= n + 3 + steps for r in relays):
+        if len(relays) == expect and all(r["relayed"] >= n + 3 + steps for r in relays):
             break
         time.sleep(0.05)
     say(
@@ -280,5 +284,6 @@ def relay_bytes(ex) -> int:
         lens_ok=all(x == [size] * ex.world_size for x in lens),
         copies=per_broadcast,
         relays=relays,
+        info=ex.collective_rpc(where, timeout=60),
     )
     return 0
