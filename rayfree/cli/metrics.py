@@ -68,11 +68,26 @@ class _Collector:
         workers = GaugeMetricFamily(
             "rayfree_workers_alive", "worker processes of this node that are alive", labels=["node"]
         )
+        relayed = CounterMetricFamily(
+            "rayfree_relay_bytes",
+            "a follower's relay: bytes written into its node's ring (in) and passed on to its child nodes (out)",
+            labels=["node", "replica", "direction"],
+        )
         alive = 0
         for ex in lv.executors():
             rep = str(ex.dp_rank)
             alive += sum(1 for w in ex.workers if w.proc.is_alive())
             if not ex.is_leader:
+                r = ex.relay_status()
+                if r:
+                    relayed.add_metric([node, rep, "in"], r["relayed_bytes"])
+                    relayed.add_metric([node, rep, "out"], r["forwarded_bytes"])
+                    if r.get("chunks"):
+                        occupied.add_metric([node, rep], r["occupied"])
+                        chunks.add_metric([node, rep], r["chunks"])
+                        first = ex.parallel_config.global_start_rank
+                        for rank, n in r["behind"].items():
+                            behind.add_metric([node, rep, str(first + rank)], n)
                 continue
             snap = ex.rpc_snapshot()
             if snap is None:
@@ -96,7 +111,7 @@ class _Collector:
                 for rank, n in st["behind"].items():
                     behind.add_metric([node, rep, str(rank)], n)
         workers.add_metric([node], alive)
-        yield from (lat, inflight, oldest, failures, sent, occupied, chunks, behind, workers)
+        yield from (lat, inflight, oldest, failures, sent, relayed, occupied, chunks, behind, workers)
         yield from self._heartbeats(node)
 
     def _heartbeats(self, node: str) -> Iterator[Any]:

@@ -74,6 +74,16 @@ def format_status(st: ClusterStatus) -> str:
     for n in st.nodes:
         for r in n.leads:
             lines += _replica_lines(n, r)
+    relays = [(n, r) for n in st.nodes for r in n.relays]
+    if relays:
+        lines += ["", f"{'node':<5}{'replica':<9}{'relayed':<10}{'bytes in':<14}{'bytes out':<14}{'ring':<8}from / to"]
+        for n, r in relays:
+            behind = max(r.ring_behind.values(), default=0)
+            lines.append(
+                f"{n.node:<5}{r.replica:<9}{r.relayed:<10}{r.relayed_bytes:<14}{r.forwarded_bytes:<14}"
+                f"{r.ring_occupied:<8}{r.parent} -> nodes {r.children or '-'}"
+                + (f"; a rank is {behind} chunk(s) behind" if behind else "")
+            )
     return "\n".join(lines)
 
 

@@ -76,3 +76,21 @@ def test_transport_bench_runs_and_measures_the_fences() -> None:
     assert len(row) == 1, out.stdout
     w_sealed, w_insecure, _, seal, _, _, _, open_ = map(float, row[0])
     assert w_sealed > 0 and w_insecure > 0 and seal > 0 and open_ > 0, out.stdout
+
+
+@pytest.mark.timeout(400)
+def test_scale_bench_runs_and_counts_the_copies_out_of_node_0() -> None:
+    """Two simulated nodes x two ranks: every row printed; the copies are node 0's interface byte counter,
+    a count (flat: one per remote rank; relay: one per node), so they are asserted; the times are not."""
+    from rayfree.cluster.simulate import can_use_netns
+
+    if not can_use_netns():
+        pytest.skip("needs root for network namespaces")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "scale.py"), "--nodes", "2", "--ranks", "2", "--quick"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=380)
+    assert out.returncode == 0, f"bench/scale.py failed:\n{out.stdout}\n{out.stderr}"
+    rows = re.findall(r"^\| 2 x 2 \| (\w+) \| ([\d.]+) \|.*\| ([\d.]+) \| ([\d.]+) \|$", out.stdout, re.M)
+    assert [r[0] for r in rows] == ["flat", "relay"], out.stdout
+    copies = {r[0]: float(r[2]) for r in rows}
+    assert 1.9 <= copies["flat"] <= 2.3 and 0.95 <= copies["relay"] <= 1.2, out.stdout
+    assert re.search(r"floor \(raw pyzmq .*tiny p50 [\d.]+ us, 1 MiB p50 [\d.]+ ms", out.stdout), out.stdout
