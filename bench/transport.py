@@ -38,6 +38,7 @@ def payloads(quick: bool):
     return [
         ("tiny", ("execute_model", (b"x" * 40,), {"step": 1}, 0), it(3000)),
         ("64KiB", torch.zeros(64 << 10, dtype=torch.uint8), it(1000)),
+        ("1MiB", torch.zeros(1 << 20, dtype=torch.uint8), it(400)),
         ("4MiB", torch.zeros(4 << 20, dtype=torch.uint8), it(200)),
         ("32MiB", torch.zeros(32 << 20, dtype=torch.uint8), it(60)),
     ]
@@ -557,7 +558,7 @@ def measure(rig, obj, iters: int) -> list[float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer iterations")
-    ap.add_argument("--payloads", default="tiny,64KiB,4MiB,32MiB", help="comma-separated subset")
+    ap.add_argument("--payloads", default="tiny,64KiB,4MiB,32MiB", help="comma-separated subset (or 1MiB)")
     ap.add_argument("--configs", default="local1,local2,local4,remote1", help="comma-separated subset")
     ap.add_argument("--no-paced", action="store_true", help="skip the paced case")
     ap.add_argument("--no-fence-ab", action="store_true", help="skip the fence cost measurement")
