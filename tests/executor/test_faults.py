@@ -370,8 +370,8 @@ def test_workers_leave_within_a_second_when_the_engine_is_sigkilled(path: str, h
         if how in ("load", "spawning"):  # the workers are spawned: find them as the engine's children
             wait_until(lambda: len([c for c in _children(p.pid) if _is_worker(c)]) == 2, 60, "two loading workers")
             pids = [c for c in _children(p.pid) if _is_worker(c)]
-            if how == "load":
-                time.sleep(1.0)  # well into the (60 s) load
+            if how == "load":  # their title is set just before load_model (60 s here): they are in it
+                wait_until(lambda: all(_cmdline(x).startswith(b"rayfree::") for x in pids), 60, "workers in load")
         engine_pid = p.pid
         p.kill()
         p.wait(10)
@@ -387,13 +387,16 @@ def test_workers_leave_within_a_second_when_the_engine_is_sigkilled(path: str, h
         err.close()
 
 
-def _is_worker(pid: int) -> bool:
+def _cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmd = f.read()
+            return f.read()
     except OSError:
-        return False
-    return b"spawn_main" in cmd
+        return b""
+
+
+def _is_worker(pid: int) -> bool:
+    return b"spawn_main" in _cmdline(pid)
 
 
 # -- vLLM's names, and a join that keeps its bound ------------------------------------------------------
