@@ -121,6 +121,10 @@ def main() -> int:
                 )
             for p, sink in list(zip(procs, outs))[1:]:
                 threading.Thread(target=lambda p=p, sink=sink: sink.extend(p.stdout), daemon=True).start()
+            # no hang without a bound: past the soak and start-up's own time, every node is killed (and this fails)
+            watchdog = threading.Timer(args.minutes * 60 + 600, sim.kill_all)
+            watchdog.daemon = True
+            watchdog.start()
             lines = iter(procs[0].stdout)  # type: ignore[arg-type]
             got: dict[str, Any] = {}
             burning = False

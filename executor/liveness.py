@@ -30,7 +30,16 @@ from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
 
 from .errors import LeaderLost, NodeLost, ReplicaFailed
-from .status import ClusterStatus, NodeStatus, decode_node, encode, relay_status, replica_status, worker_statuses
+from .status import (
+    ClusterStatus,
+    NodeStatus,
+    RelayStatus,
+    decode_node,
+    encode,
+    relay_status,
+    replica_status,
+    worker_statuses,
+)
 from .view import ReplicaView
 
 __all__ = ["NodeLiveness"]
@@ -236,6 +245,17 @@ class NodeLiveness:
             relays=[r for r in (relay_status(ex) for ex in exs) if r is not None],
             state="failed" if self.failure is not None else "ok",
         )
+
+    def relays_seen(self) -> dict[int, list[RelayStatus]]:
+        """Node 0: each follower's relays, from its last heartbeat's status, by node (for the stall report)."""
+        out: dict[int, list[RelayStatus]] = {}
+        if isinstance(self.beater, HeartbeatServer):
+            for node, _ip, _ranks, _age, _gone, raw in self.beater.peer_views():
+                try:
+                    out[node] = decode_node(raw).relays if raw else []
+                except Exception:  # noqa: BLE001 - an unreadable status: nothing to say of its relay
+                    out[node] = []
+        return out
 
     def cluster_status(self) -> ClusterStatus:
         """Every node (node 0's view: the others' last reported status and the age of their last beat)."""

@@ -40,11 +40,8 @@ logger = logging.getLogger("rayfree.executor")
 
 
 class MultiprocExecutor(Executor):
-    """One worker process per rank of this node; on the leader, every call broadcast to every rank.
-
-    Calls from several threads are serialized (send and receive together), so no thread is ever handed
-    another's reply; a future's `result()` may be read from any thread.
-    """
+    """One worker process per rank of this node; on the leader, every call broadcast to every rank. Calls from
+    several threads take turns (send and receive together); a future's `result()` may be read from any thread."""
 
     supports_pp: bool = True
 
@@ -226,6 +223,9 @@ class MultiprocExecutor(Executor):
 
     def relay_status(self) -> dict[str, Any]:
         return self.broadcast.status() if self.broadcast is not None and not self.shutting_down else {}
+
+    def relays_seen(self) -> dict[int, list[Any]]:
+        return self.liveness.relays_seen() if self.liveness is not None else {}
 
     def dump_stacks(self, ranks: list[int]) -> None:
         if self.group is not None:

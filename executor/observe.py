@@ -179,6 +179,7 @@ class StallWatch:
         behind = {r: n for r, n in (snap.ring.get("behind") or {}).items() if n}
         local = {w.rank: w for w in ex.workers}  # ranks within the replica, as the calls name them
         suspects = sorted(set(waiting) | set(behind))
+        seen_relays: set[int] = set()
         parts = [f"RPC {name} has waited {age:.0f}s for the reply of rank(s) {waiting}"]
         if behind:
             parts.append(
@@ -186,12 +187,17 @@ class StallWatch:
                 + ", ".join(f"{r} ({n} message(s))" for r, n in sorted(behind.items()))
                 + " have not read the broadcast ring"
             )
+        relays = ex.relays_seen() if any(r not in local for r in suspects) else {}
+        sent = (snap.ring.get("bytes") or {}).get("tcp", 0)
         for r in suspects:
             w = local.get(r)
             if w is None:
-                parts.append(
-                    f"rank {r} is on node {ex.parallel_config.cluster_node_of(r, ex.dp_rank)}: see that node's log"
-                )
+                node = ex.parallel_config.cluster_node_of(r, ex.dp_rank)
+                parts.append(f"rank {r} is on node {node}: see that node's log")
+                for rs in relays.get(node, []):
+                    if rs.replica == ex.dp_rank and node not in seen_relays:
+                        seen_relays.add(node)
+                        parts.append(_relay_behind(node, rs, sent))
             else:
                 parts.append(f"rank {r} (pid {w.proc.pid}, rayfree::{w.title}) is {proc_state(w.proc.pid)}")
         logger.warning("%s", "; ".join(parts))
@@ -208,3 +214,15 @@ class StallWatch:
                     [w.rank for w in stuck],
                 )
                 ex.dump_stacks([w.rank for w in stuck])
+
+
+def _relay_behind(node: int, rs: Any, sent: int) -> str:
+    """What node `node`'s relay said in its last heartbeat, against the bytes node 0 has broadcast."""
+    lag = sent - rs.relayed_bytes
+    ring = max(rs.ring_behind.values(), default=0)
+    return (
+        f"node {node}'s relay has written {rs.relayed} message(s) into its ring, "
+        + (f"{lag} byte(s) behind what node 0 sent" if lag > 0 else "none behind node 0")
+        + " (as of its last heartbeat)"
+        + (f", and a rank there is {ring} chunk(s) behind on that ring" if ring else "")
+    )

@@ -64,6 +64,9 @@ class ReplicaView(Protocol):
     def relay_status(self) -> dict[str, Any]:
         """A follower node's relay: messages and bytes relayed, bytes passed on, its ring (empty: no relay)."""
 
+    def relays_seen(self) -> dict[int, list[Any]]:
+        """Node 0: each follower node's relays (status.RelayStatus) as its last heartbeat told, by node."""
+
     def dump_stacks(self, ranks: list[int]) -> None:
         """Have these local ranks log their Python stacks."""
 

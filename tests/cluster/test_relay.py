@@ -97,10 +97,14 @@ def test_a_relay_node_killed_mid_run_fails_the_cluster_naming_it() -> None:
             RAYFREE_RELAY_FANOUT="2",
             RAYFREE_TENSOR_PARALLEL_SIZE="4",
             RAYFREE_PIPELINE_PARALLEL_SIZE="1",
+            RAYFREE_STALL_REPORT_S="1",
         )
         lead = nodes.start(0, RAYFREE_ENTRY="tests.support.multinode_entry:hang")
         relay, beside, below = nodes.start(1), nodes.start(2), nodes.start(3)
         lead.result("PENDING", 200)
+        # the stall report names the relay a waiting rank's stream comes through, and how far it is behind
+        stall = lead.expect(r"RPC nap has waited .*node 1's relay has written (\d+) message\(s\) into its ring", 30)
+        assert int(stall.group(1)) >= 1
         t_lost = time.monotonic()
         sim.nodes[1].kill(signal.SIGKILL)
         r = lead.result("RESULT", 60)
@@ -118,3 +122,19 @@ def test_a_relay_node_killed_mid_run_fails_the_cluster_naming_it() -> None:
         f"\nrelay node killed: the leader's call failed after {took:.2f} s; the node below it exited after "
         f"{t_below:.2f} s"
     )
+
+
+@pytest.mark.timeout(200)
+def test_nodes_that_broadcast_differently_are_told_so() -> None:
+    """Node 0 relays, node 1 was started flat: both are told which node says what, instead of a handshake
+    that waits out its timeout."""
+    with SimulatedCluster(2) as sim:
+        nodes = Nodes(sim, **FAST)
+        lead = nodes.start(0, RAYFREE_ENTRY="tests.support.multinode_entry:quick")
+        follow = nodes.start(1, RAYFREE_BROADCAST="flat")
+        assert lead.wait(120) != 0, lead.text()[-3000:]
+        assert follow.wait(60) != 0, follow.text()[-3000:]
+        assert_nothing_left(sim, [lead, follow])
+    said = "node 0: broadcast=relay relay_fanout=8, node 1: broadcast=flat relay_fanout=8"
+    for n in (lead, follow):
+        assert "the nodes disagree on how broadcasts travel" in n.text() and said in n.text(), n.text()[-3000:]
