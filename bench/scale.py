@@ -29,24 +29,8 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SECRET: list[str] = []
-
-
-def _secret() -> str:
-    """A cluster secret for this run (the streams are sealed, as in production), removed at exit."""
-    if not _SECRET:
-        import atexit
-        import shutil
-        import tempfile
-
-        from rayfree.transport.secure.policy import write_secret
-
-        d = tempfile.mkdtemp(prefix="rayfree-bench-")
-        atexit.register(shutil.rmtree, d, True)
-        write_secret(os.path.join(d, "secret"))
-        _SECRET.append(os.path.join(d, "secret"))
-    return _SECRET[0]
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from simnodes import start_nodes  # noqa: E402
 
 TREE_FANOUT = 2
 
@@ -184,52 +168,19 @@ def floor() -> dict[str, float]:
 # -- the driver ------------------------------------------------------------------------------------------
 
 
-def _node_env(sim: Any, k: int, n: int, ranks: int, mode: str, port: int) -> dict[str, str]:
-    env = {
-        "PYTHONPATH": ROOT,
-        "RAYFREE_SECRET_FILE": _secret(),
-        "RAYFREE_NNODES": str(n),
-        "RAYFREE_NODE_RANK": str(k),
-        "RAYFREE_MASTER_ADDR": sim.nodes[0].ip,
-        "RAYFREE_MASTER_PORT": str(port),
-        "RAYFREE_TENSOR_PARALLEL_SIZE": str(n * ranks),
-        "RAYFREE_WORKER": "examples.echo_worker:EchoWorker",
-        "RAYFREE_WORKER_KWARGS": '{"distributed": true}',
-        "RAYFREE_BROADCAST": "flat" if mode == "flat" else "relay",
-        "RAYFREE_RELAY_FANOUT": str(TREE_FANOUT if mode == "tree" else 8),
-        "RAYFREE_READY_TIMEOUT_S": "600",
-        "TORCH_CPP_LOG_LEVEL": "ERROR",
-        "RAYFREE_LOG_LEVEL": "WARNING",
-    }
-    if k == 0:
-        env["RAYFREE_ENTRY"] = os.path.join(ROOT, "bench", "scale.py") + ":measure"
-    return env
-
-
 def run_config(n: int, ranks: int, mode: str, quick: bool) -> dict[str, Any]:
     from rayfree.cluster.simulate import SimulatedCluster
 
     with SimulatedCluster(n) as sim:
-        procs = []
         t0 = time.monotonic()
-        for k in range(n):
-            env = _node_env(sim, k, n, ranks, mode, 29500)
-            if quick:
-                env.update(RF_BENCH_TINY="100", RF_BENCH_BIG="10", RF_BENCH_IDLE_S="1")
-            procs.append(
-                sim.nodes[k].popen(
-                    [sys.executable, "-m", "rayfree.cli", "node"],
-                    env=env,
-                    cwd=ROOT,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
+        env = {
+            "RAYFREE_BROADCAST": "flat" if mode == "flat" else "relay",
+            "RAYFREE_RELAY_FANOUT": str(TREE_FANOUT if mode == "tree" else 8),
+        }
+        if quick:
+            env.update(RF_BENCH_TINY="100", RF_BENCH_BIG="10", RF_BENCH_IDLE_S="1")
+        procs, others = start_nodes(sim, ranks, os.path.abspath(__file__) + ":measure", **env)
         out: list[str] = []
-        others: list[list[str]] = [[] for _ in procs[1:]]
-        for p, sink in zip(procs[1:], others):
-            threading.Thread(target=lambda p=p, sink=sink: sink.extend(p.stdout), daemon=True).start()
         result = None
         try:
             assert procs[0].stdout is not None

@@ -20,23 +20,8 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_SECRET: list[str] = []
-
-
-def _secret() -> str:
-    """A cluster secret for this run (the streams are sealed, as in production), removed at exit."""
-    if not _SECRET:
-        import atexit
-        import shutil
-        import tempfile
-
-        from rayfree.transport.secure.policy import write_secret
-
-        d = tempfile.mkdtemp(prefix="rayfree-bench-")
-        atexit.register(shutil.rmtree, d, True)
-        write_secret(os.path.join(d, "secret"))
-        _SECRET.append(os.path.join(d, "secret"))
-    return _SECRET[0]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from simnodes import start_nodes  # noqa: E402
 
 
 def soak(ex) -> int:
@@ -86,45 +71,14 @@ def main() -> int:
     n = args.nodes
     burners: list[subprocess.Popen] = []
     with SimulatedCluster(n) as sim:
-        procs = []
-        outs: list[list[str]] = [[] for _ in range(n)]
+        outs: list[list[str]] = [[]]
+        # no hang without a bound: past the soak and start-up's own time, every node is killed (and this fails)
+        watchdog = threading.Timer(args.minutes * 60 + 600, sim.kill_all)
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            for k in range(n):
-                env = {
-                    "PYTHONPATH": ROOT,
-                    "RAYFREE_SECRET_FILE": _secret(),
-                    "RAYFREE_NNODES": str(n),
-                    "RAYFREE_NODE_RANK": str(k),
-                    "RAYFREE_MASTER_ADDR": sim.nodes[0].ip,
-                    "RAYFREE_MASTER_PORT": "29500",
-                    "RAYFREE_TENSOR_PARALLEL_SIZE": str(n),
-                    "RAYFREE_WORKER": "examples.echo_worker:EchoWorker",
-                    "RAYFREE_WORKER_KWARGS": '{"distributed": true}',
-                    "RAYFREE_READY_TIMEOUT_S": "600",
-                    "RAYFREE_SHUTDOWN_GRACE_S": "2",
-                    "RAYFREE_SHUTDOWN_TERM_S": "2",
-                    "RAYFREE_LOG_LEVEL": "WARNING",
-                    "TORCH_CPP_LOG_LEVEL": "ERROR",
-                    "RF_SOAK_S": str(args.minutes * 60),
-                }
-                if k == 0:
-                    env["RAYFREE_ENTRY"] = os.path.abspath(__file__) + ":soak"
-                procs.append(
-                    sim.nodes[k].popen(
-                        [sys.executable, "-m", "rayfree.cli", "node"],
-                        env=env,
-                        cwd=ROOT,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        text=True,
-                    )
-                )
-            for p, sink in list(zip(procs, outs))[1:]:
-                threading.Thread(target=lambda p=p, sink=sink: sink.extend(p.stdout), daemon=True).start()
-            # no hang without a bound: past the soak and start-up's own time, every node is killed (and this fails)
-            watchdog = threading.Timer(args.minutes * 60 + 600, sim.kill_all)
-            watchdog.daemon = True
-            watchdog.start()
+            procs, others = start_nodes(sim, 1, os.path.abspath(__file__) + ":soak", RF_SOAK_S=str(args.minutes * 60))
+            outs += others
             lines = iter(procs[0].stdout)  # type: ignore[arg-type]
             got: dict[str, Any] = {}
             burning = False
@@ -169,6 +123,7 @@ def main() -> int:
             print("PASSED" if ok else f"FAILED: detection {took:.2f}s against {args.bound}s, named={named}")
             return 0 if ok else 1
         finally:
+            watchdog.cancel()
             for b in burners:
                 b.kill()
                 b.wait()
