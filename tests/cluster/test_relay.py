@@ -32,9 +32,12 @@ def _run(sim: SimulatedCluster, entry: str, **env: str) -> dict:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("broadcast", ["relay", "flat"])
+@pytest.mark.parametrize("broadcast", ["relay", "flat", "relay-insecure"])
 def test_tp4_over_two_nodes_sends_each_broadcast_out_of_node_0_once(broadcast: str) -> None:
-    """Two ranks on node 1: the relay takes one copy for both; flat, each rank takes its own."""
+    """Two ranks on node 1: the relay takes one copy for both; flat, each rank takes its own. Sealed, and
+    (relay-insecure) with sequence numbers only, on a trusted network."""
+    insecure = {"RAYFREE_SECRET_FILE": "", "RAYFREE_INSECURE": "1"} if broadcast.endswith("insecure") else {}
+    broadcast = broadcast.split("-")[0]
     with SimulatedCluster(2) as sim:
         r = _run(
             sim,
@@ -42,8 +45,10 @@ def test_tp4_over_two_nodes_sends_each_broadcast_out_of_node_0_once(broadcast: s
             RAYFREE_BROADCAST=broadcast,
             RAYFREE_TENSOR_PARALLEL_SIZE="4",
             RAYFREE_PIPELINE_PARALLEL_SIZE="1",
+            **insecure,
         )
     assert r["equal"] == r["steps"] and r["lens_ok"], r
+    assert r["sealed"] == (not insecure), r
     # 1 MiB copies plus TCP/IP headers (~3%) and the heartbeats meanwhile
     if broadcast == "relay":
         assert 0.95 <= r["copies"] <= 1.2, r

@@ -262,6 +262,7 @@ def relay_bytes(ex) -> int:
     lens = [ex.collective_rpc(payload_len, args=(payload,), timeout=60) for _ in range(n)]
     per_broadcast = (_tx_bytes() - before) / n / size
     from rayfree.cluster.broadcast import runs_relay
+    from rayfree.transport.secure.policy import process_secret
 
     cfg = ex.config
     expect = 0 if cfg.broadcast == "flat" else sum(runs_relay(cfg, k) for k in range(1, cfg.parallel.nnodes))
@@ -285,5 +286,6 @@ def relay_bytes(ex) -> int:
         copies=per_broadcast,
         relays=relays,
         info=ex.collective_rpc(where, timeout=60),
+        sealed=process_secret() is not None,
     )
     return 0
