@@ -81,5 +81,5 @@ def _agree(offers: list[_Offer]) -> None:
         said = ", ".join(f"node {o.node}: broadcast={o.mode} relay_fanout={o.fanout}" for o in offers)
         raise GroupError(
             f"the nodes disagree on how broadcasts travel ({said}): set RAYFREE_BROADCAST and "
-            f"RAYFREE_RELAY_FANOUT (or --broadcast, --relay-fanout) the same on every node"
+            f"RAYFREE_RELAY_FANOUT (or broadcast and relay_fanout in the config file) the same on every node"
         )
