@@ -20,7 +20,7 @@ Liveness is only enforced once `arm()` is called (when the executor is ready):
 before that, start-up may legitimately take minutes (model load), and the
 workers' own join timeout bounds it. The sockets are the transport's
 `ControlSocket`s (transport/zmq/control.py): this module never holds a socket.
-This module has the messages and node 0's side; a follower's is heartbeat_client.py.
+This module has node 0's side; a follower's is heartbeat_client.py, the messages heartbeat_messages.py.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ import msgspec
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
+from .heartbeat_messages import Beat, Bye, StatusQuery, Verdict, _decode, _encode
+
 __all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "HeartbeatServer"]
 
 logger = logging.getLogger("rayfree.cluster")
@@ -47,42 +49,6 @@ WAIT_LOG_S = 10.0
 #: A node status bigger than this is not sent (a beat over the sockets' 64 KiB limit would cut the link).
 STATUS_MAX_BYTES = 48 << 10
 
-
-class Beat(msgspec.Struct, tag="beat", array_like=True):
-    """I am alive: a node's ranks and address (node 0 answers with node_rank 0); `done`: its entry points
-    have returned and it waits for node 0 to stop the cluster."""
-
-    node_rank: int
-    ranks: list[int]
-    ip: str
-    pid: int
-    seq: int
-    done: bool = False
-    #: the node's own status, opaque here (the executor layer's NodeStatus, encoded): node 0 keeps the last
-    status: bytes = b""
-
-
-class Bye(msgspec.Struct, tag="bye", array_like=True):
-    """I stop on purpose; `clean` is False when the sender stops because something failed."""
-
-    node_rank: int
-    clean: bool
-    reason: str
-
-
-class Verdict(msgspec.Struct, tag="verdict", array_like=True):
-    """Node 0's view of the whole cluster's readiness, pushed to every follower when it changes (each
-    follower's /readyz answers with it): "" ready, else why not."""
-
-    reason: str
-
-
-class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
-    """`rayfree status` asks node 0 for the cluster's status (it must hold the secret to get through)."""
-
-
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Beat | Bye | Verdict | StatusQuery).decode
 
 #: on_lost(node_rank, ranks, ip, why) / on_bye(node_rank, clean, reason)
 LostCallback = Callable[[int, list[int], str, str], None]
@@ -225,8 +191,14 @@ class HeartbeatServer(_Beater):
         self.verdict_fn: Callable[[], str] | None = None
         self.verdict = "starting"
         self._verdict_at = 0.0
+        #: after a failure, how long followers that have not beaten yet are waited for, to be told
+        self.tell_late_s = TELL_LATE_S
         self._sock = ControlSocket.listen(self.endpoint)  # in the caller's thread: a busy port fails the start-up
         self._thread.start()
+
+    def close(self, bye: Bye | None = None, timeout: float = 5.0) -> None:
+        """As `_Beater.close`; after a failure the thread first tells late followers (`tell_late_s`)."""
+        super().close(bye, timeout + (self.tell_late_s if bye is not None and not bye.clean else 0.0))
 
     def _run(self) -> None:
         sock = self._sock
@@ -377,7 +349,7 @@ class HeartbeatServer(_Beater):
         their join timeout: answer their first beat with the goodbye, for up to TELL_LATE_S."""
         assert self._bye is not None
         waiting = {k for k, p in self.peers.items() if p.identity is None and not p.gone}
-        until = time.monotonic() + TELL_LATE_S
+        until = time.monotonic() + self.tell_late_s
         while waiting and time.monotonic() < until:
             for frames in self._receive(sock, poll_ms):
                 if len(frames) != 2:

@@ -112,13 +112,22 @@ class SimulatedNode:
         return p
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal every process this node started, with their children."""
+        """Signal every process this node started, with all their descendants (also those that made a session
+        of their own, as torchrun's workers do): a node that goes down takes every process on it along."""
+        from rayfree.procs import descendants
+
         for p in self.procs:
             if p.poll() is None:
+                below = descendants(p.pid)
                 try:
                     os.killpg(p.pid, sig)
                 except ProcessLookupError:
                     pass
+                for pid in below:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
 
     def set_link(self, up: bool) -> None:
         """Cut (or restore) this node's cable to the bridge."""

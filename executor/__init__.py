@@ -28,9 +28,9 @@ from .errors import (
     WorkerError,
     WorkerStartupError,
 )
+from .futures import FutureWrapper
 from .multiproc import MultiprocExecutor
 from .replicas import NodeReplicas
-from .rpc import FutureWrapper
 from .workers import WorkerGroup
 
 __all__ = [

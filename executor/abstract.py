@@ -14,7 +14,7 @@ from rayfree.worker.messages import RemoteError
 from rayfree.worker.proc import resolve_worker_cls
 
 from .errors import ExecutorFailed, WorkerError
-from .rpc import FutureWrapper
+from .futures import FutureWrapper
 
 __all__ = ["Executor", "UniProcExecutor", "FailureCallback"]
 

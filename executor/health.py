@@ -34,26 +34,28 @@ def _line(error: object) -> str:
     return str(error).split("\n")[0][:300]
 
 
-def _workers(lv: NodeLiveness) -> str:
+def _workers(lv: NodeLiveness, down: tuple[str, ...] = _DOWN) -> str:
     for ex in lv.executors():
         if ex.stopped:
             continue
         for w in ex.workers:
             pid = w.proc.pid
             state = proc_state(pid) if pid else "not started"
-            if state.startswith(_DOWN):
+            if state.startswith(down):
                 rank = ex.parallel_config.global_rank(w.rank, ex.dp_rank)
                 return f"node {lv.node}: rank {rank} (pid {pid}) is {state}"
     return ""
 
 
 def alive(lv: NodeLiveness | None) -> str:
-    """This node's process and its workers are up ("" yes); start-up counts as alive."""
-    if lv is None:
+    """Is this node's process up and able to look after itself ("" yes)? A failing probe is a kubelet's order
+    to kill and restart, so only what the node cannot mend by itself fails it: a worker stopped (SIGSTOP, a
+    debugger) while nothing failed. Start-up counts as alive, and so does a failed cluster: the node stops its
+    workers and exits non-zero on its own within about two seconds (`/readyz` says why meanwhile); a worker that
+    died is noticed by the node at once."""
+    if lv is None or lv.failure is not None or lv.settled.is_set() or lv.stop_requested:
         return ""
-    if lv.failure is not None:
-        return f"node {lv.node} failed: {_line(lv.failure)}"
-    return _workers(lv)
+    return _workers(lv, down=("stopped",))
 
 
 def _stalled(lv: NodeLiveness) -> str:

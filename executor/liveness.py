@@ -46,6 +46,8 @@ __all__ = ["NodeLiveness"]
 
 logger = logging.getLogger("rayfree.executor")
 
+#: How long node 0 that refuses to start waits for followers to beat, to tell them why (`refuse`).
+REFUSE_TELL_S = 5.0
 #: How often `finish()` on node 0 looks at the other replica leaders' `done`.
 _FINISH_POLL_S = 0.05
 
@@ -106,6 +108,16 @@ class NodeLiveness:
             cfg.join_timeout_s,
         )
         return server
+
+    def refuse(self, reason: str, tell_s: float = REFUSE_TELL_S) -> None:
+        """Node 0 refuses to start (say, its master port is taken): tell every follower that beats within
+        `tell_s` (followers started with it are still importing), so none waits for its join timeout; then
+        close, as soon as every follower was told."""
+        self.failure = RuntimeError(reason)
+        self.settled.set()
+        if isinstance(self.beater, HeartbeatServer):
+            self.beater.tell_late_s = tell_s
+        self._close(Bye(self.node, False, reason[:300]))
 
     def _client(self) -> HeartbeatClient:
         par, cfg = self.par, self.config

@@ -21,22 +21,27 @@ import cloudpickle
 from rayfree.cluster.config import ClusterConfig, require_config
 from rayfree.transport import MessageQueue
 from rayfree.transport.secure import policy as security
+from rayfree.worker.main import refuse_reimported_main
 from rayfree.worker.messages import Fatal
 
 from .abstract import Executor
 from .broadcast import NodeBroadcast
-from .errors import FatalWorkerError, LeaderLost, NodeLost, NotLeaderError, WorkerDied, failed_as
+from .errors import FatalWorkerError, NotLeaderError, WorkerDied, failed_as
 from .liveness import NodeLiveness
 from .observe import StallWatch
-from .peers import await_verdict
+from .peers import await_verdict, cause_of
 from .rpc import RpcPipe
-from .startup import init_method, preflight, weak_callback
+from .startup import init_method, preflight, startup_cause, weak_callback
 from .view import RpcSnapshot
 from .workers import WorkerGroup, WorkerHandle, exit_description
 
 __all__ = ["MultiprocExecutor"]
 
 logger = logging.getLogger("rayfree.executor")
+
+#: after a lost node or a fatal collective error: how long SIGTERM is given before SIGKILL (a rank blocked in a
+#: collective runs no Python signal handler; one that is not leaves at once)
+FAST_TERM_S = 0.3
 
 
 class MultiprocExecutor(Executor):
@@ -75,6 +80,7 @@ class MultiprocExecutor(Executor):
                 the path of its file (`rayfree keygen FILE`). It becomes this process's secret, handed to every
                 worker. None: ``RAYFREE_SECRET_FILE``, else the compose secret ``/run/secrets/rayfree_secret``.
         """
+        refuse_reimported_main("MultiprocExecutor")  # a spawned worker re-running an unguarded engine script
         require_config(config)  # before anything below multiplies a size or builds a thread
         if secret is not None:
             security.use(security.Policy(security.secret_from(secret), security.current().insecure))
@@ -157,15 +163,8 @@ class MultiprocExecutor(Executor):
             success = True
         except BaseException as e:
             self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            lv = self.liveness
-            if self._failure is None and isinstance(e, Exception):
-                # A rank's rendezvous or handshake broke because another node went away: the heartbeats' verdict
-                # (that node, or the leader's own failure) is the cause to report, and it comes within this window.
-                await_verdict(lv, type(e).__name__, str(e), timeouts=False)
-            failure = self._failure or (
-                lv.failure if lv is not None and isinstance(lv.failure, (NodeLost, LeaderLost)) else None
-            )
-            if failure is not None and not isinstance(e, KeyboardInterrupt):
+            failure = startup_cause(e, lambda: self._failure, self.liveness)
+            if failure is not None:
                 raise failure from e  # a node left during start-up: that, not its fallout, is the cause
             raise
         finally:
@@ -272,25 +271,29 @@ class MultiprocExecutor(Executor):
         note = "a collective step: the executor has stopped every worker"
         self._fail(FatalWorkerError(msg.rank, msg.error_type, msg.message, msg.traceback, msg.method, note=note))
 
-    def _judge_fatal(self, error: FatalWorkerError) -> Exception:
-        """A caller got a rank's collective error that reads like a lost peer: wait for the heartbeats' verdict
-        (bounded), and report the lost node if they name one."""
-        await_verdict(self.liveness, error.error_type, error.message, timeouts=False)
-        failure = self._failure
-        return failure if isinstance(failure, (NodeLost, LeaderLost)) else error
+    def _judge_fatal(self, error: FatalWorkerError, name: str) -> Exception:
+        """A caller got a rank's collective error: raise it once the failure is recorded and its callback ran, or
+        the recorded cause when the error is a lost peer's consequence (peers.py, `cause_of`)."""
+        known = self.pipe.failure_known if self.pipe is not None else None
+        return cause_of(error, name, self.liveness, known, lambda: self._failure)
 
     def _fail(self, error: Exception) -> None:
-        """Mark failed, wake every pending call with `error`, fire the callback once, shut down (an idle engine
-        hears of it at once: a second shutdown, from its callback, waits for this one)."""
+        """Mark failed, run the failure callback, then wake every pending call with `error`, and shut down (a
+        second shutdown, from the callback, waits for this one)."""
         with self._callback_lock:
             if self.is_failed:
                 return
             self._failure = error
             self.is_failed = True
+        if self.pipe is not None:  # new calls are refused with it from now on; pending ones wait for the callback
+            self.pipe.note_failure(error)
+        try:
+            self._fire_failure_callback()
+        except Exception:  # noqa: BLE001 - the engine's callback must not stop the failure from being handled
+            logger.exception("the failure callback raised")
         if self.pipe is not None:  # blocked sends and receives return now
             self.pipe.fail(error)
         if self._started:
-            self._fire_failure_callback()
             self.shutdown()
             return
         if self.group is not None:
@@ -298,7 +301,6 @@ class MultiprocExecutor(Executor):
             # worker blocked in native code, say a rendezvous, does not hear SIGTERM: the staged close kills it).
             self._fast_stop = True
             self.group.abort()
-        self._fire_failure_callback()
 
     # -- RPC -----------------------------------------------------------------------------
 
@@ -338,17 +340,16 @@ class MultiprocExecutor(Executor):
         return pipe.call(method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator)
 
     def _interrupted(self, failure: Exception) -> bool:
-        """An interrupt (Ctrl-C, an exception from a signal handler) cut a call off mid-way: which replies are
-        still owed is then unknown, and a later call could be handed an earlier call's reply. So the executor
-        takes no more calls (the interrupt itself propagates; shutdown is left to the caller, who is being
-        interrupted). False if it had already stopped."""
+        """An interrupt cut a call off mid-way: which replies are owed is unknown now, so the executor takes no
+        more calls (the interrupt propagates; shutdown is the interrupted caller's). False if it had stopped."""
         with self._callback_lock:
             if self.is_failed or self.shutting_down:
                 return False
             self._failure = failure
             self.is_failed = True
         if self.pipe is not None:
-            self.pipe.failure = failure
+            self.pipe.note_failure(failure)
+            self.pipe.failure_known.set()
         logger.error("%s", failure)
         self._fire_failure_callback()
         return True
@@ -356,11 +357,8 @@ class MultiprocExecutor(Executor):
     # -- shutdown ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Idempotent: close death pipes; wait; SIGTERM; wait; SIGKILL. Then release every queue.
-
-        A second caller (say the engine, while the worker monitor is already
-        shutting down after a failure) returns once the first has finished.
-        """
+        """Idempotent: close death pipes; wait; SIGTERM; wait; SIGKILL. Then release every queue. A second
+        caller (the engine, while the monitor already shuts down after a failure) returns once the first is done."""
         with self._callback_lock:
             first = not self.shutting_down
             self.shutting_down = True
@@ -380,8 +378,8 @@ class MultiprocExecutor(Executor):
         if self.liveness is not None:  # tell the other nodes (and replicas) first: they stop too, at once
             self.liveness.stopped(self, self._failure, self._stop_reason or "")
         grace, term = self.config.shutdown_grace_s, self.config.shutdown_term_s
-        if self._fast_stop:
-            grace, term = min(grace, 0.2), min(term, 1.0)
+        if self._fast_stop:  # ranks wait in a collective that will never complete: no grace, SIGKILL soon after
+            grace, term = 0.0, min(term, FAST_TERM_S)
         elif self._quick_stop:
             grace, term = min(grace, 1.0), min(term, 1.0)
         if self.group is not None:

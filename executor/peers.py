@@ -1,54 +1,34 @@
-"""Did a failure come from a peer that went away? Typed errors first; gloo's words only where it gives no type.
+"""Waiting for the heartbeats' verdict when an error reads like a lost peer (cluster/peers.py recognises it).
 
 A rank on another node that dies shows up first as a collective's error on
 its peers (or as a rendezvous that broke at start-up); the cluster's
 heartbeats name that node within their suspect window, and that is the
-cause to report. Python and torch give types for most of it (ConnectionError
-and its kin, torch's DistNetworkError, TimeoutError); gloo raises a plain
-RuntimeError, so its messages are matched here, in this one function, and
-every phrase has its own test (tests/executor/test_peers.py).
+cause to report.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["peer_gone", "await_verdict", "GLOO_GONE_PHRASES", "GLOO_TIMEOUT_PHRASES"]
+from rayfree.cluster.peers import GLOO_GONE_PHRASES, GLOO_TIMEOUT_PHRASES, GONE_TYPES, TIMEOUT_TYPES, peer_gone
+
+from .errors import failed_as
+from .monitor import CONSEQUENCE_HOLD_S
+
+__all__ = [
+    "peer_gone",
+    "await_verdict",
+    "cause_of",
+    "GONE_TYPES",
+    "TIMEOUT_TYPES",
+    "GLOO_GONE_PHRASES",
+    "GLOO_TIMEOUT_PHRASES",
+]
 
 logger = logging.getLogger("rayfree.executor")
-
-#: exception classes (as a worker reports them, by name) raised when the other end of a link went away
-GONE_TYPES = frozenset(
-    {
-        "ConnectionError",
-        "ConnectionResetError",
-        "ConnectionAbortedError",
-        "ConnectionRefusedError",
-        "BrokenPipeError",
-        "DistNetworkError",
-        "QueueBroken",
-    }
-)
-#: ... and when a wait for a peer ran out
-TIMEOUT_TYPES = frozenset({"TimeoutError", "DistStoreError", "QueueTimeout", "RpcTimeout"})
-#: gloo's RuntimeError texts for a peer that went away ("Connection closed by peer [10.0.0.2]:1234", "Read error
-#: [...]: Connection reset by peer", "Write error [...]: Broken pipe", "Connection refused")
-GLOO_GONE_PHRASES = ("connection", "peer", "broken pipe")
-#: ... and for a peer that never answered ("Timed out waiting 30000ms for recv operation to complete", "Connect
-#: timeout [...]")
-GLOO_TIMEOUT_PHRASES = ("timed out", "timeout")
-
-
-def peer_gone(error_type: str, message: str, timeouts: bool = True) -> bool:
-    """Does an error of class `error_type` with `message` read like its peer went away (with `timeouts`, also
-    like a wait for it that ran out)?"""
-    if error_type in GONE_TYPES:
-        return True
-    if error_type in TIMEOUT_TYPES:
-        return timeouts
-    m = message.lower()
-    return any(p in m for p in GLOO_GONE_PHRASES) or (timeouts and any(p in m for p in GLOO_TIMEOUT_PHRASES))
 
 
 def await_verdict(liveness: Any, error_type: str, message: str, timeouts: bool = True, what: str = "") -> bool:
@@ -64,3 +44,29 @@ def await_verdict(liveness: Any, error_type: str, message: str, timeouts: bool =
         )
     liveness.settled.wait(liveness.verdict_s())
     return True
+
+
+def cause_of(
+    error: Any, name: str, liveness: Any, known: threading.Event | None, failure: Callable[[], Exception | None]
+) -> Exception:
+    """What a caller that got rank `error.rank`'s collective error (a FatalWorkerError) of RPC `name` raises.
+
+    It waits (bounded) until the executor has recorded its failure and the failure callback has run (`known`),
+    so the call raises after the callback. An error that reads like a lost peer is the consequence of another
+    rank's death or exception, or of a lost node (the heartbeats' verdict is awaited for that): the recorded
+    cause (`failure()`) is raised instead, with the call named."""
+    gone = peer_gone(error.error_type, error.message)
+    if gone:
+        await_verdict(liveness, error.error_type, error.message, timeouts=False)
+    if known is not None:
+        verdict = liveness.verdict_s() if liveness is not None else 0.0
+        known.wait(CONSEQUENCE_HOLD_S + verdict + 0.5)
+    cause = failure()
+    if (
+        not gone
+        or cause is None
+        or cause is error
+        or (getattr(cause, "rank", None) == error.rank and type(cause) is type(error))
+    ):
+        return error
+    return failed_as(cause, f"RPC {name} failed: {cause}")

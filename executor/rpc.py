@@ -15,7 +15,7 @@ the transport during a call is mapped to the executor's errors in one place,
 executor (`judge`: a lost node may be its cause). `fail(error)` wakes every
 blocked call; `snapshot()` is what status, metrics and the stall watch read
 (another thread, racy by design). Unlike vLLM's futures, `result(timeout=)`
-works: a wait that runs out leaves the call pending, and a later `result()`
+works (futures.py): a wait that runs out leaves the call pending, and a later `result()`
 continues where it stopped.
 """
 
@@ -26,9 +26,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, InvalidStateError
-from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import suppress
 from typing import Any
 
 import cloudpickle
@@ -37,6 +34,7 @@ from rayfree.transport import MessageQueue, QueueBroken, QueueClosed, QueueShutd
 from rayfree.worker.messages import Boxed, RemoteError, is_special
 
 from .errors import FatalWorkerError, RpcTimeout, failed_as, unreadable_reply, unwrap, unwrap_error
+from .futures import FutureWrapper, WaitExpired
 from .observe import Call, RpcRecorder
 from .view import RpcSnapshot
 
@@ -76,7 +74,7 @@ class RpcPipe:
         self.owed = [0] * world_size
         self.failure: Exception | None = None
         self.failure_known = threading.Event()
-        self.judge: Callable[[FatalWorkerError], Exception] | None = None
+        self.judge: Callable[[FatalWorkerError, str], Exception] | None = None
         self.stopping = False
         self._on_interrupted = on_interrupted
         self._spin_us = spin_us
@@ -100,12 +98,18 @@ class RpcPipe:
         for mq in self.replies:
             mq.wait_until_ready(timeout=timeout)
 
+    def note_failure(self, error: Exception) -> None:
+        """The executor failed with `error`: new calls are refused with it; blocked ones wake at `fail`."""
+        if self.failure is None:
+            self.failure = error
+
     def fail(self, error: Exception | None) -> None:
         """Wake every blocked call: with `error` (the executor's failure), or None (it is shutting down)."""
         if error is None:
             self.stopping = True
-        elif self.failure is None:
-            self.failure = error
+        else:
+            if self.failure is None:
+                self.failure = error
             self.failure_known.set()
         for mq in (self.broadcast, *self._attached.values()):
             mq.shutdown()
@@ -183,14 +187,15 @@ class RpcPipe:
 
     def failed(self, name: str | None = None) -> Exception:
         """The error for a call the executor can no longer serve (`name`: a call that was under way)."""
+        if not self.failure_known.is_set() and (self.failure is not None or (name is not None and not self.stopping)):
+            # The failure callback runs before a pending call raises; a worker that just left closed its queue
+            # before the monitor could name it: either way the name comes within a second.
+            self.failure_known.wait(1.0)
         f = self.failure
         if name is None:
             if f is not None:
                 return failed_as(f, f"the executor failed earlier and takes no more calls: {f}")
             return failed_as(None, "the executor was shut down")
-        if f is None and not self.stopping:
-            self.failure_known.wait(1.0)  # a worker that just left closed its queue first: wait for its name
-            f = self.failure
         if f is not None:
             return failed_as(f, f"RPC {name} failed: {f}")
         return failed_as(None, f"RPC {name} was cut short: the executor was shut down")
@@ -316,7 +321,7 @@ class Collector(Call):
             raise
         except BaseException as e:
             pipe.recorder.end(self, False)
-            cause = pipe.judge(e) if pipe.judge is not None and isinstance(e, FatalWorkerError) else None
+            cause = pipe.judge(e, self.name) if pipe.judge is not None and isinstance(e, FatalWorkerError) else None
             if cause is not None and cause is not e:
                 raise cause from e
             raise
@@ -334,67 +339,3 @@ class Collector(Call):
             except Exception:  # noqa: BLE001 - unreadable, and dropped anyway
                 pass
             pipe.owed[rank] -= 1
-
-
-class WaitExpired(Exception):
-    """The caller's own wait ran out (not the RPC's deadline): try again later."""
-
-
-class FutureWrapper(Future[Any]):
-    """A Future filled by `collect(deadline)`, in the order the calls were made."""
-
-    def __init__(
-        self,
-        queue: deque[FutureWrapper],
-        lock: threading.RLock,
-        collect: Callable[[float | None], Any],
-        aggregate: Callable[[Any], Any] = lambda x: x,
-    ) -> None:
-        super().__init__()
-        self._queue = queue
-        self._lock = lock
-        self._collect = collect
-        self._aggregate = aggregate
-        queue.appendleft(self)
-
-    def result(self, timeout: float | None = None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.done():
-            if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
-                raise FutureTimeout()
-            try:
-                while not self.done():
-                    oldest = self._queue[-1]
-                    oldest._drive(deadline)
-                    self._queue.pop()
-            except WaitExpired:
-                raise FutureTimeout() from None
-            finally:
-                self._lock.release()
-        return super().result(timeout=0)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            self.result(timeout)
-        except FutureTimeout:
-            raise
-        except BaseException:  # noqa: BLE001 - reported below
-            pass
-        return super().exception(timeout=0)
-
-    def drive_now(self, deadline: float | None) -> None:
-        """`_drive`, for the executor's own thread while it holds the lock (reading replies while a send waits)."""
-        self._drive(deadline)
-
-    def _drive(self, deadline: float | None) -> None:
-        """Read this call's replies; WaitExpired leaves it pending, anything else completes it."""
-        try:
-            value = self._aggregate(self._collect(deadline))
-        except WaitExpired:
-            raise
-        except Exception as e:  # noqa: BLE001 - the call's outcome
-            with suppress(InvalidStateError):
-                self.set_exception(e)
-            return
-        with suppress(InvalidStateError):
-            self.set_result(value)

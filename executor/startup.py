@@ -13,12 +13,13 @@ from typing import Any
 
 from rayfree.cluster.config import ClusterConfig, ConfigError
 from rayfree.transport import get_open_port
+from rayfree.transport.net import port_holder
 from rayfree.transport.secure.policy import require_secret
 from rayfree.worker.proc import check_worker_path
 
 from .errors import WorkerStartupError
 
-__all__ = ["init_method", "preflight", "weak_callback"]
+__all__ = ["init_method", "preflight", "check_master_port", "MasterPortInUse", "startup_cause", "weak_callback"]
 
 
 def init_method(config: ClusterConfig) -> str:
@@ -39,6 +40,41 @@ def preflight(config: ClusterConfig, worker_cls: type | str) -> None:
             raise WorkerStartupError(f"{e} (refused before starting any worker)") from None
     if config.parallel.nnodes > 1:
         require_secret(f"a cluster of {config.parallel.nnodes} nodes")
+    check_master_port(config)
+
+
+class MasterPortInUse(ConfigError):
+    """Node 0's master port is held by another process: its rendezvous cannot start there."""
+
+
+def check_master_port(config: ClusterConfig) -> None:
+    """On the node that hosts the world's rendezvous (node 0 of a cluster of several nodes or DP replicas):
+    refuse a master port another process holds, at once, rather than wait for the join's timeout."""
+    par = config.parallel
+    if par.node_rank != 0 or (par.nnodes == 1 and par.data_parallel_size == 1):
+        return
+    port = par.master_port or 29500
+    why = port_holder(port, par.master_addr)
+    if why is not None:
+        raise MasterPortInUse(
+            f"master_port {port} on node 0 is in use by another process ({why}); start every node with a free "
+            f"port (--master-port / RAYFREE_MASTER_PORT) or stop the process that holds {port}"
+        )
+
+
+def startup_cause(e: BaseException, failure: Callable[[], Exception | None], liveness: Any) -> Exception | None:
+    """Why start-up really failed, when `e` is the fallout: the executor's own recorded failure, or a node
+    the heartbeats found lost. A rank's rendezvous or handshake that broke because another node went away
+    waits (bounded) for the heartbeats' verdict first: that node, or the leader's own failure."""
+    from .errors import LeaderLost, NodeLost
+    from .peers import await_verdict
+
+    if isinstance(e, KeyboardInterrupt):
+        return None
+    if failure() is None and isinstance(e, Exception):
+        await_verdict(liveness, type(e).__name__, str(e), timeouts=False)
+    lost = getattr(liveness, "failure", None)
+    return failure() or (lost if isinstance(lost, (NodeLost, LeaderLost)) else None)
 
 
 def weak_callback(method: Callable[..., Any]) -> Callable[..., Any]:

@@ -18,24 +18,26 @@ import multiprocessing.connection
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from rayfree import settings
 from rayfree.cluster.config import ClusterConfig
 from rayfree.cluster.heartbeat import WAIT_LOG_S
 from rayfree.transport.secure import policy as security
 from rayfree.transport.shm.segment import remove_entries_of
-from rayfree.worker.main import worker_main
+from rayfree.worker.main import EXIT_REIMPORTED_MAIN, Deferred, worker_main
 from rayfree.worker.messages import Fatal, Ready, StartupFailed, decode
 from rayfree.worker.titles import title_for
 
 from .errors import StartupTimeout, WorkerStartupError
+from .monitor import WorkerMonitor
+from .spawning import main_in_worker, start_context, worker_env
 
 __all__ = ["WorkerGroup", "WorkerHandle", "ExitedProcess", "StartupAborted", "exit_description", "start_context"]
 
@@ -54,35 +56,13 @@ def exit_description(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def start_context() -> Any:
-    """The multiprocessing context workers start with (RAYFREE_WORKER_MULTIPROC_METHOD, default spawn)."""
-    method = settings.get("RAYFREE_WORKER_MULTIPROC_METHOD")
-    if method not in ("spawn", "fork", "forkserver"):
-        raise ValueError(f"RAYFREE_WORKER_MULTIPROC_METHOD={method!r}: use spawn, fork or forkserver")
-    return multiprocessing.get_context(method)
-
-
 #: how long a worker that reported its start-up failure is given to exit, so its exit code can be named
 _STARTUP_EXIT_WAIT_S = 2.0
 
 #: One group spawns at a time in a process: a node running several DP replicas starts their executors from
-#: threads, and starting processes (the environment below, multiprocessing's spawn preparation and its
+#: threads, and starting processes (the environment, multiprocessing's spawn preparation and its
 #: resource tracker) is not safe to interleave.
 _SPAWN_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _worker_env() -> Iterator[None]:
-    """While workers start: one OpenMP thread each unless OMP_NUM_THREADS is set (N workers x all cores
-    of threads only fight each other). The parent's own environment is restored afterwards."""
-    saved = os.environ.get("OMP_NUM_THREADS")
-    if saved is None:
-        os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
 
 
 class StartupAborted(Exception):
@@ -144,10 +124,9 @@ class WorkerGroup:
         #: told of each worker at its READY (the leader attaches to its reply queue then, while it surely exists)
         self.on_ready = on_ready
         self.workers: list[WorkerHandle] = []
-        self._monitor_wake: tuple[Connection, Connection] | None = None
+        self._monitor: WorkerMonitor | None = None
         self._closed = False
         self._abort = multiprocessing.Pipe(duplex=False)  # closing the writer wakes wait_ready
-        self._monitor_thread: threading.Thread | None = None
         self._spawn(worker_cls, worker_kwargs, distributed_init_method, broadcast_handle)
 
     # -- start-up -------------------------------------------------------------------------
@@ -158,29 +137,38 @@ class WorkerGroup:
         par = self.config.parallel
         inherited: list[int] | None = [] if context.get_start_method() == "fork" else None
         policy = security.current()  # handed to each worker explicitly (never through os.environ)
-        with _SPAWN_LOCK, _worker_env():
+        with _SPAWN_LOCK, worker_env():
             for local_rank, rank in enumerate(self.ranks):
                 ready_r, ready_w = context.Pipe(duplex=False)
                 death_r, death_w = context.Pipe(duplex=False)
                 if inherited is not None:  # fork: the child closes the parent ends of earlier workers' pipes
                     inherited += [ready_r.fileno(), death_w.fileno()]
+                # Pickled by the spawn like every argument, unpickled by worker_main under its lifeline.
+                payload = Deferred(
+                    dict(
+                        config=self.config,
+                        worker_cls=worker_cls,
+                        worker_kwargs=worker_kwargs,
+                        local_rank=local_rank,
+                        rank=rank,
+                        distributed_init_method=init_method,
+                        input_shm_handle=handle,
+                        is_driver_worker=par.is_driver_rank(rank),
+                        security_policy=policy,
+                    )
+                )
                 kwargs = dict(
-                    config=self.config,
-                    worker_cls=worker_cls,
-                    worker_kwargs=worker_kwargs,
-                    local_rank=local_rank,
                     rank=rank,
-                    distributed_init_method=init_method,
-                    input_shm_handle=handle,
-                    is_driver_worker=par.is_driver_rank(rank),
                     ready_pipe=ready_w,
                     death_pipe=death_r,
                     inherited_fds=list(inherited or []),
-                    security_policy=policy,
+                    payload=payload,
                 )
                 proc = context.Process(target=worker_main, kwargs=kwargs, name=f"RayfreeWorker-{rank}", daemon=True)
                 try:
-                    proc.start()
+                    spawning = context.get_start_method() == "spawn"
+                    with main_in_worker(proc._kwargs) if spawning else contextlib.nullcontext():  # type: ignore[attr-defined]
+                        proc.start()
                 except (pickle.PicklingError, TypeError, AttributeError) as e:
                     for c in (ready_r, death_w):
                         c.close()
@@ -240,8 +228,15 @@ class WorkerGroup:
         w.proc.join(1)
         self._close_status(w)
         self._remove_leftovers(w)
+        why = ""
+        if w.proc.exitcode == EXIT_REIMPORTED_MAIN:
+            main = getattr(sys.modules.get("__main__"), "__file__", None) or "the engine's main module"
+            why = (
+                f": the spawned worker re-ran {main}, which starts an executor when imported (spawn imports "
+                f'the main module again in every worker); put the engine\'s start under `if __name__ == "__main__":`'
+            )
         raise WorkerStartupError(
-            f"{w.describe()} died before becoming ready ({exit_description(w.proc.exitcode)})", w.rank
+            f"{w.describe()} died before becoming ready ({exit_description(w.proc.exitcode)}){why}", w.rank
         )
 
     def _on_ready_message(self, w: WorkerHandle) -> None:
@@ -286,51 +281,9 @@ class WorkerGroup:
     def start_monitor(
         self, on_death: Callable[[WorkerHandle], None], on_fatal: Callable[[WorkerHandle, Fatal], None]
     ) -> None:
-        """A thread that wakes when a worker reports a fatal failure on its status pipe or exits (or when
-        `close()` stops it); it reports the first of each and removes what a dead worker left behind."""
-        workers = list(self.workers)
-        wake_r, wake_w = multiprocessing.Pipe(duplex=False)
-        self._monitor_wake = (wake_r, wake_w)
-
-        def monitor() -> None:
-            sentinels = {w.proc.sentinel: w for w in workers}
-            status = {w.ready_pipe: w for w in workers if w.ready_pipe is not None}
-            while not self._closed:
-                ready = multiprocessing.connection.wait([*sentinels, *status, wake_r])
-                if self._closed or wake_r in ready:
-                    return
-                for pipe in [p for p in ready if p in status]:
-                    w = status.pop(pipe)
-                    try:
-                        msg = decode(pipe.recv_bytes())
-                    except (EOFError, OSError):
-                        continue  # it is leaving: its sentinel tells how
-                    except Exception as e:  # noqa: BLE001 - a garbled report is still a report
-                        logger.error("%s sent an unreadable status message: %s", w.describe(), e)
-                        continue
-                    status[pipe] = w
-                    if isinstance(msg, Fatal):
-                        on_fatal(w, msg)
-                if self._closed:
-                    return
-                dead = [sentinels.pop(s) for s in ready if s in sentinels]
-                for w in dead:
-                    w.proc.join(0.5)
-                    for pipe in [p for p, x in status.items() if x is w]:
-                        try:
-                            if pipe.poll(0):  # a Fatal sent just before it left
-                                msg = decode(pipe.recv_bytes())
-                                if isinstance(msg, Fatal):
-                                    on_fatal(w, msg)
-                        except (EOFError, OSError):
-                            pass
-                        del status[pipe]
-                    self._remove_leftovers(w)
-                    if not self._closed:
-                        on_death(w)
-
-        self._monitor_thread = threading.Thread(target=monitor, daemon=True, name="RayfreeWorkerMonitor")
-        self._monitor_thread.start()
+        """A thread that reports the first death or fatal failure of a worker, its cause first (monitor.py)."""
+        self._monitor = WorkerMonitor(list(self.workers), on_death, on_fatal, self._remove_leftovers)
+        self._monitor.start()
 
     def dump_stacks(self, workers: list[WorkerHandle] | None = None) -> None:
         """Have each live worker print every thread's stack to its stderr (faulthandler on SIGUSR1)."""
@@ -351,16 +304,15 @@ class WorkerGroup:
         if self._closed:
             return
         self._closed = True
-        if self._monitor_wake is not None:
-            self._monitor_wake[1].close()
+        if self._monitor is not None:
+            self._monitor.stop()
         for w in self.workers:
             if w.death_writer is not None:
                 w.death_writer.close()
             w.death_writer = None
         _terminate([w.proc for w in self.workers], grace_s, term_s)  # type: ignore[misc]
-        t = self._monitor_thread
-        if t is not None and t is not threading.current_thread():
-            t.join(2.0)  # it waits on the processes' sentinels, which close() below releases
+        if self._monitor is not None:
+            self._monitor.join(2.0)  # it waits on the processes' sentinels, which close() below releases
         for w in self.workers:
             self._close_status(w)
             self._remove_leftovers(w)
@@ -368,8 +320,8 @@ class WorkerGroup:
                 exited = ExitedProcess(w.proc)
                 w.proc.close()  # its sentinel and pipe descriptors go now, not at a later garbage collection
                 w.proc = exited
-        if self._monitor_wake is not None:
-            self._monitor_wake[0].close()
+        if self._monitor is not None:
+            self._monitor.release()
         for end in self._abort:
             end.close()
 
@@ -386,13 +338,18 @@ def _terminate(procs: list[BaseProcess], grace_s: float, term_s: float) -> None:
     if wait_all(grace_s):
         return
     alive = [p for p in procs if p.is_alive()]
-    logger.warning("workers %s still running %.0fs after shutdown; sending SIGTERM", [p.name for p in alive], grace_s)
+    if grace_s > 0:
+        logger.warning(
+            "workers %s still running %.1fs after shutdown; sending SIGTERM", [p.name for p in alive], grace_s
+        )
+    else:
+        logger.info("stopping workers %s at once (SIGTERM)", [p.name for p in alive])
     for p in alive:
         p.terminate()
     if wait_all(term_s):
         return
     alive = [p for p in procs if p.is_alive()]
-    logger.warning("workers %s ignored SIGTERM for %.0fs; sending SIGKILL", [p.name for p in alive], term_s)
+    logger.warning("workers %s ignored SIGTERM for %.1fs; sending SIGKILL", [p.name for p in alive], term_s)
     for p in alive:
         p.kill()
     for p in alive:

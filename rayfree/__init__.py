@@ -99,9 +99,9 @@ if TYPE_CHECKING:  # pragma: no cover - the list of public names
     from rayfree.executor.errors import (
         WorkerStartupError as WorkerStartupError,
     )
+    from rayfree.executor.futures import FutureWrapper as FutureWrapper
     from rayfree.executor.multiproc import MultiprocExecutor as MultiprocExecutor
     from rayfree.executor.replicas import NodeReplicas as NodeReplicas
-    from rayfree.executor.rpc import FutureWrapper as FutureWrapper
     from rayfree.transport.errors import (
         HandleError as HandleError,
     )

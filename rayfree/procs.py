@@ -1,13 +1,28 @@
-"""What /proc says about a process: alive (not a zombie), its state, CPU time, process group, command line.
+"""What /proc says about a process: alive (not a zombie), its state, CPU time, process group, command line; and
+leaving this process quickly once it has shut down (`exit_now`).
 
 Linux only; every function answers "gone" rather than raising when the process is.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import logging
 import os
+import sys
+from typing import NoReturn
 
-__all__ = ["stat_fields", "is_alive", "proc_state", "cpu_seconds", "group_members", "cmdline"]
+__all__ = [
+    "stat_fields",
+    "is_alive",
+    "proc_state",
+    "cpu_seconds",
+    "group_members",
+    "descendants",
+    "cmdline",
+    "exit_now",
+]
 
 _CLK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -63,6 +78,22 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, their children, ...), whatever session or group they made."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = stat_fields(int(name))
+            if fields is not None and len(fields) > 1 and fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
 def cmdline(pid: int, limit: int = 80) -> str:
     """The command line, spaces for NULs, cut to `limit` characters ('' if gone)."""
     try:
@@ -70,3 +101,17 @@ def cmdline(pid: int, limit: int = 80) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:limit]
     except OSError:
         return ""
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave with `code` once this process has shut down what it owns: the atexit handlers run and the streams
+    are flushed, but the interpreter's teardown of every module and C++ static (about a second with torch
+    loaded) is skipped, and so is a wait for non-daemon threads someone left running."""
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)

@@ -143,6 +143,13 @@ TABLE: dict[str, Setting] = {
         Setting("RAYFREE_ENTRY", None, _str, "`rayfree node --entry`: node 0's driver, pkg.mod:func"),
         Setting("RAYFREE_HEADLESS", False, _flag, "`rayfree node --headless`: a follower node"),
         Setting(
+            "RAYFREE_ENTRY_GRACE_S",
+            0.5,
+            float,
+            "`rayfree node`: once the cluster failed (the entry's pending calls raised, its failure callback ran), "
+            "how long the entry point has to return before the node interrupts it and exits 1",
+        ),
+        Setting(
             "RAYFREE_METRICS_PORT", None, _str, "`rayfree node --metrics-port`: serve Prometheus metrics on this port"
         ),
         # the demo's nodes

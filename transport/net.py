@@ -27,6 +27,7 @@ __all__ = [
     "default_route_ip",
     "local_addresses",
     "is_local_address",
+    "port_holder",
     "interface_of",
     "bind_address",
 ]
@@ -179,6 +180,20 @@ def local_addresses() -> set[str]:
     except Exception:  # noqa: BLE001 - best effort
         pass
     return out
+
+
+def port_holder(port: int, host: str = "0.0.0.0") -> str | None:
+    """Why `port` cannot be listened on here (another process listens on it), or None when it can: a bind on
+    every interface with SO_REUSEADDR, as a server binds it (a connection of an earlier run still in TIME_WAIT
+    does not count)."""
+    family = socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def is_local_address(host: str) -> bool:

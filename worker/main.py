@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rayfree import logs
+from rayfree.procs import exit_now
 from rayfree.transport import MessageQueue
 from rayfree.transport.secure import policy as security
 from rayfree.transport.shm.segment import remove_entries_of
@@ -38,13 +39,22 @@ from rayfree.transport.shm.segment import remove_entries_of
 from .messages import Fatal, Ready, RemoteError, StartupFailed, encode
 from .proc import FatalRpc, WorkerProc, destroy_distributed
 
-__all__ = ["worker_main", "Lifeline", "EXIT_FATAL", "EXIT_ORPHANED"]
+__all__ = [
+    "worker_main",
+    "Lifeline",
+    "Deferred",
+    "refuse_reimported_main",
+    "EXIT_FATAL",
+    "EXIT_ORPHANED",
+    "EXIT_REIMPORTED_MAIN",
+]
 
 logger = logging.getLogger("rayfree.worker")
 
 #: exit codes the parent can tell apart
 EXIT_FATAL = 1  # a collective step raised (its Fatal is on the status pipe)
 EXIT_ORPHANED = 3  # the parent died
+EXIT_REIMPORTED_MAIN = 4  # spawn re-ran the engine's main module, which starts an executor (refuse_reimported_main)
 #: how long a worker whose parent died lets the running method unwind before it leaves anyway
 LIFELINE_GRACE_S = 0.5
 
@@ -52,7 +62,7 @@ LIFELINE_GRACE_S = 0.5
 class Lifeline:
     """Watches the death pipe from the first moment (before the model loads) and knows every queue made since."""
 
-    def __init__(self, death_pipe: Connection | None) -> None:
+    def __init__(self, death_pipe: Connection | None, exiting: threading.Event | None = None) -> None:
         self.death_pipe = death_pipe
         # The pid multiprocessing recorded when it spawned us, not getppid(): a parent that died while this
         # process was still importing would otherwise be taken for init, and its death for a shutdown.
@@ -60,7 +70,8 @@ class Lifeline:
         self.parent = parent.pid if parent is not None and parent.pid else os.getppid()
         self.stopping = threading.Event()  # the parent is gone or shutting down: do not report failures
         self.parent_died = False
-        self.exiting = threading.Event()  # this process is on its way out: signals no longer interrupt
+        #: this process is on its way out: signals no longer interrupt
+        self.exiting = exiting if exiting is not None else threading.Event()
         self.main_done = threading.Event()
         self.queues: list[MessageQueue] = []
         #: the worker's `leftovers()`, if it has one: paths its engine made that only its own clean shutdown
@@ -91,7 +102,14 @@ class Lifeline:
             if self.main_done.wait(0.05):
                 return
         self.parent_died = True
-        logger.warning("the executor (pid %d) died: stopping now", self.parent)
+        # What the dead parent made goes first, from this thread: whatever the main thread is doing (still
+        # unpickling its arguments, say), nothing of the parent's outlives it.
+        removed = remove_entries_of({self.parent})
+        logger.warning(
+            "the executor (pid %d) died: stopping now%s",
+            self.parent,
+            f" (removed what it left: {', '.join(removed)})" if removed else "",
+        )
         if not self.main_done.is_set():
             _thread.interrupt_main()  # a running method unwinds at its next Python step
         if self.main_done.wait(LIFELINE_GRACE_S):
@@ -120,32 +138,79 @@ class Lifeline:
         return removed
 
 
+class Deferred:
+    """The worker's arguments, pickled inside the parent's spawn (so fds and tensors travel as multiprocessing
+    sends them) but unpickled by `worker_main` itself, under its lifeline: a parent that dies while the worker
+    still unpickles them (importing the engine's modules, torch) is noticed, and an argument that fails to
+    unpickle is a start-up failure the parent can name, not a crash inside multiprocessing's bootstrap."""
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+        self._data: bytes | None = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.reduction import ForkingPickler
+
+        return (Deferred._packed, (bytes(ForkingPickler.dumps(self._obj)),))
+
+    @classmethod
+    def _packed(cls, data: bytes) -> Deferred:
+        d = cls.__new__(cls)
+        d._obj, d._data = None, data
+        return d
+
+    def load(self) -> Any:
+        if self._data is None:  # fork: never pickled
+            return self._obj
+        import pickle
+
+        return pickle.loads(self._data)
+
+
 def worker_main(**kwargs: Any) -> None:
-    """Entry point of the worker process (the parent's WorkerGroup passes these keyword arguments)."""
-    security.use(kwargs.pop("security_policy", None))
+    """Entry point of the worker process (the parent's WorkerGroup passes these keyword arguments).
+
+    The signal handlers come first and everything after them sits in one try/finally, so an interrupt from
+    the lifeline (the parent died) always lands where the clean-up below runs."""
     status: Connection | None = kwargs.pop("ready_pipe")
-    lifeline = Lifeline(kwargs.pop("death_pipe", None))
+    death_pipe = kwargs.pop("death_pipe", None)
+    exiting = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
         # The staged close's SIGTERM must stop a busy worker; only the exit path itself is left alone.
-        if not lifeline.exiting.is_set():
-            lifeline.exiting.set()
+        if not exiting.is_set():
+            exiting.set()
             raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    for fd in kwargs.pop("inherited_fds", []):
-        try:
-            os.close(fd)
-        except OSError as e:
-            logger.warning("closing an inherited pipe: %s", e)
-    logs.configure()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
+    lifeline = Lifeline(death_pipe, exiting)
     rank = kwargs.get("rank", -1)
     worker: WorkerProc | None = None
     code = 0
     ready = False
     try:
+        for fd in kwargs.pop("inherited_fds", []):
+            try:
+                os.close(fd)
+            except OSError as e:
+                logger.warning("closing an inherited pipe: %s", e)
+        main_module = kwargs.pop("main_module", None)
+        if main_module is not None:
+            _import_main(*main_module)
+        payload = kwargs.pop("payload", None)
+        if payload is not None:
+            try:
+                kwargs.update(payload.load())
+            except Exception as e:
+                raise WorkerArgumentsError(
+                    f"worker rank {rank} could not unpickle its arguments (worker_kwargs, the worker class): "
+                    f"{type(e).__name__}: {e}"
+                ) from e
+        security.use(kwargs.pop("security_policy", None))
+        _set_launcher_environment(kwargs)
+        logs.configure()
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: where is it stuck?
         worker = WorkerProc(lifeline=lifeline, **kwargs)
         assert status is not None and worker.worker_response_mq is not None
         status.send_bytes(
@@ -191,7 +256,7 @@ def worker_main(**kwargs: Any) -> None:
             )
             code = 1
     finally:
-        lifeline.exiting.set()
+        exiting.set()
         lifeline.main_done.set()
         if status is not None:
             status.close()
@@ -205,8 +270,63 @@ def worker_main(**kwargs: Any) -> None:
         except Exception:  # noqa: BLE001 - exiting anyway; say what went wrong
             logger.exception("worker rank %d: error while shutting down", rank)
         lifeline.remove_orphans()
-    if code:
-        sys.exit(code)
+    # The worker is shut down (`worker.shutdown()` released what the engine took; queues and groups are closed):
+    # leave without the interpreter's teardown, during which the staged close would think SIGTERM was ignored.
+    exit_now(code)
+
+
+def _import_main(how: str, where: str) -> None:
+    """What spawn's preparation would have done (workers.py moved it here): import the engine's main module as
+    `__mp_main__`, flagged as multiprocessing flags it (`refuse_reimported_main` and multiprocessing's own
+    check read the flag)."""
+    import multiprocessing.process
+    import multiprocessing.spawn as spawn
+
+    this = multiprocessing.process.current_process()
+    this._inheriting = True  # type: ignore[attr-defined]
+    try:
+        if how == "init_main_from_name":
+            spawn._fixup_main_from_name(where)  # type: ignore[attr-defined]
+        else:
+            spawn._fixup_main_from_path(where)  # type: ignore[attr-defined]
+    finally:
+        del this._inheriting  # type: ignore[attr-defined]
+
+
+def refuse_reimported_main(what: str) -> None:
+    """In a spawned worker that is still re-importing the engine's main module (multiprocessing's spawn runs it
+    again, as `__mp_main__`), an executor being built means the module starts one at import: without an
+    `if __name__ == "__main__":` guard every worker would start a cluster of its own. Say so on stderr and
+    leave with EXIT_REIMPORTED_MAIN, which the parent turns into the same sentence."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):  # (spawn's own flag for this phase)
+        return
+    main = sys.modules.get("__mp_main__")
+    path = getattr(main, "__file__", None) or "the engine's main module"
+    print(
+        f"rayfree: this worker process re-ran {path}, which builds a {what} when it is imported: the workers "
+        f"start with 'spawn', which imports the engine's main module again in each of them; put the engine's "
+        f'start under `if __name__ == "__main__":`',
+        file=sys.stderr,
+        flush=True,
+    )
+    raise SystemExit(EXIT_REIMPORTED_MAIN)
+
+
+class WorkerArgumentsError(RuntimeError):
+    """The worker's arguments did not unpickle in its process (a module only the parent has, say)."""
+
+
+def _set_launcher_environment(kwargs: dict[str, Any]) -> None:
+    """The torchrun-compatible variables for the world this rank joins, before any engine code runs, so that
+    libraries that read them (transformers' tp_plan, accelerate, torch's DeviceMesh helpers) see the truth."""
+    config = kwargs.get("config")
+    if config is None:
+        return
+    from rayfree.cluster.environment import launcher_environment
+
+    os.environ.update(
+        launcher_environment(config.parallel, kwargs["rank"], kwargs["local_rank"], kwargs["distributed_init_method"])
+    )
 
 
 def _send(pipe: Connection | None, msg: Any) -> bool:

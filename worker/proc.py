@@ -21,6 +21,7 @@ from typing import Any
 import cloudpickle
 
 from rayfree.cluster.config import ClusterConfig
+from rayfree.cluster.peers import peer_gone
 from rayfree.imports import SpecError, load_object
 from rayfree.transport import Handle, MessageQueue, TransportError
 
@@ -208,14 +209,25 @@ class WorkerProc:
         """Reply with the error (if this rank replies); in a collective step, then leave (FatalRpc)."""
         name = method if isinstance(method, str) else "<callable>"
         error = RemoteError.of(self.rank, e)
-        logger.error(
-            "worker rank %d: RPC %s raised %s: %s\n%s",
-            self.rank,
-            name,
-            error.error_type,
-            error.message,
-            error.traceback,
-        )
+        if name in self.collective and peer_gone(error.error_type, error.message, timeouts=False):
+            # A peer of this collective went away: the consequence of a death the executor names, not a cause.
+            logger.warning(
+                "worker rank %d: %s stopped because a peer went away (%s: %s); leaving",
+                self.rank,
+                name,
+                error.error_type,
+                error.message.splitlines()[0][:200] if error.message else "",
+            )
+            logger.debug("worker rank %d: %s's traceback:\n%s", self.rank, name, error.traceback)
+        else:
+            logger.error(
+                "worker rank %d: RPC %s raised %s: %s\n%s",
+                self.rank,
+                name,
+                error.error_type,
+                error.message,
+                error.traceback,
+            )
         if output_rank is None or self.rank == output_rank:
             if self.async_output_queue is not None:
                 self.async_output_queue.put(error)

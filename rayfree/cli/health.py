@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import select
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -27,7 +29,7 @@ class HealthServer:
     def __init__(self, port: int, node: int) -> None:
         self.node = node
         self.liveness: Any = None
-        #: why this node is stopping, once it is (the answers stay 503 while it shuts down)
+        #: why this node is stopping, once it is (/readyz answers 503 while it shuts down; /livez 200)
         self.stopping = ""
         owner = self
 
@@ -56,19 +58,34 @@ class HealthServer:
 
         self._server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="RayfreeHealth")
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="RayfreeHealth")
         self._thread.start()
         logger.info("node %d: health probes at http://0.0.0.0:%d/livez and /readyz", node, port)
 
     def judge(self, readiness: bool) -> str:
         try:
+            if not readiness:  # alive until the process is gone, stopping included (it leaves by itself)
+                return health.alive(self.liveness)
             if self.stopping:
                 return f"node {self.node} is stopping: {self.stopping}"
-            return health.ready(self.liveness) if readiness else health.alive(self.liveness)
+            return health.ready(self.liveness)
         except Exception as e:  # noqa: BLE001 - a probe must answer, and a broken check is not "ready"
             logger.debug("health check failed", exc_info=True)
             return f"the health check itself failed: {type(e).__name__}: {e}"
 
+    def _serve(self) -> None:
+        """Answer requests until `close` writes to the wake pipe (no periodic wake-up while idle, and a close
+        that takes no poll interval)."""
+        while True:
+            ready, _, _ = select.select([self._server, self._wake_r], [], [])
+            if self._wake_r in ready:
+                return
+            self._server.handle_request()
+
     def close(self) -> None:
-        self._server.shutdown()
+        os.write(self._wake_w, b"x")
+        self._thread.join(2.0)
         self._server.server_close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)

@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             args.secret_error = e
     if args.command == "node":
-        from .node import run_node
+        from .node import leave, run_node
 
-        return run_node(args)
+        leave(run_node(args))
     if args.command == "doctor":
         from .doctor import run_doctor
 

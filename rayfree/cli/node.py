@@ -25,13 +25,16 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from rayfree import logs
 from rayfree.cluster.config import ConfigError
+from rayfree.procs import exit_now
 from rayfree.transport.errors import TransportError
 
+from .entry_watch import EntryInterrupted, EntryWatch
 from .node_options import (
     NodePlan,
     NodeUsageError,
@@ -42,7 +45,7 @@ from .node_options import (
     port_option,
 )
 
-__all__ = ["run_node", "NodeUsageError"]
+__all__ = ["run_node", "leave", "NodeUsageError"]
 
 logger = logging.getLogger("rayfree.node")
 
@@ -142,6 +145,8 @@ def run_node(args: argparse.Namespace) -> int:
             metrics.append(serve_metrics(port, liveness))
 
     try:
+        if _refused(config):
+            return EXIT_USAGE
         reps = NodeReplicas(config, worker, kwargs, on_liveness=on_liveness)
         if entry is not None:
             return _lead(reps, entry)
@@ -169,6 +174,12 @@ def run_node(args: argparse.Namespace) -> int:
         if probes is not None:
             probes.stopping = f"{e} received"
         return 0
+    except EntryInterrupted as e:
+        logger.error("%s", e)
+        return EXIT_FAILED
+    except ConfigError as e:  # found once the node is up (a master port another process holds): bad usage
+        print(f"rayfree node: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except ExecutorError as e:
         text = str(e)  # LeaderLost names this node already
         logger.error("%s", text if text.startswith(f"node {par.node_rank}:") else f"node {par.node_rank}: {text}")
@@ -190,6 +201,35 @@ def run_node(args: argparse.Namespace) -> int:
             signal.signal(s, h)
 
 
+def _refused(config: Any) -> bool:
+    """Node 0 whose master port another process holds: one line now, the followers told, exit 2."""
+    from rayfree.executor.liveness import NodeLiveness
+    from rayfree.executor.startup import MasterPortInUse, check_master_port
+
+    try:
+        check_master_port(config)
+    except MasterPortInUse as e:
+        print(f"rayfree node: {e}", file=sys.stderr, flush=True)
+        if config.parallel.nnodes > 1:
+            NodeLiveness(config).refuse(f"node 0 refused to start: {e}")
+        return True
+    return False
+
+
+def leave(code: int) -> NoReturn:
+    """Exit with `code` once the node has shut down. A failed node (non-zero) leaves without the interpreter's
+    own teardown: its atexit handlers run (closed writers' last messages, the logs), but not the finalisation
+    of every module and C++ static (about a second with torch loaded), nor a wait for threads the engine left
+    running, which would keep the node alive after its cluster is gone (the restart contract). A clean stop
+    (0) exits as Python does, so whatever the engine left open is flushed and closed."""
+    if code == 0:
+        sys.exit(0)
+    left = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    if left:
+        logger.info("leaving with the engine's thread(s) %s still running", left)
+    exit_now(code)
+
+
 def _lead(reps: Any, entry: Callable[[Any], Any]) -> int:
     """Run the entry point for every replica this node leads; then wait until the whole cluster may stop.
 
@@ -198,7 +238,8 @@ def _lead(reps: Any, entry: Callable[[Any], Any]) -> int:
     """
     from rayfree.executor.errors import ExecutorError
 
-    results = reps.run(entry)
+    with EntryWatch(reps.liveness, reps, reps.config.parallel.node_rank, EXIT_FAILED):
+        results = reps.run(entry)
     raised = [(ex, r) for ex, r in zip(reps.leaders, results) if isinstance(r, BaseException)]
     for ex, e in raised:
         if not isinstance(e, ExecutorError):  # the engine's own error: the other nodes must stop too

@@ -140,3 +140,47 @@ def test_doctor_beside_a_running_node_does_not_count_its_ports_as_taken() -> Non
         assert_nothing_left(sim, [lead, follow])
     ports = [ln for ln in r.stdout.splitlines() if "] ports" in ln]
     assert ports and "[ ok ]" in ports[0] and "held by this node's running rayfree node" in ports[0], r.stdout
+
+
+HOLD = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen()
+print("HOLDING", flush=True)
+while True:
+    c, _ = s.accept()  # accepts and keeps every connection, answering nothing (as a foreign server would)
+"""
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_node_0_whose_master_port_is_held_refuses_at_once_and_tells_its_follower() -> None:
+    """Another process listens on node 0's master port (it accepts and never answers, as a foreign server
+    does): node 0 refuses with one line naming the port and the option, exit 2, within seconds (it waited 120 s
+    before, and its follower 60 s more); the follower, started with it, is told why and exits non-zero."""
+    with SimulatedCluster(2) as sim:
+        nodes = Nodes(sim, **FAST, RAYFREE_JOIN_TIMEOUT_S="60")
+        port = nodes.values["RAYFREE_MASTER_PORT"]
+        holder = sim.nodes[0].popen([sys.executable, "-c", HOLD, port], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "HOLDING"
+        t0 = time.monotonic()
+        lead, follow = nodes.start(0), nodes.start(1)
+        code = lead.wait(60)
+        t_lead = time.monotonic() - t0
+        f_code = follow.wait(60)
+        t_follow = time.monotonic() - t0
+        holder.kill()
+        holder.wait(10)
+        assert_nothing_left(sim, [lead, follow])
+    refusals = [ln for ln in lead.text().splitlines() if ln.startswith("rayfree node:")]
+    print(
+        f"\nnode 0 refused (exit {code}) after {t_lead:.1f} s; its follower left (exit {f_code}) after {t_follow:.1f} s"
+    )
+    assert code == 2, lead.text()[-3000:]
+    assert len(refusals) == 1 and f"master_port {port}" in refusals[0] and "--master-port" in refusals[0], refusals
+    assert "Traceback" not in lead.text(), lead.text()[-3000:]
+    assert f_code not in (0, None), follow.text()[-3000:]
+    assert f"master_port {port} on node 0 is in use" in follow.text(), follow.text()[-3000:]
+    assert t_lead < 20 and t_follow < 30, (t_lead, t_follow)

@@ -317,12 +317,14 @@ from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from rayfree.executor import MultiprocExecutor
 if __name__ == "__main__":
     how, path = sys.argv[1], sys.argv[2]
-    kw = {"load_delay": 60.0} if how in ("load", "spawning") else {}
-    if how == "spawning":
+    early = how in ("load", "spawning", "unpickle-fails")
+    kw = {"load_delay": 60.0} if early else {}
+    if how in ("spawning", "unpickle-fails"):
         from tests.support.sample_workers import SlowToUnpickle
-        kw["slow"] = SlowToUnpickle(2.0)  # the workers are still unpickling their arguments when the engine dies
+        # the workers are still unpickling their arguments when the engine dies (and then that fails too)
+        kw["slow"] = SlowToUnpickle(2.0, fail=how == "unpickle-fails")
     c = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=2), force_remote=path == "tcp")
-    if how in ("load", "spawning"):
+    if early:
         print("STARTING", flush=True)
     ex = MultiprocExecutor(c, "tests.support.sample_workers:EchoWorker", kw)
     print("PIDS", *[w.proc.pid for w in ex.workers], flush=True)
@@ -343,11 +345,12 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["call", "load", "spawning"])
+@pytest.mark.parametrize("how", ["call", "load", "spawning", "unpickle-fails"])
 def test_workers_leave_within_a_second_when_the_engine_is_sigkilled(path: str, how: str, tmp_path) -> None:
-    """Mid-call (busy in Python), mid-load (before the queue handshake) or before worker_main even ran (still
-    unpickling its arguments, 2 s): the workers exit within about a second of their parent's death (of their
-    own start, for the last), and no segment or ipc directory of any of them is left."""
+    """Mid-call (busy in Python), mid-load (before the queue handshake) or while still unpickling their
+    arguments (2 s; and once that unpickling fails, so no worker code of the engine's ever runs): the workers
+    exit within about a second of their parent's death, and no segment or ipc directory of any of them, nor of
+    the engine, is left."""
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
     err = open(tmp_path / "engine.err", "w+")
@@ -356,7 +359,8 @@ def test_workers_leave_within_a_second_when_the_engine_is_sigkilled(path: str, h
         [sys.executable, str(script), how, path], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=env
     )
     try:
-        expect = "STARTING" if how in ("load", "spawning") else "BUSY"
+        early = how in ("load", "spawning", "unpickle-fails")
+        expect = "STARTING" if early else "BUSY"
         pids: list[int] = []
         while True:
             line = p.stdout.readline()  # the test's timeout bounds this
@@ -367,7 +371,7 @@ def test_workers_leave_within_a_second_when_the_engine_is_sigkilled(path: str, h
                 pids = [int(x) for x in line.split()[1:]]
             if line.startswith(expect):
                 break
-        if how in ("load", "spawning"):  # the workers are spawned: find them as the engine's children
+        if early:  # the workers are spawned: find them as the engine's children
             wait_until(lambda: len([c for c in _children(p.pid) if _is_worker(c)]) == 2, 60, "two loading workers")
             pids = [c for c in _children(p.pid) if _is_worker(c)]
             if how == "load":  # their title is set just before load_model (60 s here): they are in it
@@ -378,7 +382,7 @@ def test_workers_leave_within_a_second_when_the_engine_is_sigkilled(path: str, h
         took = wait_until(lambda: not any(is_alive(x) for x in pids), 10, f"the workers {pids} left")
         # "spawning": they first finish unpickling (2 s) and importing (torch: up to several seconds beside a
         # parallel suite's simulated nodes on two cores), then see that their parent is gone
-        assert took < (2.5 if how != "spawning" else 2.0 + 8.0), f"the workers took {took:.1f}s to leave"
+        assert took < (2.5 if how in ("call", "load") else 2.0 + 8.0), f"the workers took {took:.1f}s to leave"
         left = [e for e in entries() if any(f"rayfree-{x}-" in e for x in (*pids, engine_pid))]
         assert not left, f"left behind: {left}"
     finally:

@@ -26,6 +26,43 @@ def test_the_tp_layer_example_equals_the_unsharded_layer(tp: int) -> None:
     assert "largest difference" in r.stdout
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("how", ["auto", "mesh"])
+def test_a_hugging_face_llama_sharded_with_tp_plan_generates_the_unsharded_models_tokens(how: str) -> None:
+    """transformers' own tensor parallelism inside rayfree's workers at TP=2: `tp_plan="auto"` (it reads the
+    world from RANK / WORLD_SIZE / LOCAL_RANK, which the workers carry) and a DeviceMesh of the TP group. Each rank
+    holds half of every sharded weight, and greedy generation gives the one-process model's tokens."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "hf_llama_tp.py"), how, "2"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"},
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "tokens equal to the one-process model: True" in r.stdout, r.stdout
+    assert "split as [(32, 64), (32, 64)]" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(600)
+def test_the_simulated_cluster_example_test_passes() -> None:
+    """examples/test_simulated_cluster.py, as an engine author runs it: pytest in that folder, with the
+    `rayfree_cluster` fixture from rayfree.testing."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "test_simulated_cluster.py"],
+        cwd=os.path.join(ROOT, "examples"),
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
+    assert "2 passed" in r.stdout, r.stdout[-2000:]
+
+
 def test_nothing_in_the_repository_points_outside_it() -> None:
     out = subprocess.run(
         [

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any
 
 
 def say(tag: str, **kw: Any) -> None:
-    print(f"{tag}:" + json.dumps(kw), flush=True)
+    """One line in one write (so no log line from another thread lands inside it)."""
+    sys.stdout.write(f"{tag}:" + json.dumps(kw) + "\n")
+    sys.stdout.flush()
 
 
 def where(worker: Any) -> dict:
@@ -141,6 +144,16 @@ def serve(ex) -> int:
     say("SERVING", pids=[w.proc.pid for w in ex.workers])
     stop = threading.Event()
     stop.wait(int(os.environ.get("RF_SERVE_S", "300")))
+    return 0
+
+
+def idle(ex) -> int:
+    """An engine idle between requests: one call, then it sleeps, not calling the executor and with no failure
+    callback (the restart contract's test takes a node away under it)."""
+    ex.collective_rpc("check_health", timeout=60)
+    say("SERVING", pids=[w.proc.pid for w in ex.workers], t=time.monotonic())
+    time.sleep(float(os.environ.get("RF_SERVE_S", "120")))
+    say("WOKE", t=time.monotonic())
     return 0
 
 

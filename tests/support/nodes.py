@@ -7,13 +7,10 @@ environment from docker-compose.yml (interpolating ${VAR:-default} from
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import re
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -21,6 +18,7 @@ import yaml
 
 from rayfree.cluster.simulate import SimulatedCluster, SimulatedNode
 from rayfree.procs import group_members
+from rayfree.testing import NodeRun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMPOSE = os.path.join(ROOT, "docker-compose.yml")
@@ -54,49 +52,24 @@ def compose_invocation(service: str, values: dict[str, str]) -> tuple[list[str],
     return [sys.executable, "-m", "rayfree.cli", *command[1:]], env
 
 
-class NodeProc:
-    """A `rayfree node` process on a simulated node; its merged output read by a thread, line by line."""
+class NodeProc(NodeRun):
+    """A `rayfree node` process on a simulated node (rayfree.testing's, run from the repository); its failures
+    show the other nodes' output too."""
 
     def __init__(self, node: SimulatedNode, argv: list[str], env: dict[str, str]) -> None:
-        self.node = node
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.output: list[str] = []
         self.others: list[NodeProc] = []  # the other nodes: their output goes into failure messages too
-        self.p = node.popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(node, argv, env, ROOT)
 
-    def _read(self) -> None:
-        assert self.p.stdout is not None
-        for line in self.p.stdout:
-            self.output.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
+    @property
+    def p(self) -> subprocess.Popen:
+        return self.proc
 
-    def expect(self, pattern: str, timeout: float) -> re.Match:
-        """The first line (from now) matching `pattern`; fails with the output if none comes in time."""
-        deadline = time.monotonic() + timeout
-        rx = re.compile(pattern)
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(
-                    f"node {self.node.index}: no line matching {pattern!r} within {timeout}s:\n"
-                    + self.text()[-4000:]
-                    + self.others_text()
-                ) from None
-            if line is None:
-                raise AssertionError(
-                    f"node {self.node.index} exited ({self.p.poll()}) without a line matching "
-                    f"{pattern!r}:\n" + self.text()[-4000:] + self.others_text()
-                )
-            m = rx.search(line)
-            if m:
-                return m
+    def context(self) -> str:
+        return self.others_text()
 
     def result(self, tag: str, timeout: float) -> dict:
         """The JSON after `tag:` on a line."""
-        return json.loads(self.expect(rf"^{tag}:(.*)$", timeout).group(1))
+        return self.json_after(tag, timeout)
 
     def wait(self, timeout: float) -> int:
         try:
@@ -105,9 +78,6 @@ class NodeProc:
             raise AssertionError(
                 f"node {self.node.index} still running after {timeout}s:\n" + self.text()[-4000:]
             ) from None
-
-    def text(self) -> str:
-        return "".join(self.output)
 
     def others_text(self) -> str:
         return "".join(

@@ -9,8 +9,10 @@ import time
 from rayfree.worker.base import WorkerBase
 
 
-def _slow_restore(seconds: float) -> float:
+def _slow_restore(seconds: float, fail: bool = False) -> float:
     time.sleep(seconds)
+    if fail:
+        raise RuntimeError(f"unpickling failed on purpose after {seconds}s")
     return seconds
 
 
@@ -18,11 +20,12 @@ class SlowToUnpickle:
     """Unpickling it takes `seconds`: a spawned worker that gets it in its kwargs is still starting (before
     worker_main runs) for that long."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, fail: bool = False) -> None:
         self.seconds = seconds
+        self.fail = fail
 
     def __reduce__(self):
-        return (_slow_restore, (self.seconds,))
+        return (_slow_restore, (self.seconds, self.fail))
 
 
 class EchoWorker(WorkerBase):
@@ -125,6 +128,38 @@ class EchoWorker(WorkerBase):
         else:
             time.sleep(seconds)
         return float(t.item())
+
+    def allreduce_for(self, seconds: float, marker_dir: str = "") -> int:
+        """A collective step that keeps every rank inside all-reduces for `seconds` (a long model step); after
+        the first, each rank creates `marker_dir/<rank>` (so a test knows they are all inside)."""
+        import torch
+        import torch.distributed as dist
+
+        end = time.monotonic() + seconds
+        n = 0
+        while time.monotonic() < end:
+            dist.all_reduce(torch.ones(1))
+            n += 1
+            if n == 1 and marker_dir:
+                open(os.path.join(marker_dir, str(self.rank)), "w").close()
+        return n
+
+    def fail_while_peers_wait(self, fail_rank: int, stuck_rank: int) -> float:
+        """A collective step: `fail_rank` raises; `stuck_rank` waits in a native receive from a third rank that
+        never sends (a collective that will never complete: no Python signal handler runs in it); the others
+        sleep."""
+        import torch
+        import torch.distributed as dist
+
+        if self.rank == fail_rank:
+            raise RuntimeError(f"rank {self.rank} broke while the others waited")
+        if self.rank == stuck_rank:
+            t = torch.zeros(1)
+            src = next(r for r in range(self.parallel_config.world_size) if r not in (fail_rank, stuck_rank))
+            dist.recv(t, src=src)
+            return float(t.item())
+        time.sleep(60)
+        return 0.0
 
     def exit_now(self, code: int, only_rank: int = 0):
         if self.rank == only_rank:

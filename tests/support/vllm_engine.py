@@ -28,7 +28,8 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREA
 
 
 def say(tag: str, **kw: Any) -> None:
-    print(f"{tag}:" + json.dumps(kw), flush=True)
+    sys.stdout.write(f"{tag}:" + json.dumps(kw) + "\n")  # one write: no log line lands inside it
+    sys.stdout.flush()
 
 
 def make_llm(model: str, backend: str, tp: int, **extra: Any):
@@ -50,6 +51,14 @@ def make_llm(model: str, backend: str, tp: int, **extra: Any):
         seed=0,
         **extra,
     )
+
+
+def greedy(llm: Any, prompts: list[str], max_tokens: int = 16) -> list[list[int]]:
+    """The greedy tokens `llm` generates for each prompt."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
 def engine_args(model: str) -> dict[str, Any]:

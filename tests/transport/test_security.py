@@ -157,6 +157,10 @@ UNPICKLE_SITES = {
         2,
         "binds serde's loads, and hands pickle.loads to the ring's one-chunk read, for the same-user shm ring",
     ),
+    "worker/main.py": (
+        1,
+        "the worker's own arguments, which its parent wrote into the spawn's process-private pipe (Deferred)",
+    ),
     "worker/proc.py": (
         2,
         "the worker class from the parent's process arguments; RPC callables that "

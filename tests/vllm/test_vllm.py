@@ -286,3 +286,28 @@ def test_stall_reports_for_vllm_start_later_unless_the_environment_says_otherwis
     assert (c.stall_report_s, c.stall_dump_s) == (VLLM_STALL_REPORT_S, VLLM_STALL_DUMP_S) == (60.0, 600.0)
     c = cluster_config(vllm_config, env={"RAYFREE_STALL_REPORT_S": "5", "RAYFREE_STALL_DUMP_S": "9"})
     assert (c.stall_report_s, c.stall_dump_s) == (5.0, 9.0)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("page", ["README.md", "docs/vllm.md"])
+def test_the_docs_vllm_snippet_runs_as_written(model, page: str, tmp_path) -> None:
+    """The snippet of README.md and docs/vllm.md, verbatim, with `model` given: it builds vLLM's LLM on rayfree
+    at TP=2 (vLLM's defaults otherwise), which generates for every prompt."""
+    import re
+
+    with open(os.path.join(ROOT, page)) as f:
+        (code,) = [b for b in re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M) if "from vllm import" in b]
+    script = tmp_path / "snippet.py"
+    script.write_text(
+        f"model = {model!r}\n"
+        + code
+        + "\nfrom tests.support.vllm_engine import PROMPTS, greedy\n"
+        + "import json\nprint('TOKENS:' + json.dumps(greedy(llm, PROMPTS)), flush=True)\n"
+        + "backend = llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend\n"
+        + "print('EXECUTOR:', getattr(backend, '__name__', backend), flush=True)\n"
+    )
+    r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    (tokens,) = _lines(r.stdout, "TOKENS")
+    assert len(tokens) == 3 and all(tokens), tokens
+    assert "EXECUTOR: RayfreeExecutor" in r.stdout, r.stdout[-3000:]

@@ -1,0 +1,27 @@
+"""An engine's entry point for `rayfree node --entry tp_serve:main` (examples/test_simulated_cluster.py runs it
+on two simulated nodes): a few steps of the tensor-parallel layer of tp_layer.py, each checked against the
+unsharded layer, and one line of JSON saying how it went."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from tp_layer import IN, full_layer
+
+
+def main(ex) -> int:
+    layer = full_layer()
+    ok = 0
+    for step in range(10):
+        x = torch.randn(4, IN, generator=torch.Generator().manual_seed(step))
+        ok += bool(torch.allclose(ex.execute_model(x), layer(x).detach(), atol=1e-4))
+    nodes = sorted({info["node"] for info in ex.collective_rpc(_where, timeout=60)})
+    print("RESULT:" + json.dumps({"steps": 10, "equal": ok, "nodes": nodes}), flush=True)
+    return 0 if ok == 10 else 1
+
+
+def _where(worker) -> dict:
+    from rayfree.worker.proc import worker_info
+
+    return worker_info(worker)
