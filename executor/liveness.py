@@ -172,6 +172,11 @@ class NodeLiveness:
             ex.record_latencies()
         with self._lock:
             self._executors.append(weakref.ref(ex))
+            failure = self.failure
+        if failure is not None:
+            # The node failed before this executor attached (node 0 refused to start, or said goodbye, while
+            # this node was still starting): `fail_all` did not see it, so it starts no workers at all.
+            raise failure
 
     def executors(self) -> list[ReplicaView]:
         with self._lock:

@@ -31,7 +31,7 @@ from .liveness import NodeLiveness
 from .observe import StallWatch
 from .peers import await_verdict, cause_of
 from .rpc import RpcPipe
-from .startup import init_method, preflight, startup_cause, weak_callback
+from .startup import init_method, preflight, startup_cause, teardown_step, weak_callback
 from .view import RpcSnapshot
 from .workers import WorkerGroup, WorkerHandle, exit_description
 
@@ -164,7 +164,7 @@ class MultiprocExecutor(Executor):
         except BaseException as e:
             self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             failure = startup_cause(e, lambda: self._failure, self.liveness)
-            if failure is not None:
+            if failure is not None and failure is not e:
                 raise failure from e  # a node left during start-up: that, not its fallout, is the cause
             raise
         finally:
@@ -375,19 +375,21 @@ class MultiprocExecutor(Executor):
             self._shutdown_done.set()
 
     def _shutdown(self) -> None:
-        if self.liveness is not None:  # tell the other nodes (and replicas) first: they stop too, at once
-            self.liveness.stopped(self, self._failure, self._stop_reason or "")
         grace, term = self.config.shutdown_grace_s, self.config.shutdown_term_s
         if self._fast_stop:  # ranks wait in a collective that will never complete: no grace, SIGKILL soon after
             grace, term = 0.0, min(term, FAST_TERM_S)
         elif self._quick_stop:
             grace, term = min(grace, 1.0), min(term, 1.0)
+        # The other nodes (and replicas) are told first: they stop too, at once. Each step runs whatever the one
+        # before did: one that raised must not leave the next one's processes or segments behind (logged).
+        if self.liveness is not None:
+            teardown_step("telling the others", self.liveness.stopped, self, self._failure, self._stop_reason or "")
         if self.group is not None:
-            self.group.close(grace, term)
+            teardown_step("the workers' staged close", self.group.close, grace, term)
         if self.pipe is not None:
-            self.pipe.close()
+            teardown_step("the RPC pipe's close", self.pipe.close)
         if self.broadcast is not None:
-            self.broadcast.close()
+            teardown_step("the broadcast's close", self.broadcast.close)
         if self._finalizer is not None:
             self._finalizer.detach()
 

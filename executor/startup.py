@@ -1,5 +1,5 @@
 """What an executor's start-up needs around its worker group: where the workers meet, the checks made before
-anything is spawned, and callbacks that do not keep the executor alive.
+anything is spawned, callbacks that do not keep the executor alive, and the shutdown's steps.
 
 Plain functions of the configuration; the order of start-up, and what a failure in it means, stay in
 multiproc.py.
@@ -7,6 +7,7 @@ multiproc.py.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,17 @@ from rayfree.worker.proc import check_worker_path
 
 from .errors import WorkerStartupError
 
-__all__ = ["init_method", "preflight", "check_master_port", "MasterPortInUse", "startup_cause", "weak_callback"]
+__all__ = [
+    "init_method",
+    "preflight",
+    "check_master_port",
+    "MasterPortInUse",
+    "startup_cause",
+    "weak_callback",
+    "teardown_step",
+]
+
+logger = logging.getLogger("rayfree.executor")
 
 
 def init_method(config: ClusterConfig) -> str:
@@ -87,3 +98,12 @@ def weak_callback(method: Callable[..., Any]) -> Callable[..., Any]:
         return None if m is None else m(*args)
 
     return call
+
+
+def teardown_step(what: str, fn: Callable[..., None], *args: Any) -> None:
+    """One step of a shutdown: one that raised is logged and the teardown goes on (torch elastic's "abandoning
+    and continuing"), so no later step's processes, sockets or segments are left behind."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - see above
+        logger.exception("shutdown: %s raised; continuing the teardown", what)

@@ -9,12 +9,14 @@ import multiprocessing
 import os
 import shutil
 import tempfile
+import threading
 import time
 
 import pytest
 
+from rayfree.procs import descendants
 from rayfree.transport.secure.policy import SECRET_FILE_ENV, write_secret
-from rayfree.transport.shm.segment import SEGMENT_PREFIX, creator_alive, entries
+from rayfree.transport.shm.segment import SEGMENT_PREFIX, creator_alive, creator_pid, entries
 
 
 def _session_secret() -> None:
@@ -36,9 +38,37 @@ def orphan_segments() -> set[str]:
     return {n for n in entries() if os.path.basename(n).startswith(me) or not creator_alive(n)}
 
 
+class _Family:
+    """The processes this test started (sampled every 0.25 s while it runs): a leak is one of theirs, not one of
+    another suite's running beside this one on the same machine (they share /dev/shm and /tmp)."""
+
+    def __init__(self) -> None:
+        self.pids = {os.getpid()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="LeakGuardFamily")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self.pids.update(descendants(os.getpid()))
+            if self._stop.wait(0.25):
+                return
+
+    def stop(self) -> set[int]:
+        self._stop.set()
+        self._thread.join(5)
+        self.pids.update(descendants(os.getpid()))
+        return self.pids
+
+
+def _ours(names: set[str], pids: set[int]) -> set[str]:
+    return {n for n in names if creator_pid(n) in pids}
+
+
 @pytest.fixture(autouse=True)
 def leak_guard():
     before = orphan_segments()
+    family = _Family()
     yield
     for p in multiprocessing.active_children():
         p.join(10)
@@ -46,13 +76,15 @@ def leak_guard():
     for p in alive:
         p.kill()
         p.join(5)
-    leaked = orphan_segments() - before
+    pids = family.stop()
+    leaked = _ours(orphan_segments() - before, pids)
     # Tests in other xdist workers share /dev/shm: one of them may have just killed a process whose names its
     # own clean-up (a lifeline, an executor) is about to remove. What is still there after a while is a leak.
     deadline = time.monotonic() + 10.0
     while leaked and time.monotonic() < deadline:
         time.sleep(0.1)
         leaked &= orphan_segments()
+    leaked = _ours(leaked, pids | set(descendants(os.getpid())))
     for n in leaked:  # do not let one test's leak fail the next one too
         shutil.rmtree(n, ignore_errors=True) if os.path.isdir(n) else os.unlink(n)
     from rayfree.transport.secure import zap

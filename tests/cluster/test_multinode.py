@@ -34,7 +34,8 @@ def assert_nothing_left(sim: SimulatedCluster, nodes) -> None:
     for n in nodes:
         left = wait_group_empty(n.p.pid, 10)
         assert not left, f"node {n.node.index}: processes left: {left}\n{n.text()[-3000:]}"
-        assert not shm_files(n.node), f"node {n.node.index}: segments left in its /dev/shm: {shm_files(n.node)}"
+        left = shm_files(n.node)
+        assert not left, f"node {n.node.index}: segments left in its /dev/shm: {left}\n{n.text()[-3000:]}"
 
 
 @pytest.mark.timeout(240)

@@ -8,6 +8,7 @@ tests/support/multinode_entry.py.
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 
 import pytest
@@ -143,3 +144,31 @@ def test_nodes_that_broadcast_differently_are_told_so() -> None:
     said = "node 0: broadcast=relay relay_fanout=8, node 1: broadcast=flat relay_fanout=8"
     for n in (lead, follow):
         assert "the nodes disagree on how broadcasts travel" in n.text() and said in n.text(), n.text()[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_relay_cut_off_its_stream_after_start_up_stops_its_node_cleanly() -> None:
+    """Node 1's relay loses its TCP stream from node 0 mid-call, while the heartbeats go on (no verdict): the
+    relay's thread reports it, and the stop that follows closes the relay from that thread's report without
+    joining itself (it raised RuntimeError before, so the relay's ring and sockets were never released). Node 1
+    exits 1 naming its relay, the leader's pending call fails, nothing is left."""
+    with SimulatedCluster(2) as sim:
+        nodes = Nodes(sim, **FAST, RAYFREE_TENSOR_PARALLEL_SIZE="4", RAYFREE_PIPELINE_PARALLEL_SIZE="1")
+        lead = nodes.start(0, RAYFREE_ENTRY="tests.support.multinode_entry:cut_stream")
+        follow = nodes.start(1)
+        endpoint = lead.result("STREAM", 200)["endpoint"]
+        port = endpoint.rsplit(":", 1)[1]
+        cut = sim.nodes[1].popen(
+            ["ss", "-K", "dst", sim.nodes[0].ip, "dport", "=", f":{port}"], stdout=subprocess.PIPE, text=True
+        )
+        out, _ = cut.communicate(timeout=10)
+        assert cut.returncode == 0 and f":{port}" in out, out
+        r = lead.result("RESULT", 60)
+        assert follow.wait(30) == 1, follow.text()[-3000:]
+        assert lead.wait(30) == 1, lead.text()[-3000:]
+        assert_nothing_left(sim, [lead, follow])
+    text = follow.text()
+    assert "relay 2" in text, text[-3000:]
+    assert "cannot join current thread" not in text and "Traceback" not in text, text[-3000:]
+    assert r["kind"] and "node 1" in r["error"], r
+    print(f"\nthe leader's pending call: {r['kind']}: {r['error'][:200]}")

@@ -18,7 +18,7 @@ import pytest
 from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from rayfree.cluster.heartbeat import TELL_LATE_S
 from rayfree.executor import ExecutorFailed, MultiprocExecutor, RpcTimeout, WorkerDied, WorkerError
-from rayfree.procs import is_alive, stat_fields
+from rayfree.procs import descendants, is_alive, stat_fields
 from rayfree.transport.shm.segment import creator_alive, creator_pid, entries
 from tests.support import children as procs
 
@@ -490,3 +490,50 @@ def test_a_reply_link_that_drops_fails_the_call_naming_the_dropped_connection(mo
         ex.shutdown()
     assert type(err.value.__cause__).__name__ == "QueueBroken"
     assert took < 15, took
+
+
+@pytest.mark.timeout(120)
+def test_a_follower_told_of_node_0s_failure_before_its_executor_started_starts_no_worker() -> None:
+    """Node 0 refuses to start (its goodbye reaches a follower still importing, before its executor attached to
+    the node's liveness): the executor raises LeaderLost at once and spawns nothing (it waited for its ranks'
+    READY until ready_timeout_s before, as a relay did for its ranks)."""
+    from rayfree.executor.errors import LeaderLost
+    from rayfree.executor.liveness import NodeLiveness
+    from rayfree.transport import get_open_port
+
+    port, hb = get_open_port("127.0.0.1"), get_open_port("127.0.0.1")
+
+    def node(rank: int) -> ClusterConfig:
+        par = ParallelConfig(
+            tensor_parallel_size=2, nnodes=2, node_rank=rank, master_addr="127.0.0.1", master_port=port
+        )
+        return ClusterConfig(parallel=par, heartbeat_port=hb, join_timeout_s=30, ready_timeout_s=60)
+
+    leader = NodeLiveness(node(0))
+    refusing = threading.Thread(target=leader.refuse, args=("node 0 refused to start: a test's reason", 20))
+    refusing.start()
+    follower = NodeLiveness(node(1))
+    try:
+        assert follower.settled.wait(20), "the follower was never told of node 0's failure"
+        before, seen, done = set(descendants(os.getpid())), set(), threading.Event()
+
+        def sample() -> None:  # a spawned worker lives for seconds (its torch import): 10 ms samples see it
+            while not done.wait(0.01):
+                seen.update(set(descendants(os.getpid())) - before)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(LeaderLost, match="a test's reason"):
+                MultiprocExecutor(node(1), ECHO, {"distributed": True}, liveness=follower)
+        finally:
+            done.set()
+            sampler.join(5)
+        took = time.monotonic() - t0
+        assert not seen, f"processes started: {seen}"
+        print(f"\nthe executor raised the leader's failure after {took:.2f} s")
+    finally:
+        refusing.join(30)
+        if follower.beater is not None:
+            follower.beater.close()

@@ -88,6 +88,15 @@ def hang(ex) -> int:
     return _until_lost(ex, lambda: fut.result(timeout=100))
 
 
+def cut_stream(ex) -> int:
+    """Where node 0's broadcast stream is served (the test cuts node 1's relay off it), then a call every rank
+    is busy in, and how it failed."""
+    endpoint = ex.rpc_broadcast_mq.export_handle().remote_endpoint
+    fut = ex.collective_rpc(nap, args=(120.0,), non_block=True)
+    say("STREAM", endpoint=endpoint)
+    return _until_lost(ex, lambda: fut.result(timeout=100))
+
+
 def step_until_lost(ex) -> int:
     """Toy engine steps (PP send/recv between the nodes) until the test takes a node away: the peers' gloo
     calls fail first, and the executor must still name the lost node as the cause."""

@@ -297,15 +297,19 @@ def test_the_docs_vllm_snippet_runs_as_written(model, page: str, tmp_path) -> No
 
     with open(os.path.join(ROOT, page)) as f:
         (code,) = [b for b in re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M) if "from vllm import" in b]
+    # the checks go where the snippet makes `llm`: in its main guard (vLLM's CPU platform spawns its engine core,
+    # which imports the script again)
+    (made,) = [ln for ln in code.splitlines() if "llm = LLM(" in ln]
+    indent = made[: len(made) - len(made.lstrip())]
+    checks = [
+        "from tests.support.vllm_engine import PROMPTS, greedy",
+        "import json",
+        "print('TOKENS:' + json.dumps(greedy(llm, PROMPTS)), flush=True)",
+        "backend = llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend",
+        "print('EXECUTOR:', getattr(backend, '__name__', backend), flush=True)",
+    ]
     script = tmp_path / "snippet.py"
-    script.write_text(
-        f"model = {model!r}\n"
-        + code
-        + "\nfrom tests.support.vllm_engine import PROMPTS, greedy\n"
-        + "import json\nprint('TOKENS:' + json.dumps(greedy(llm, PROMPTS)), flush=True)\n"
-        + "backend = llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend\n"
-        + "print('EXECUTOR:', getattr(backend, '__name__', backend), flush=True)\n"
-    )
+    script.write_text(f"model = {model!r}\n" + code.replace(made, "\n".join([made, *(indent + c for c in checks)])))
     r = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=500)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     (tokens,) = _lines(r.stdout, "TOKENS")

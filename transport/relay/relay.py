@@ -228,9 +228,10 @@ class Relay:
         for ch in (self._up, self.ring, self.out):
             if ch is not None:
                 ch.shutdown()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.warning("relay %d: its thread did not stop within %.1fs", self.relay_id, timeout)
+        if self._thread is not threading.current_thread():  # (from its own thread: a failure it reported)
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("relay %d: its thread did not stop within %.1fs; abandoning it", self.relay_id, timeout)
         if self.out is not None:
             self.out.abort()
         if not self._ended:
