@@ -70,8 +70,8 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
     if rank != 0 and not _wait_for_port(host, port, deadline):
         raise JoinError(
             f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s "
-            f"(join_timeout_s): node 0 never started it, or master_addr/master_port is wrong or "
-            f"unreachable from here"
+            f"(join_timeout_s; gave up after {time.monotonic() - t0:.1f}s): node 0 never started it, or "
+            f"master_addr/master_port is wrong or unreachable from here"
         )
     try:
         left = max(1.0, deadline - time.monotonic())
@@ -91,8 +91,9 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
                 f"the address one of this node's?"
             ) from e
         raise JoinError(
-            f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s: "
-            f"rank 0 never started it, or master_addr/master_port is wrong or unreachable"
+            f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s "
+            f"(gave up after {time.monotonic() - t0:.1f}s): rank 0 never started it, or master_addr/master_port "
+            f"is wrong or unreachable"
         ) from e
     ip = host if rank == 0 else get_ip(peer=host)
     me = f"{rank}|{world_size}|{node}|{ip}|{fingerprint()}|{shape}"
@@ -114,8 +115,8 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
             if now >= deadline:
                 raise JoinError(
                     f"rank {rank}: rank(s) {missing} of {world_size} never joined the world at "
-                    f"{host}:{port} within {timeout_s:.0f}s (join_timeout_s); check that their node "
-                    f"started and can reach {host}"
+                    f"{host}:{port} within {timeout_s:.0f}s (join_timeout_s; gave up after "
+                    f"{time.monotonic() - t0:.1f}s); check that their node started and can reach {host}"
                 )
             time.sleep(0.02)
         _check_agreement(store, seen, me, rank, deadline)

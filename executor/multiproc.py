@@ -29,7 +29,7 @@ from .broadcast import NodeBroadcast
 from .errors import FatalWorkerError, NotLeaderError, WorkerDied, failed_as
 from .liveness import NodeLiveness
 from .observe import StallWatch
-from .peers import await_verdict, cause_of
+from .peers import await_verdict, await_verdict_on_exit, cause_of
 from .rpc import RpcPipe
 from .startup import init_method, preflight, startup_cause, teardown_step, weak_callback
 from .view import RpcSnapshot
@@ -246,8 +246,8 @@ class MultiprocExecutor(Executor):
     # -- failures --------------------------------------------------------------------------
 
     def _on_worker_death(self, w: WorkerHandle) -> None:
-        if self.shutting_down or self.is_failed:
-            return
+        if self.stopped or (await_verdict_on_exit(self.liveness, w.proc.exitcode) and self.stopped):
+            return  # (the second: its exit was a lost node's fallout, and that is the cause)
         how = exit_description(w.proc.exitcode)
         logger.error("%s died unexpectedly (%s); shutting down the executor", w.describe(), how)
         self._quick_stop = True  # its peers may be blocked in a collective with it, deaf to the death pipe
@@ -255,14 +255,10 @@ class MultiprocExecutor(Executor):
 
     def _on_worker_fatal(self, w: WorkerHandle, msg: Fatal) -> None:
         """A collective step raised on rank `w.rank`: its peers may be stuck in a collective, so stop them all."""
-        if self.shutting_down or self.is_failed:
-            return
         # A rank on another node that died shows up here first, as a collective's connection error; the
         # heartbeats name that node within their suspect window, and that is the cause to report.
         what = f"{w.describe()}: {msg.error_type} in {msg.method}"
-        if await_verdict(self.liveness, msg.error_type, msg.message, what=what) and (
-            self.shutting_down or self.is_failed
-        ):
+        if self.stopped or (await_verdict(self.liveness, msg.error_type, msg.message, what=what) and self.stopped):
             return
         logger.error(
             "%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type, msg.method

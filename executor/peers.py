@@ -21,6 +21,7 @@ from .monitor import CONSEQUENCE_HOLD_S
 __all__ = [
     "peer_gone",
     "await_verdict",
+    "await_verdict_on_exit",
     "cause_of",
     "GONE_TYPES",
     "TIMEOUT_TYPES",
@@ -42,6 +43,16 @@ def await_verdict(liveness: Any, error_type: str, message: str, timeouts: bool =
         logger.info(
             "%s looks like a lost peer; waiting up to %.1fs for the heartbeats' verdict", what, liveness.verdict_s()
         )
+    liveness.settled.wait(liveness.verdict_s())
+    return True
+
+
+def await_verdict_on_exit(liveness: Any, exitcode: int | None) -> bool:
+    """A worker that left by itself (an exit code, not a signal) in a cluster of several nodes may have left
+    because a peer node went away under its collective: wait, bounded, for the heartbeats' verdict, which is then
+    the cause to report. True if it waited."""
+    if liveness is None or not liveness.verdict_s() or exitcode is None or exitcode <= 0:
+        return False
     liveness.settled.wait(liveness.verdict_s())
     return True
 

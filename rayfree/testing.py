@@ -58,6 +58,7 @@ class NodeRun:
         self.output: list[str] = []
         self.proc = node.popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"RayfreeTestNode-{node.index}")
+        self._drained = False
         self._reader.start()
 
     def _read(self) -> None:
@@ -77,7 +78,10 @@ class NodeRun:
         return self.proc.poll()
 
     def text(self) -> str:
-        """Everything it printed so far."""
+        """Everything it printed so far (once it has exited: all of it, read to the end of its output)."""
+        if self.proc.poll() is not None and self._reader.is_alive() and not self._drained:
+            self._drained = True  # (bounded, once: a child it left may hold its output open)
+            self._reader.join(5)
         return "".join(self.output)
 
     def expect(self, pattern: str, timeout: float) -> re.Match[str]:

@@ -4,6 +4,7 @@ and the doctor beside a running node. Real `rayfree node` processes, each in its
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -91,10 +92,15 @@ def test_a_follower_with_no_master_fails_within_its_join_timeout() -> None:
         code = follow.wait(join_s + 60)
         took = time.monotonic() - t0
     assert code == 1, follow.text()[-3000:]
-    assert "could not reach the rendezvous" in follow.text() and "within 6s (join_timeout_s)" in follow.text()
-    # start-up (spawn, torch import) comes on top of the join's own bound
-    assert took <= join_s + 15, f"the follower failed after {took:.1f}s with join_timeout_s={join_s}"
-    print(f"\nno master: the follower failed after {took:.1f}s (join_timeout_s={join_s:.0f})")
+    assert "could not reach the rendezvous" in follow.text() and "within 6s (join_timeout_s" in follow.text()
+    # The join's own bound, by the rank's own count (TCPStore alone retried past it); start-up (the worker's
+    # spawn, its torch import: unbounded on a loaded machine) comes on top of it.
+    m = re.search(r"gave up after ([0-9.]+)s", follow.text())
+    assert m and float(m.group(1)) <= join_s + 1.0, follow.text()[-3000:]
+    print(
+        f"\nno master: the join gave up after {m.group(1)} s; the follower failed after {took:.1f}s "
+        f"(join_timeout_s={join_s:.0f})"
+    )
 
 
 @needs_root

@@ -22,7 +22,7 @@ PORT = 8490
 #: "within 2 s" on an idle machine; this one has two cores shared with the rest of the suite
 SLACK = 1.0
 #: how long torchrun's agent may take to leave after its child (node 0) did: its poll, its own teardown
-TORCHRUN_AGENT_S = 3.0
+TORCHRUN_AGENT_S = 10.0
 ENV = {"PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO", "RF_SERVE_S": "120"}
 NODE = [
     "rayfree.cli", "node", "--worker", "tests.support.sample_workers:EchoWorker", "--tp", "2", "--insecure",
@@ -99,7 +99,8 @@ def test_node_0_leaves_non_zero_within_2s_of_a_loss_while_its_entry_sleeps(launc
     assert "the entry point has 0.5s (RAYFREE_ENTRY_GRACE_S) to return" in text, text[-3000:]
     assert took < 2.0 + SLACK, f"node 0 left {took:.2f}s after the loss"
     # What the launcher adds is its own: torchrun's agent notices its child's exit (every 0.1 s) and then leaves
-    # through its own interpreter's teardown, torch loaded (0.8 s idle; the rest of the 3.9 s CI once saw here
-    # was load). Every other launcher's process here is rayfree's own.
+    # through its own interpreter's teardown, torch loaded (0.8 s idle, 4.7 s beside a second suite on two
+    # cores). The bound catches an agent kept waiting by something of ours (a process left behind), not its
+    # speed. Every other launcher's process here is rayfree's own.
     agent_s = TORCHRUN_AGENT_S if launcher == "torchrun" else 0.5
     assert launcher_out - took < agent_s, f"{launcher}'s process left {launcher_out - took:.2f}s after node 0's"

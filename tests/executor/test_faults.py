@@ -7,6 +7,7 @@ memory) and `tcp` (force_remote: every queue is a CURVE-secured TCP socket on lo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,6 @@ import time
 import pytest
 
 from rayfree.cluster.config import ClusterConfig, ParallelConfig
-from rayfree.cluster.heartbeat import TELL_LATE_S
 from rayfree.executor import ExecutorFailed, MultiprocExecutor, RpcTimeout, WorkerDied, WorkerError
 from rayfree.procs import descendants, is_alive, stat_fields
 from rayfree.transport.shm.segment import creator_alive, creator_pid, entries
@@ -458,13 +458,18 @@ def test_a_leader_alone_fails_within_its_join_timeout() -> None:
         shutdown_term_s=2,
     )
     t0 = time.monotonic()
-    with pytest.raises(Exception, match=r"rank\(s\) \[1\] of 2 never joined .* within 4s"):
+    with pytest.raises(Exception, match=r"rank\(s\) \[1\] of 2 never joined .* within 4s") as info:
         MultiprocExecutor(c, ECHO, {"distributed": True})
     took = time.monotonic() - t0
-    # the stages, each bounded: the join timeout, node 0's window for telling late followers of the failure
-    # (TELL_LATE_S), the staged close (grace + term), and spawning the worker (its torch import): 7.5 s here
-    # idle, 11.2-12.4 s under a parallel suite's load on two cores
-    assert took < 4 + TELL_LATE_S + 2 + 2 + 4, f"a 4 s join timeout ended after {took:.1f}s"
+    # The join's own bound, from the rank's own count (TCPStore alone retried well past it); the whole start-up
+    # adds the worker's spawn (its torch import: unbounded on a loaded machine), node 0's window for telling late
+    # followers (TELL_LATE_S) and the staged close.
+    m = re.search(r"gave up after ([0-9.]+)s", str(info.value))
+    assert m, str(info.value)
+    print(
+        f"\nthe join gave up after {m.group(1)} s of its 4 s bound; the executor's start-up failed after {took:.1f} s"
+    )
+    assert float(m.group(1)) < 4 + 1.0, str(info.value)
 
 
 # -- a TCP link that drops ----------------------------------------------------------------------
