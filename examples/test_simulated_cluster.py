@@ -14,9 +14,13 @@ def test_the_engine_runs_across_two_nodes(rayfree_cluster):
 
 def test_a_lost_node_fails_the_whole_cluster(rayfree_cluster):
     cluster = rayfree_cluster(
-        2, worker="tp_layer:TPLinearWorker", entry="tp_serve:main", tp=2, env={"RAYFREE_LOG_LEVEL": "INFO"}
+        2,
+        worker="tp_layer:TPLinearWorker",
+        entry="tp_serve:main",
+        tp=2,
+        env={"RAYFREE_LOG_LEVEL": "INFO", "TP_SERVE_IDLE_S": "120"},
     )
-    cluster.nodes[1].expect("serving the leader", timeout=300)
+    cluster.nodes[0].expect("^RESULT:", timeout=300)  # its steps are done; it idles until the loss stops it
     cluster.nodes[1].kill(signal.SIGKILL)
     codes = cluster.wait(timeout=60)
     assert codes[0] != 0, cluster.output()
