@@ -55,6 +55,17 @@ def until(p: NodeProc, code: int, timeout: float) -> tuple[float, dict]:
     return float(m.group(1)), json.loads(m.group(2))
 
 
+def until_unready(p: NodeProc, node: NodeProc, timeout: float) -> tuple[float, str]:
+    """When a node that leaves by itself stopped being ready, and why. It answers 503 while it shuts down, but
+    a follower with one worker may be gone between two polls on a loaded machine; to a kubelet or a load
+    balancer a closed port is "not ready" too, and the node's own last words then say why."""
+    m = p.expect(r"^PROBE (503|0) (\S+) (.*)$", timeout)
+    if m.group(1) == "503":
+        return float(m.group(2)), json.loads(m.group(3))["reason"]
+    node.wait(30)
+    return float(m.group(2)), node.text()
+
+
 def workers_of(node: NodeProc) -> list[int]:
     """The worker processes a `rayfree node` started (its children titled rayfree::Worker_...)."""
     return [
@@ -93,9 +104,9 @@ def test_a_killed_node_turns_every_survivors_readyz_503_and_every_node_exits_the
         live = live_probe(sim, 1)
         t0 = time.monotonic()
         sim.nodes[2].kill()
-        t_n0, why0 = until(probes[0], 503, 10)
-        t_n1, why1 = until(probes[1], 503, 10)
-        assert "node 2" in why0["reason"] and "node 2" in why1["reason"], (why0, why1)
+        t_n0, why0 = until_unready(probes[0], nodes[0], 10)
+        t_n1, why1 = until_unready(probes[1], nodes[1], 10)
+        assert "node 2" in why0 and "node 2" in why1, (why0, why1)
         live.expect(r"^PROBE (503|0) ", 10)  # node 1 itself fails (then its port closes): not alive
         codes = [nodes[k].wait(30) for k in (0, 1)]
         t_out = time.monotonic() - t0
@@ -124,11 +135,12 @@ def test_a_killed_worker_turns_readyz_503_on_node_0_and_the_other_follower() -> 
         assert len(victim) == 1, victim
         t0 = time.monotonic()
         os.kill(victim[0], signal.SIGKILL)
-        t_n0, why0 = until(probes[0], 503, 10)
-        t_n2, why2 = until(probes[2], 503, 10)
+        t_n0, why0 = until_unready(probes[0], nodes[0], 10)
+        t_n2, why2 = until_unready(probes[2], nodes[2], 10)
+        assert "rank 1" in why0 or "node 1" in why0, why0
         assert all(nodes[k].wait(30) != 0 for k in range(3))
         nothing_left(sim, nodes)
-    print(f"\n/readyz 503 after a worker kill: node 0 {t_n0 - t0:.3f} s, node 2 {t_n2 - t0:.3f} s ({why2['reason']})")
+    print(f"\n/readyz 503 after a worker kill: node 0 {t_n0 - t0:.3f} s, node 2 {t_n2 - t0:.3f} s ({why2[-300:]})")
     assert t_n0 - t0 < 1.0 + SLACK and t_n2 - t0 < 1.0 + SLACK
 
 
