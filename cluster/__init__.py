@@ -5,7 +5,7 @@ group.py       a gloo process group with byte collectives and the two queue buil
 parallel_state the process-wide world / TP / PP / DP / PCP / DCP / EP / inner-DP groups
 simulate.py    simulated nodes on one machine (network namespaces, private /dev/shm)
 join.py        the rendezvous: who is missing, who disagrees on the shape
-pg_queues.py   vLLM's MessageQueue.create_from_process_group(...) constructors
+pg_queues.py   vLLM's create_from_process_group(...) constructors, and the queue class that spells them so
 """
 
 if __name__ != "rayfree.cluster":  # the repository's folder imported as a top-level package: two copies of rayfree
@@ -15,7 +15,7 @@ if __name__ != "rayfree.cluster":  # the repository's folder imported as a top-l
     )
 
 
-from . import pg_queues  # attaches MessageQueue.create_from_process_group(...)
+from . import pg_queues
 from .config import ClusterConfig, ConfigError, ParallelConfig
 from .loading import load_config
 

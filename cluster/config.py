@@ -318,7 +318,7 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_file(cls, path: str) -> ClusterConfig:
-        return cls.from_dict(_read_file(path))
+        return cls.from_dict(read_config_file(path))
 
 
 _WORDS = {
@@ -360,7 +360,8 @@ _CLUSTER_FIELDS = {f for f in ClusterConfig.__struct_fields__} - {"parallel"}
 ENV_PREFIX = "RAYFREE_"
 
 
-def _read_file(path: str) -> dict[str, Any]:
+def read_config_file(path: str) -> dict[str, Any]:
+    """A TOML or JSON config file's tables (ConfigError naming the file if it cannot be read or parsed)."""
     try:
         with open(path, "rb") as f:
             raw = f.read()

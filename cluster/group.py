@@ -9,15 +9,16 @@ is the only decoder that ever sees them.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
-import torch.distributed as dist
 
 from rayfree import settings
 from rayfree.transport import Handle, MessageQueue
 from rayfree.transport.shm.segment import check_probe, create_probe, remove_probe
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Group", "GroupError", "FORCE_REMOTE_ENV"]
 
@@ -87,6 +88,9 @@ class Group:
 
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         """`data` from group rank `src` to every rank."""
+        import torch
+        import torch.distributed as dist
+
         if self.world_size == 1:
             assert data is not None
             return data
@@ -106,6 +110,9 @@ class Group:
 
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         """Every rank's `data`, in group-rank order, on every rank."""
+        import torch
+        import torch.distributed as dist
+
         if self.world_size == 1:
             return [data]
         sizes, mine = self._padded(data)
@@ -116,6 +123,9 @@ class Group:
 
     def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
         """Every rank's `data` on group rank `dst` (None elsewhere)."""
+        import torch
+        import torch.distributed as dist
+
         if self.world_size == 1:
             return [data]
         sizes, mine = self._padded(data)
@@ -132,6 +142,9 @@ class Group:
 
     def _padded(self, data: bytes) -> tuple[list[int], torch.Tensor]:
         """Every rank's size, and `data` as a uint8 tensor padded to the largest (collectives need one size)."""
+        import torch
+        import torch.distributed as dist
+
         n = torch.tensor([len(data)], dtype=torch.int64)
         all_n = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
         dist.all_gather(all_n, n, group=self.cpu_group)
@@ -142,6 +155,8 @@ class Group:
         return sizes, mine
 
     def barrier(self) -> None:
+        import torch.distributed as dist
+
         if self.world_size > 1:
             dist.barrier(group=self.cpu_group)
 
@@ -251,6 +266,8 @@ class Group:
 
     def destroy(self) -> None:
         """Close the queues this group built and release its process group."""
+        import torch.distributed as dist
+
         for mq in self._queues:
             try:
                 mq.close()

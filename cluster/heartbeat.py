@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from rayfree.supervisor import Supervised, supervisor
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
@@ -56,7 +57,18 @@ ByeCallback = Callable[[int, bool, str], None]
 
 
 class _Peer:
-    __slots__ = ("node_rank", "ranks", "ip", "identity", "last_seen", "gone", "done", "status", "dropped_at")
+    __slots__ = (
+        "node_rank",
+        "ranks",
+        "ip",
+        "identity",
+        "last_seen",
+        "gone",
+        "done",
+        "status",
+        "dropped_at",
+        "bye_from",
+    )
 
     def __init__(self, node_rank: int, ranks: list[int]) -> None:
         self.node_rank = node_rank
@@ -69,6 +81,8 @@ class _Peer:
         self.status = b""
         #: when node 0 found it had no connection any more (None: it has one, as far as node 0 knows)
         self.dropped_at: float | None = None
+        #: the connection its goodbye came on: another than `identity` when two processes claim one node rank
+        self.bye_from: bytes | None = None
 
 
 #: how often node 0 says which followers it still waits for at start-up
@@ -107,7 +121,11 @@ class _Beater:
         self._dropped_logged_at = 0.0
         self._stop = threading.Event()
         self._bye: Bye | None = None
-        self._thread = threading.Thread(target=self._run_guarded, daemon=True, name=name)
+        self._name = name
+        self._thread: Supervised | None = None
+
+    def _start(self) -> None:
+        self._thread = supervisor().start(self._name, self._run_guarded, stop=self._stop.set)
 
     def arm(self) -> None:
         """From now on, silence longer than the timeout is a loss."""
@@ -119,12 +137,23 @@ class _Beater:
         if self.suspect_at is not None:
             self.corroborated = True
 
-    def close(self, bye: Bye | None = None, timeout: float = 5.0) -> None:
-        """Stop the thread; say `bye` to the other side(s) first, if given."""
-        self._bye = bye
+    def stop(self, bye: Bye | None = None) -> None:
+        """Tell the thread to end, saying `bye` to the other side(s) first if given; returns at once."""
+        if bye is not None and self._bye is None:
+            self._bye = bye
         self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.alive()
+
+    def join(self, timeout: float) -> bool:
+        """Wait (bounded) until the thread has said its goodbye and closed its socket."""
+        return self._thread is None or self._thread.join(timeout)
+
+    def close(self, bye: Bye | None = None, timeout: float = 5.0) -> None:
+        """`stop`, then `join` (from another thread: a thread never stops itself)."""
+        self.stop(bye)
+        self.join(timeout)
 
     def _dropped(self, what: str) -> None:
         """Report a message that was dropped, once per burst (a broken peer must not flood the log)."""
@@ -160,7 +189,7 @@ class _Beater:
         try:
             self._run()
         except Exception:  # noqa: BLE001 - a dead heartbeat thread must not be silent
-            logger.exception("%s: heartbeat thread failed", self._thread.name)
+            logger.exception("%s: heartbeat thread failed", self._name)
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -194,11 +223,12 @@ class HeartbeatServer(_Beater):
         #: after a failure, how long followers that have not beaten yet are waited for, to be told
         self.tell_late_s = TELL_LATE_S
         self._sock = ControlSocket.listen(self.endpoint)  # in the caller's thread: a busy port fails the start-up
-        self._thread.start()
+        self._start()
 
-    def close(self, bye: Bye | None = None, timeout: float = 5.0) -> None:
-        """As `_Beater.close`; after a failure the thread first tells late followers (`tell_late_s`)."""
-        super().close(bye, timeout + (self.tell_late_s if bye is not None and not bye.clean else 0.0))
+    def join(self, timeout: float) -> bool:
+        """As `_Beater.join`; after a failure the thread first tells late followers (`tell_late_s`)."""
+        bye = self._bye
+        return super().join(timeout + (self.tell_late_s if bye is not None and not bye.clean else 0.0))
 
     def _run(self) -> None:
         sock = self._sock
@@ -252,7 +282,7 @@ class HeartbeatServer(_Beater):
         if peer.gone:
             return
         if isinstance(msg, Bye):
-            peer.gone = True
+            peer.gone, peer.bye_from = True, identity
             logger.warning("follower node %d (%s) stopped: %s", peer.node_rank, peer.ip, msg.reason)
             self.on_lost(peer.node_rank, peer.ranks, peer.ip, f"it stopped ({msg.reason})")
             return
@@ -365,6 +395,6 @@ class HeartbeatServer(_Beater):
     def _say_bye(self, sock: ControlSocket) -> None:
         if self._bye is None:
             return
-        for peer in self.peers.values():
-            if peer.identity is not None and not peer.gone:
+        for peer in self.peers.values():  # (also one that beat as a node whose rank another claimed, and left)
+            if peer.identity is not None and (not peer.gone or peer.bye_from not in (None, peer.identity)):
                 sock.send_quietly([peer.identity, _encode(self._bye)])

@@ -11,7 +11,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from rayfree.cluster.heartbeat import (
+from rayfree.transport.net import tcp_endpoint
+from rayfree.transport.zmq.control import ControlSocket
+
+from .heartbeat import (
     _BYE_LINGER_MS,
     STATUS_MAX_BYTES,
     WAIT_LOG_S,
@@ -24,8 +27,6 @@ from rayfree.cluster.heartbeat import (
     _decode,
     _encode,
 )
-from rayfree.transport.net import tcp_endpoint
-from rayfree.transport.zmq.control import ControlSocket
 
 __all__ = ["HeartbeatClient", "query_status"]
 
@@ -68,7 +69,7 @@ class HeartbeatClient(_Beater):
         self.rtt_sum = 0.0
         self._sent_at = 0.0
         self._sock = ControlSocket.connect(self.endpoint)
-        self._thread.start()
+        self._start()
 
     def _run(self) -> None:
         sock = self._sock

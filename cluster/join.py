@@ -22,10 +22,9 @@ import logging
 import socket
 import time
 
-import torch.distributed as dist
-
 from .config import ParallelConfig
 from .group import GroupError
+from .peers import RENDEZVOUS_GONE
 
 __all__ = ["JoinError", "join", "shape_of"]
 
@@ -62,6 +61,8 @@ def _wait_for_port(host: str, port: int, deadline: float) -> bool:
 
 def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, shape: str = "", node: int = -1):
     """The TCPStore of the world at host:port, once every rank has registered; JoinError otherwise."""
+    import torch.distributed as dist
+
     from rayfree.transport import get_ip
     from rayfree.transport.secure.policy import fingerprint
 
@@ -124,7 +125,7 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
         raise
     except Exception as e:  # noqa: BLE001 - the store went away: rank 0 gave up or died
         raise JoinError(
-            f"rank {rank}: the rendezvous at {host}:{port} (hosted by rank 0) closed while waiting "
+            f"rank {rank}: the {RENDEZVOUS_GONE} at {host}:{port} (rank 0 hosted it) while it waited "
             f"for rank(s) {missing} of {world_size} to join"
         ) from e
     return store
@@ -133,6 +134,8 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
 def _second_rank_zero(host: str, port: int, world_size: int, node: int, shape: str) -> None:
     """Rank 0 could not host the store: if another rank 0 hosts it already, claim rank 0 there, so both are
     told (JoinError) that two nodes are node 0; else return (the port is taken by something else)."""
+    import torch.distributed as dist
+
     from rayfree.transport.secure.policy import fingerprint
 
     try:

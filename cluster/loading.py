@@ -1,27 +1,86 @@
 """Where a cluster configuration comes from: defaults, then a TOML/JSON file, then RAYFREE_* environment
 variables, then command-line flags, later ones winning (`load_config`); the flags themselves
-(`add_config_arguments`). The configuration's fields and checks are config.py's."""
+(`add_config_arguments`). The configuration's fields and checks are config.py's.
+
+`resolve` is the one place a value's origin is decided, for the configuration's fields, `rayfree node`'s own
+options (the file's [node] table) and a node's placement (rayfree/launch, which adds the launcher's values):
+each value comes with where it came from (`--tp`, `RAYFREE_TENSOR_PARALLEL_SIZE`, `config file c.toml`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
-from rayfree.cluster.config import (
+from rayfree.settings import parse_flag
+
+from .config import (
     _CLUSTER_FIELDS,
     _PARALLEL_FIELDS,
     ENV_PREFIX,
     ClusterConfig,
     ConfigError,
     ParallelConfig,
-    _read_file,
+    read_config_file,
 )
 
-__all__ = ["load_config", "add_config_arguments"]
+__all__ = ["load_config", "add_config_arguments", "resolve", "Sourced", "config_path"]
+
+
+class Sourced(NamedTuple):
+    """One value an operator gave, and where: `value` is a flag's or variable's text, or the file's typed value."""
+
+    value: Any
+    origin: str
+
+    @property
+    def from_file(self) -> bool:
+        return self.origin.startswith("config file ")
+
+
+def config_path(args: argparse.Namespace | None, env: Mapping[str, str], file: str | None = None) -> str | None:
+    """The config file in use: --config, else the caller's, else RAYFREE_CONFIG."""
+    return getattr(args, "config", None) or file or env.get(ENV_PREFIX + "CONFIG") or None
+
+
+def resolve(
+    args: argparse.Namespace | None,
+    env: Mapping[str, str],
+    names: Sequence[str] | set[str],
+    *,
+    table: str | None = None,
+    file: str | None = None,
+    others: bool = False,
+) -> dict[str, Sourced]:
+    """What the operator gave for each of `names`: the flag, else RAYFREE_<NAME>, else the config file (its
+    top level and [parallel] table, or the named `table`); names nobody gave are absent. With `others`, the
+    file's other keys too (the caller refuses those it does not know)."""
+    path = config_path(args, env, file)
+    found: dict[str, Any] = {}
+    if path:
+        raw = read_config_file(path)
+        if table is not None:
+            found = raw.get(table, {})
+            if not isinstance(found, dict):
+                raise ConfigError(f"{path}: [{table}] must be a table")
+        else:
+            found = {k: v for k, v in raw.items() if k not in ("node", "parallel")}
+            found = {**(raw.get("parallel") or {}), **found}
+    out: dict[str, Sourced] = {}
+    for name in names:
+        v = getattr(args, name, None) if args is not None else None
+        if v is not None:
+            out[name] = Sourced(v, f"flag --{name.replace('_', '-')}")
+        elif ENV_PREFIX + name.upper() in env:
+            out[name] = Sourced(env[ENV_PREFIX + name.upper()], ENV_PREFIX + name.upper())
+        elif name in found:
+            out[name] = Sourced(found[name], f"config file {path}")
+    if others:
+        out.update({k: Sourced(v, f"config file {path}") for k, v in found.items() if k not in out})
+    return out
 
 
 #: short flags for the common fields, as `vllm serve` spells them
@@ -46,12 +105,11 @@ def _parse_value(name: str, text: str) -> Any:
         return None
     if t is str:
         return text
-    if t is bool:  # the spellings environment variables use
-        word = text.strip().lower()
-        if word in ("1", "true", "yes", "on"):
-            return True
-        if word in ("0", "false", "no", "off"):
-            return False
+    if t is bool and text.strip():  # the spellings environment variables use
+        try:
+            return parse_flag(text)
+        except ValueError:
+            pass  # (said below, with the setting's name)
     try:
         return msgspec.json.decode(text.strip().lower() if t is bool else text)
     except msgspec.DecodeError:
@@ -89,18 +147,7 @@ def load_config(
         args = p.parse_args(list(args or []))
     env = os.environ if env is None else env
     data: dict[str, Any] = {}
-    path = getattr(args, "config", None) or file or env.get(ENV_PREFIX + "CONFIG")
-    if path:
-        raw = _read_file(path)
-        raw.pop("node", None)  # `rayfree node`'s own options (worker, entry, ...): read by executor/node.py
-        par = dict(raw.pop("parallel", {}) or {})
-        data.update(par)
-        data.update(raw)
-    for name in _PARALLEL_FIELDS | _CLUSTER_FIELDS:
-        if ENV_PREFIX + name.upper() in env:
-            data[name] = _parse_value(name, env[ENV_PREFIX + name.upper()])
-    for name in _PARALLEL_FIELDS | _CLUSTER_FIELDS:
-        v = getattr(args, name, None)
-        if v is not None:
-            data[name] = _parse_value(name, v)
+    # (the file's unknown keys are from_dict's to refuse; its [node] table is `rayfree node`'s own options)
+    for name, s in resolve(args, env, sorted(_PARALLEL_FIELDS | _CLUSTER_FIELDS), file=file, others=True).items():
+        data[name] = s.value if s.from_file else _parse_value(name, s.value)
     return ClusterConfig.from_dict(data).validate(check_local_master=check_local_master)

@@ -11,7 +11,14 @@ the consequence it is; the executor, to look for the death that caused it.
 
 from __future__ import annotations
 
-__all__ = ["peer_gone", "GONE_TYPES", "TIMEOUT_TYPES", "GLOO_GONE_PHRASES", "GLOO_TIMEOUT_PHRASES"]
+__all__ = [
+    "peer_gone",
+    "GONE_TYPES",
+    "TIMEOUT_TYPES",
+    "GLOO_GONE_PHRASES",
+    "GLOO_TIMEOUT_PHRASES",
+    "RENDEZVOUS_GONE",
+]
 
 #: exception classes (as a worker reports them, by name) raised when the other end of a link went away
 GONE_TYPES = frozenset(
@@ -30,6 +37,8 @@ TIMEOUT_TYPES = frozenset({"TimeoutError", "DistStoreError", "QueueTimeout", "Rp
 #: gloo's RuntimeError texts for a peer that went away ("Connection closed by peer [10.0.0.2]:1234", "Read error
 #: [...]: Connection reset by peer", "Write error [...]: Broken pipe", "Connection refused")
 GLOO_GONE_PHRASES = ("connection", "peer", "broken pipe")
+#: rayfree's own rendezvous (join.py) whose host, rank 0, went away while a rank waited in it
+RENDEZVOUS_GONE = "rendezvous closed under this rank"
 #: ... and for a peer that never answered ("Timed out waiting 30000ms for recv operation to complete", "Connect
 #: timeout [...]")
 GLOO_TIMEOUT_PHRASES = ("timed out", "timeout")
@@ -43,4 +52,5 @@ def peer_gone(error_type: str, message: str, timeouts: bool = True) -> bool:
     if error_type in TIMEOUT_TYPES:
         return timeouts
     m = message.lower()
-    return any(p in m for p in GLOO_GONE_PHRASES) or (timeouts and any(p in m for p in GLOO_TIMEOUT_PHRASES))
+    gone = (*GLOO_GONE_PHRASES, RENDEZVOUS_GONE)
+    return any(p in m for p in gone) or (timeouts and any(p in m for p in GLOO_TIMEOUT_PHRASES))

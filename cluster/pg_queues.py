@@ -1,18 +1,20 @@
-"""vLLM's MessageQueue constructors over a torch.distributed process group, reachable from the queue's class.
+"""vLLM's MessageQueue constructors over a torch.distributed process group.
 
-`MessageQueue.create_from_process_group(pg, ...)` and
-`MessageQueue.create_from_process_group_single_reader(pg, ...)` take the same
-arguments as vLLM's, so an engine switches by changing an import. They live
-here, in the cluster layer (the transport knows nothing of process groups),
-and are attached to the queue's class when this module is imported, which
-`import rayfree.cluster` (and `from rayfree import MessageQueue`) does.
+`create_from_process_group(pg, ...)` and `create_from_process_group_single_reader(pg, ...)`
+are plain functions here, in the cluster layer (the transport knows nothing of
+process groups). vLLM spells them as static methods of the queue's class:
+`MessageQueue` below is the transport's queue with them, and it is what
+`from rayfree import MessageQueue` gives, so an engine switches by changing an
+import. Nothing is attached to the transport's own class.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
-from rayfree.transport import Handle, MessageQueue
+from rayfree import transport
+from rayfree.transport import Handle
 
 __all__ = ["create_from_process_group", "create_from_process_group_single_reader", "MessageQueue"]
 
@@ -48,7 +50,7 @@ def create_from_process_group(
     writer_rank: int = 0,
     external_writer_handle: Handle | bytes | None = None,
     blocking: bool = True,
-) -> MessageQueue:
+) -> transport.MessageQueue:
     """One writer (group rank `writer_rank`) to every other rank of `pg`: shared memory on the writer's node,
     TCP elsewhere. With `external_writer_handle` the writer is outside the group and every rank reads."""
     g = _group_of(pg)
@@ -63,7 +65,7 @@ def create_from_process_group(
 
 def create_from_process_group_single_reader(
     pg: Any, max_chunk_bytes: int, max_chunks: int, reader_rank: int = 0, blocking: bool = False
-) -> tuple[MessageQueue, list[Handle]]:
+) -> tuple[transport.MessageQueue, list[Handle]]:
     """Each rank of `pg` writes a one-reader queue toward global rank `reader_rank`; that rank gets every
     handle (in group order), the others an empty list."""
     g = _group_of(pg)
@@ -77,7 +79,11 @@ def create_from_process_group_single_reader(
     )
 
 
-MessageQueue.create_from_process_group = staticmethod(create_from_process_group)  # type: ignore[attr-defined]
-MessageQueue.create_from_process_group_single_reader = staticmethod(  # type: ignore[attr-defined]
-    create_from_process_group_single_reader
-)
+class MessageQueue(transport.MessageQueue):
+    __doc__ = inspect.cleandoc(transport.MessageQueue.__doc__ or "") + (
+        "\n\nWith vLLM's two constructors over a torch.distributed process group as static methods "
+        "(`create_from_process_group`, `create_from_process_group_single_reader`)."
+    )
+
+    create_from_process_group = staticmethod(create_from_process_group)
+    create_from_process_group_single_reader = staticmethod(create_from_process_group_single_reader)

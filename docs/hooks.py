@@ -79,7 +79,11 @@ def _summary(obj: Any) -> str:
 
 def _methods(cls: type) -> list[str]:
     out = []
-    for name, member in cls.__dict__.items():
+    members: dict[str, Any] = {}  # its own and those it inherits from rayfree's classes, the base's first
+    for klass in reversed(cls.__mro__):
+        if klass.__module__.startswith("rayfree"):
+            members.update(klass.__dict__)
+    for name, member in members.items():
         if name.startswith("_"):
             continue
         fn = member.fget if isinstance(member, property) else getattr(member, "__func__", member)

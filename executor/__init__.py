@@ -1,6 +1,6 @@
 """rayfree's top layer: the executors an engine calls, and the worker group each one owns.
 
-from rayfree.executor import MultiprocExecutor
+from . import MultiprocExecutor
 ex = MultiprocExecutor(config, "my_engine.worker:Worker", {"model": "..."})
 out = ex.collective_rpc("execute_model", args=(batch,), unique_reply_rank=ex.output_rank)
 ex.shutdown()

@@ -157,7 +157,8 @@ class Executor(ABC):
                 return
         callback()
 
-    def _fire_failure_callback(self) -> None:
+    def fire_failure_callback(self) -> None:
+        """The engine's failure callback, once (the node's policy calls it before pending calls raise)."""
         with self._callback_lock:
             callback, self.failure_callback = self.failure_callback, None
         if callback is not None:

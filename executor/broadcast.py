@@ -14,8 +14,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from rayfree.cluster.broadcast import relay_children, runs_relay
 from rayfree.cluster.config import ClusterConfig
+from rayfree.cluster.relay_tree import relay_children, runs_relay
 from rayfree.transport import Handle, MessageQueue, get_ip
 from rayfree.transport.relay.relay import Relay
 

@@ -115,6 +115,7 @@ class ReplicaFailed(ExecutorFailed):
             f"their ranks share collectives (DP, expert parallel)"
         )
         self.dp_rank = dp_rank
+        self.why = why
 
 
 class WorkerStartupError(ExecutorError):

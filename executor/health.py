@@ -19,12 +19,12 @@ from rayfree.cluster.heartbeat import HeartbeatServer
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.procs import proc_state
 
-from .status import decode_node
+from .status_messages import decode_node
 
 #: a NodeLiveness (liveness.py imports this module, so it is not imported back)
 NodeLiveness = Any
 
-__all__ = ["alive", "ready", "suspect"]
+__all__ = ["alive", "ready", "suspect", "followers_verdict", "follower_verdict"]
 
 #: process states that mean a rank cannot answer
 _DOWN = ("gone", "a zombie", "stopped")
@@ -70,7 +70,9 @@ def _stalled(lv: NodeLiveness) -> str:
     return ""
 
 
-def _followers(lv: NodeLiveness, server: HeartbeatServer, grace: float | None = None) -> str:
+def followers_verdict(server: HeartbeatServer, grace: float | None = None) -> str:
+    """Node 0's view of its followers' readiness ("" ready): lost, not joined, silent, a dropped connection not
+    beaten since (after `grace`, default a beat and a bit), a node or rank it reported down."""
     now = time.monotonic()
     fresh = server.suspect_window + 2 * server.interval
     dropped = server.suspect_at
@@ -110,17 +112,18 @@ def ready(lv: NodeLiveness | None) -> str:
     why = _workers(lv) or _stalled(lv)
     if why:
         return why
-    beater = lv.beater
-    if isinstance(beater, HeartbeatServer):
-        return _followers(lv, beater)
-    if isinstance(beater, HeartbeatClient):
-        if beater.last_reply is None:
-            return "node 0 has not answered yet"
-        age = time.monotonic() - beater.last_reply
-        if age > beater.suspect_window + beater.interval:
-            return f"no answer from node 0 for {age:.1f}s"
-        if beater.leader_verdict:
-            return f"node 0 says: {beater.leader_verdict}"
+    return lv.peer_verdict()
+
+
+def follower_verdict(client: HeartbeatClient) -> str:
+    """A follower's view of the cluster's readiness ("" ready): node 0's answers, and its pushed verdict."""
+    if client.last_reply is None:
+        return "node 0 has not answered yet"
+    age = time.monotonic() - client.last_reply
+    if age > client.suspect_window + client.interval:
+        return f"no answer from node 0 for {age:.1f}s"
+    if client.leader_verdict:
+        return f"node 0 says: {client.leader_verdict}"
     return ""
 
 
@@ -131,6 +134,5 @@ def suspect(lv: NodeLiveness | None) -> str:
         return ""
     if lv.failure is not None:
         return _line(lv.failure)
-    beater = lv.beater  # a peer first: the launcher's signal may have reached this node's workers already
-    why = _followers(lv, beater, grace=0.0) if isinstance(beater, HeartbeatServer) else ""
-    return why or _workers(lv)
+    # a peer first (node 0's view of its followers): the launcher's signal may have reached this node's workers
+    return (lv.peer_verdict(grace=0.0) if lv.node == 0 else "") or _workers(lv)

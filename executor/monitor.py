@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
-import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 from rayfree.cluster.peers import peer_gone
+from rayfree.supervisor import Supervised, supervisor
 from rayfree.worker.messages import Fatal, decode
 
 __all__ = ["WorkerMonitor", "CONSEQUENCE_HOLD_S"]
@@ -52,18 +52,19 @@ class WorkerMonitor:
         self.remove_leftovers = remove_leftovers
         self.stopped = False
         self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
-        self._thread = threading.Thread(target=self._run, daemon=True, name="RayfreeWorkerMonitor")
+        self._thread: Supervised | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread = supervisor().start("RayfreeWorkerMonitor", self._run, stop=self.stop)
 
     def stop(self) -> None:
         """From now on nothing is reported (our own stop is no failure); the thread wakes and ends."""
-        self.stopped = True
-        self._wake_w.close()
+        if not self.stopped:
+            self.stopped = True
+            self._wake_w.close()
 
     def join(self, timeout: float) -> None:
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
+        if self._thread is not None:
             self._thread.join(timeout)
 
     def release(self) -> None:
@@ -73,6 +74,7 @@ class WorkerMonitor:
         sentinels = {w.proc.sentinel: w for w in self.workers}
         status = {w.ready_pipe: w for w in self.workers if w.ready_pipe is not None}
         held: tuple[Handle, Fatal, float] | None = None  # a consequence, waiting for its cause
+        reported: set[int] = set()  # ranks that sent a Fatal: their exit that follows is no new cause
         while not self.stopped:
             timeout = None if held is None else max(0.0, held[2] - time.monotonic())
             ready = multiprocessing.connection.wait([*sentinels, *status, self._wake_r], timeout=timeout)
@@ -87,7 +89,8 @@ class WorkerMonitor:
                     last = _last_fatal(pipe)  # a Fatal sent just before it left
                     del status[pipe]
                 self.remove_leftovers(w)
-                causes.append((w, last))
+                if last is not None or w.rank not in reported:
+                    causes.append((w, last))
             for pipe in [p for p in ready if p in status]:
                 w = status[pipe]
                 try:
@@ -101,6 +104,8 @@ class WorkerMonitor:
                 if isinstance(msg, Fatal):
                     causes.append((w, msg))
             for w, msg in causes:
+                if msg is not None:
+                    reported.add(w.rank)
                 if msg is not None and peer_gone(msg.error_type, msg.message, timeouts=False):
                     if held is None:
                         held = (w, msg, time.monotonic() + CONSEQUENCE_HOLD_S)

@@ -2,9 +2,10 @@
 
 The leader (node_rank_within_dp 0) owns the RPC pipe (rpc.py) and reads every rank's replies; a follower node
 runs the same class headless: it spawns its workers, watches them, and relays the broadcast (broadcast.py).
-This module keeps the order of start-up (spawn, all READYs, then the queue handshakes as the workers do them),
-the failure policy (a worker's death, a collective step's exception, a lost node: docs' architecture page,
-"Fault model") and the staged shutdown.
+This module keeps the order of start-up (spawn, all READYs, then the queue handshakes as the workers do them)
+and what the node's policy (failure_policy.py) asks of an executor: what a failure is reported as, how it is marked
+failed, and the pieces of its staged shutdown, which the policy's thread runs (docs' architecture page, "Fault
+model", and "Threads and who stops them").
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import cloudpickle
 
 from rayfree.cluster.config import ClusterConfig, require_config
+from rayfree.supervisor import Severity
 from rayfree.transport import MessageQueue
 from rayfree.transport.secure import policy as security
 from rayfree.worker.main import refuse_reimported_main
@@ -29,19 +31,16 @@ from .broadcast import NodeBroadcast
 from .errors import FatalWorkerError, NotLeaderError, WorkerDied, failed_as
 from .liveness import NodeLiveness
 from .observe import StallWatch
-from .peers import await_verdict, await_verdict_on_exit, cause_of
+from .peers import cause_of
 from .rpc import RpcPipe
 from .startup import init_method, preflight, startup_cause, teardown_step, weak_callback
+from .status_messages import relays_seen
 from .view import RpcSnapshot
-from .workers import WorkerGroup, WorkerHandle, exit_description
+from .workers import StartupAborted, WorkerGroup, WorkerHandle, exit_description
 
 __all__ = ["MultiprocExecutor"]
 
 logger = logging.getLogger("rayfree.executor")
-
-#: after a lost node or a fatal collective error: how long SIGTERM is given before SIGKILL (a rank blocked in a
-#: collective runs no Python signal handler; one that is not leaves at once)
-FAST_TERM_S = 0.3
 
 
 class MultiprocExecutor(Executor):
@@ -99,8 +98,12 @@ class MultiprocExecutor(Executor):
         self.broadcast: NodeBroadcast | None = None
         self._failure: Exception | None = None
         self._stop_reason: str | None = None
-        self._fast_stop = False  # a node is gone: its peers may hang in gloo, so do not wait long for them
-        self._quick_stop = False  # a worker died: the same, but its local peers get a second to stop cleanly
+        #: how bad its failure was: the staged shutdown's grace follows from it (policy.grace_of)
+        self.severity = Severity.STOP
+        self._closing = False
+        #: start-up runs (its thread shuts the executor down if it fails): a stop or failure wakes that thread
+        self.starting = True
+        self._abort_requested = False
         self._stall: StallWatch | None = None
         self._latencies = False
         super().__init__(config, worker_cls, worker_kwargs)
@@ -127,9 +130,9 @@ class MultiprocExecutor(Executor):
                         f"node {par.node_rank} runs {par.replicas_per_node} DP replicas: start them "
                         f"together with rayfree.executor.NodeReplicas (or `rayfree node`)"
                     )
-                self.liveness = NodeLiveness(self.config)
+                self.liveness = NodeLiveness.for_node(self.config, owner=self)
             self.liveness.attach(self)
-            self.broadcast = NodeBroadcast(self.config, weak_callback(self._relay_broken))
+            self.broadcast = NodeBroadcast(self.config, weak_callback(self._report_relay))
             if self.broadcast.queue is not None:
                 self.pipe = RpcPipe(
                     self.broadcast.queue,
@@ -150,24 +153,30 @@ class MultiprocExecutor(Executor):
                 self.broadcast.worker_handle(),
                 on_ready=weak_callback(self._on_worker_ready),
             )
-            if self.is_failed:  # failed while spawning (another node, a replica): `_fail` found no group to wake
+            if self.is_failed or self._abort_requested:  # failed or stopped while spawning: nothing to wake then
                 self.group.abort()
             self.group.wait_ready(self.config.ready_timeout_s)
             if self.monitor_workers:  # (the monitor must not keep us alive)
-                self.group.start_monitor(weak_callback(self._on_worker_death), weak_callback(self._on_worker_fatal))
+                self.group.start_monitor(weak_callback(self._report_death), weak_callback(self._report_fatal))
             self.liveness.ready()
             if self.pipe is not None:
                 self.pipe.handshake(self.config.ready_timeout_s)
                 self._stall = StallWatch(self, self.config.stall_report_s, self.config.stall_dump_s)
             self._started = True
+            if self._failure is not None:  # it failed while the last steps ran: that is start-up's outcome
+                raise self._failure
+            if self._abort_requested:
+                raise StartupAborted("the node was stopped while this executor started")
             success = True
         except BaseException as e:
             self._stop_reason = f"start-up failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.severity = max(self.severity, Severity.FATAL)  # ranks may sit in the rendezvous, deaf to SIGTERM
             failure = startup_cause(e, lambda: self._failure, self.liveness)
             if failure is not None and failure is not e:
                 raise failure from e  # a node left during start-up: that, not its fallout, is the cause
             raise
         finally:
+            self.starting = False
             if not success:
                 self.shutdown()
 
@@ -176,12 +185,6 @@ class MultiprocExecutor(Executor):
             self.pipe.attach_replies(w.rank, w.reply_handle, w.peer_reply_handles, self.group.ranks)
         if self.broadcast is not None:
             self.broadcast.worker_ready(w.upstream)
-
-    def _relay_broken(self, error: Exception) -> None:
-        """This node's relay lost its stream: its parent node went away, most likely (the heartbeats say)."""
-        await_verdict(self.liveness, type(error).__name__, str(error), what="the relay")
-        if not self.stopped:
-            self.fail(error)
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -211,6 +214,18 @@ class MultiprocExecutor(Executor):
         """Block until the executor has shut down (on request, on a failure, or when its leader stopped)."""
         return self._shutdown_done.wait(timeout)
 
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    @property
+    def done(self) -> bool:
+        return self._shutdown_done.is_set()
+
+    @property
+    def stop_reason(self) -> str:
+        return self._stop_reason or ""
+
     # -- what the node's machinery sees (view.ReplicaView) ----------------------------------
 
     @property
@@ -224,7 +239,7 @@ class MultiprocExecutor(Executor):
         return self.broadcast.status() if self.broadcast is not None and not self.shutting_down else {}
 
     def relays_seen(self) -> dict[int, list[Any]]:
-        return self.liveness.relays_seen() if self.liveness is not None else {}
+        return relays_seen(self.liveness) if self.liveness is not None else {}
 
     def dump_stacks(self, ranks: list[int]) -> None:
         if self.group is not None:
@@ -239,33 +254,31 @@ class MultiprocExecutor(Executor):
         """Why this executor is about to stop, for the other nodes (say, the engine's entry point raised)."""
         self._stop_reason = reason
 
-    def fail(self, error: Exception) -> None:
-        self._fast_stop = True  # another node or replica failed: peers may hang in gloo, do not wait long
-        self._fail(error)
+    # -- failures: reported from the threads that notice them, decided by the node's policy --------------------
 
-    # -- failures --------------------------------------------------------------------------
-
-    def _on_worker_death(self, w: WorkerHandle) -> None:
-        if self.stopped or (await_verdict_on_exit(self.liveness, w.proc.exitcode) and self.stopped):
-            return  # (the second: its exit was a lost node's fallout, and that is the cause)
+    def _report_death(self, w: WorkerHandle) -> None:
+        if self.stopped:
+            return
         how = exit_description(w.proc.exitcode)
         logger.error("%s died unexpectedly (%s); shutting down the executor", w.describe(), how)
-        self._quick_stop = True  # its peers may be blocked in a collective with it, deaf to the death pipe
-        self._fail(WorkerDied(w.rank, how, w.proc.pid, w.title))
+        self._report(w.describe(), WorkerDied(w.rank, how, w.proc.pid, w.title), Severity.WORKER)
 
-    def _on_worker_fatal(self, w: WorkerHandle, msg: Fatal) -> None:
+    def _report_fatal(self, w: WorkerHandle, msg: Fatal) -> None:
         """A collective step raised on rank `w.rank`: its peers may be stuck in a collective, so stop them all."""
-        # A rank on another node that died shows up here first, as a collective's connection error; the
-        # heartbeats name that node within their suspect window, and that is the cause to report.
-        what = f"{w.describe()}: {msg.error_type} in {msg.method}"
-        if self.stopped or (await_verdict(self.liveness, msg.error_type, msg.message, what=what) and self.stopped):
+        if self.stopped:
             return
-        logger.error(
-            "%s raised %s in %s, a collective step: failing the executor", w.describe(), msg.error_type, msg.method
-        )
-        self._fast_stop = True
+        logger.error("%s raised %s in %s, a collective step", w.describe(), msg.error_type, msg.method)
         note = "a collective step: the executor has stopped every worker"
-        self._fail(FatalWorkerError(msg.rank, msg.error_type, msg.message, msg.traceback, msg.method, note=note))
+        error = FatalWorkerError(msg.rank, msg.error_type, msg.message, msg.traceback, msg.method, note=note)
+        self._report(w.describe(), error, Severity.FATAL)
+
+    def _report_relay(self, error: Exception) -> None:
+        """This node's relay lost its stream: its parent node went away, most likely (the heartbeats say)."""
+        self._report(f"the relay of node {self.parallel_config.node_rank}", error, Severity.FATAL)
+
+    def _report(self, source: str, cause: Exception, severity: Severity) -> None:
+        if self.liveness is not None:
+            self.liveness.policy.report(source, cause, severity, self)
 
     def _judge_fatal(self, error: FatalWorkerError, name: str) -> Exception:
         """A caller got a rank's collective error: raise it once the failure is recorded and its callback ran, or
@@ -273,30 +286,45 @@ class MultiprocExecutor(Executor):
         known = self.pipe.failure_known if self.pipe is not None else None
         return cause_of(error, name, self.liveness, known, lambda: self._failure)
 
-    def _fail(self, error: Exception) -> None:
-        """Mark failed, run the failure callback, then wake every pending call with `error`, and shut down (a
-        second shutdown, from the callback, waits for this one)."""
+    # -- what the policy does with it (its thread) ---------------------------------------------------------
+
+    def mark_failed(self, cause: Exception | None, severity: Severity) -> None:
+        """The node's policy recorded `cause` as this executor's failure."""
         with self._callback_lock:
-            if self.is_failed:
-                return
-            self._failure = error
+            self._failure = cause
             self.is_failed = True
-        if self.pipe is not None:  # new calls are refused with it from now on; pending ones wait for the callback
-            self.pipe.note_failure(error)
-        try:
-            self._fire_failure_callback()
-        except Exception:  # noqa: BLE001 - the engine's callback must not stop the failure from being handled
-            logger.exception("the failure callback raised")
-        if self.pipe is not None:  # blocked sends and receives return now
-            self.pipe.fail(error)
-        if self._started:
-            self.shutdown()
-            return
+            self.severity = max(self.severity, severity)
+
+    def abort_startup(self) -> None:
+        """A stop or a failure during start-up: the starting thread stops waiting, raises and shuts down."""
+        self._abort_requested = True
         if self.group is not None:
-            # Start-up: the starting thread stops waiting for READY, raises this failure and shuts down (a
-            # worker blocked in native code, say a rendezvous, does not hear SIGTERM: the staged close kills it).
-            self._fast_stop = True
             self.group.abort()
+
+    def begin_shutdown(self) -> bool:
+        """The staged shutdown starts (False: it had already): no call is served from now on."""
+        with self._callback_lock:
+            if self._closing:
+                return False
+            self._closing = self.shutting_down = True
+        if self._stall is not None:
+            self._stall.stop()
+        if self.pipe is not None:  # a thread blocked in a call returns now
+            self.pipe.fail(None)
+        return True
+
+    def release(self) -> None:
+        """The workers are gone: every queue and socket goes too."""
+        if self.pipe is not None:  # (each runs whatever the one before did)
+            teardown_step("the RPC pipe's close", self.pipe.close)
+        if self.broadcast is not None:
+            teardown_step("the broadcast's close", self.broadcast.close)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def mark_done(self) -> None:
+        """The staged shutdown is over: `wait_done` returns."""
+        self._shutdown_done.set()
 
     # -- RPC -----------------------------------------------------------------------------
 
@@ -336,58 +364,31 @@ class MultiprocExecutor(Executor):
         return pipe.call(method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator)
 
     def _interrupted(self, failure: Exception) -> bool:
-        """An interrupt cut a call off mid-way: which replies are owed is unknown now, so the executor takes no
-        more calls (the interrupt propagates; shutdown is the interrupted caller's). False if it had stopped."""
-        with self._callback_lock:
-            if self.is_failed or self.shutting_down:
-                return False
-            self._failure = failure
-            self.is_failed = True
-        if self.pipe is not None:
+        """An interrupt cut a call off mid-way (the caller's thread): which replies are owed is unknown now, so the
+        executor takes no more calls; the policy records it and tells the engine, and the stop is the interrupted
+        caller's. False if it had stopped."""
+        if self.stopped:
+            return False
+        if self.pipe is not None:  # refused from this moment, on this thread
             self.pipe.note_failure(failure)
-            self.pipe.failure_known.set()
-        logger.error("%s", failure)
-        self._fire_failure_callback()
+        self._report("an interrupted call", failure, Severity.CALLER)
+        if self.pipe is not None:  # recorded and the engine told, before the interrupt goes on (bounded)
+            self.pipe.failure_known.wait(1.0)
         return True
 
     # -- shutdown ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Idempotent: close death pipes; wait; SIGTERM; wait; SIGKILL. Then release every queue. A second
-        caller (the engine, while the monitor already shuts down after a failure) returns once the first is done."""
-        with self._callback_lock:
-            first = not self.shutting_down
-            self.shutting_down = True
-        if not first:
-            self._shutdown_done.wait()
+        """Idempotent: close death pipes; wait; SIGTERM; wait; SIGKILL. Then release every queue. The node's policy
+        runs the stages on its thread; this returns once they are done (from a failure callback, which runs on
+        that thread, it only starts them)."""
+        if self._shutdown_done.is_set():
             return
-        if self._stall is not None:
-            self._stall.stop()
-        if self.pipe is not None:  # a thread blocked in a call returns now
-            self.pipe.fail(None)
-        try:
-            self._shutdown()
-        finally:
+        if self.liveness is None:  # nothing was started
+            self.shutting_down = True
             self._shutdown_done.set()
-
-    def _shutdown(self) -> None:
-        grace, term = self.config.shutdown_grace_s, self.config.shutdown_term_s
-        if self._fast_stop:  # ranks wait in a collective that will never complete: no grace, SIGKILL soon after
-            grace, term = 0.0, min(term, FAST_TERM_S)
-        elif self._quick_stop:
-            grace, term = min(grace, 1.0), min(term, 1.0)
-        # The other nodes (and replicas) are told first: they stop too, at once. Each step runs whatever the one
-        # before did: one that raised must not leave the next one's processes or segments behind (logged).
-        if self.liveness is not None:
-            teardown_step("telling the others", self.liveness.stopped, self, self._failure, self._stop_reason or "")
-        if self.group is not None:
-            teardown_step("the workers' staged close", self.group.close, grace, term)
-        if self.pipe is not None:
-            teardown_step("the RPC pipe's close", self.pipe.close)
-        if self.broadcast is not None:
-            teardown_step("the broadcast's close", self.broadcast.close)
-        if self._finalizer is not None:
-            self._finalizer.detach()
+            return
+        self.liveness.policy.stop(self, wait=True)
 
     @staticmethod
     def _finalize(ref: weakref.ref[MultiprocExecutor]) -> None:

@@ -25,6 +25,7 @@ from bisect import bisect_left
 from typing import Any
 
 from rayfree.procs import proc_state
+from rayfree.supervisor import supervisor
 
 from .view import ReplicaView
 
@@ -143,8 +144,7 @@ class StallWatch:
         self._stop = threading.Event()
         self._reported: dict[tuple[str, float], float] = {}  # (method, start) -> age at its last report
         self._dumped: set[tuple[str, float]] = set()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="RayfreeStallWatch")
-        self._thread.start()
+        supervisor().start("RayfreeStallWatch", self._run, stop=self.stop)
 
     def stop(self) -> None:
         self._stop.set()

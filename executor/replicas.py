@@ -11,13 +11,13 @@ a follower node of a replica that spans nodes only serves.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from rayfree.cluster.config import ClusterConfig
+from rayfree.supervisor import supervisor
 
 from .liveness import NodeLiveness
 from .multiproc import MultiprocExecutor
@@ -53,7 +53,7 @@ class NodeReplicas:
         par = config.parallel
         self.config = config
         self.dp_ranks = par.node_replicas
-        self.liveness = NodeLiveness(config, len(self.dp_ranks))
+        self.liveness = NodeLiveness.for_node(config, len(self.dp_ranks))
         if on_liveness is not None:
             on_liveness(self.liveness)
         self.executors: list[MultiprocExecutor] = []
@@ -61,6 +61,13 @@ class NodeReplicas:
             msgspec.structs.replace(config, parallel=msgspec.structs.replace(par, data_parallel_rank=r))
             for r in self.dp_ranks
         ]
+        try:
+            self._start(configs, worker_cls, worker_kwargs)
+        except BaseException:
+            self.liveness.close()  # its goodbye said (late followers told, bounded) before the node leaves
+            raise
+
+    def _start(self, configs: list[ClusterConfig], worker_cls: Any, worker_kwargs: dict[str, Any] | None) -> None:
         if len(configs) == 1:
             self.executors = [MultiprocExecutor(configs[0], worker_cls, worker_kwargs, liveness=self.liveness)]
             return
@@ -72,18 +79,15 @@ class NodeReplicas:
                 made[i] = MultiprocExecutor(configs[i], worker_cls, worker_kwargs, liveness=self.liveness)
             except BaseException as e:  # noqa: BLE001 - reported below, after the others are stopped
                 errors[i] = e
-                self.liveness.fail_all(e)
+                self.liveness.fail_all(e if isinstance(e, Exception) else RuntimeError(f"start-up interrupted: {e!r}"))
 
         threads = [
-            threading.Thread(target=start, args=(i,), name=f"RayfreeStartReplica-{r}", daemon=True)
-            for i, r in enumerate(self.dp_ranks)
+            supervisor().start(f"RayfreeStartReplica-{r}", start, args=(i,)) for i, r in enumerate(self.dp_ranks)
         ]
-        for t in threads:
-            t.start()
         try:
             for t in threads:
-                while t.is_alive():
-                    t.join(_WAKE_S)
+                while t.alive():
+                    t.wait(_WAKE_S)
         except BaseException:  # a signal while starting: the executors still starting fail on their own
             self.liveness.fail_all(RuntimeError("start-up interrupted"))
             raise
@@ -109,15 +113,10 @@ class NodeReplicas:
         def call(i: int) -> None:
             results[i] = self._call(entry, leaders[i])
 
-        threads = [
-            threading.Thread(target=call, args=(i,), name=f"RayfreeEntry-{ex.dp_rank}", daemon=True)
-            for i, ex in enumerate(leaders)
-        ]
+        threads = [supervisor().start(f"RayfreeEntry-{ex.dp_rank}", call, args=(i,)) for i, ex in enumerate(leaders)]
         for t in threads:
-            t.start()
-        for t in threads:
-            while t.is_alive():
-                t.join(_WAKE_S)
+            while t.alive():
+                t.wait(_WAKE_S)
         return results
 
     @staticmethod
@@ -144,3 +143,4 @@ class NodeReplicas:
     def shutdown(self) -> None:
         for ex in self.executors:
             ex.shutdown()
+        self.liveness.close()  # the heartbeats say their goodbye and end

@@ -61,6 +61,7 @@ class RpcPipe:
         spin_us: float | None,
     ) -> None:
         self.broadcast = broadcast
+        #: `MessageQueue.enqueue` of the broadcast queue, bound once: every call is sent through it (the hot path)
         self._enqueue = broadcast.enqueue
         self.replies: list[MessageQueue] = []
         self._attached: dict[int, MessageQueue] = {}

@@ -73,7 +73,4 @@ class ReplicaView(Protocol):
     def record_latencies(self) -> None:
         """From now on keep each call's latency (someone serves metrics)."""
 
-    def fail(self, error: Exception) -> None:
-        """Fail with `error` and stop at once (another node or replica failed: peers may hang in gloo)."""
-
     def shutdown(self) -> None: ...

@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -159,6 +159,7 @@ class WorkerGroup:
                 )
                 kwargs = dict(
                     rank=rank,
+                    start_method=context.get_start_method(),
                     ready_pipe=ready_w,
                     death_pipe=death_r,
                     inherited_fds=list(inherited or []),
@@ -298,9 +299,10 @@ class WorkerGroup:
 
     # -- the staged close --------------------------------------------------------------------
 
-    def close(self, grace_s: float, term_s: float) -> None:
-        """Idempotent: stop the monitor (our own stop is no failure), close the death pipes (the workers see EOF
-        and leave), wait `grace_s`, SIGTERM, wait `term_s`, SIGKILL."""
+    def close_steps(self, grace_s: float, term_s: float) -> Iterator[float]:
+        """The staged close, as steps for the policy's thread (each yields how long to wait before the next look):
+        stop the monitor (our own stop is no failure), close the death pipes (the workers see EOF and leave), wait
+        up to `grace_s`, SIGTERM, wait up to `term_s`, SIGKILL; then release every process. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -310,9 +312,34 @@ class WorkerGroup:
             if w.death_writer is not None:
                 w.death_writer.close()
             w.death_writer = None
-        _terminate([w.proc for w in self.workers], grace_s, term_s)  # type: ignore[misc]
+        procs: list[BaseProcess] = [w.proc for w in self.workers if isinstance(w.proc, BaseProcess)]
+        yield from _until_exited(procs, grace_s)
+        alive = [p for p in procs if p.is_alive()]
+        if alive:
+            names = [p.name for p in alive]
+            if grace_s > 0:
+                logger.warning("workers %s still running %.1fs after shutdown; sending SIGTERM", names, grace_s)
+            else:
+                logger.info("stopping workers %s at once (SIGTERM)", names)
+            for p in alive:
+                p.terminate()
+            yield from _until_exited(alive, term_s)
+        alive = [p for p in procs if p.is_alive()]
+        if alive:
+            logger.warning("workers %s ignored SIGTERM for %.1fs; sending SIGKILL", [p.name for p in alive], term_s)
+            for p in alive:
+                p.kill()
+            yield from _until_exited(alive, 5.0)
+        self._release()
+
+    def close(self, grace_s: float, term_s: float) -> None:
+        """`close_steps`, run here (a group no policy thread looks after)."""
+        for delay in self.close_steps(grace_s, term_s):
+            time.sleep(delay)
+
+    def _release(self) -> None:
         if self._monitor is not None:
-            self._monitor.join(2.0)  # it waits on the processes' sentinels, which close() below releases
+            self._monitor.join(2.0)  # it waits on the processes' sentinels, which the lines below release
         for w in self.workers:
             self._close_status(w)
             self._remove_leftovers(w)
@@ -326,31 +353,11 @@ class WorkerGroup:
             end.close()
 
 
-def _terminate(procs: list[BaseProcess], grace_s: float, term_s: float) -> None:
-    """Stage 1: wait for a clean exit; 2: SIGTERM and wait; 3: SIGKILL."""
+#: how often the staged close looks whether its workers have exited
+_POLL_S = 0.02
 
-    def wait_all(limit: float) -> bool:
-        end = time.monotonic() + limit
-        for p in procs:
-            p.join(max(0.0, end - time.monotonic()))
-        return not any(p.is_alive() for p in procs)
 
-    if wait_all(grace_s):
-        return
-    alive = [p for p in procs if p.is_alive()]
-    if grace_s > 0:
-        logger.warning(
-            "workers %s still running %.1fs after shutdown; sending SIGTERM", [p.name for p in alive], grace_s
-        )
-    else:
-        logger.info("stopping workers %s at once (SIGTERM)", [p.name for p in alive])
-    for p in alive:
-        p.terminate()
-    if wait_all(term_s):
-        return
-    alive = [p for p in procs if p.is_alive()]
-    logger.warning("workers %s ignored SIGTERM for %.1fs; sending SIGKILL", [p.name for p in alive], term_s)
-    for p in alive:
-        p.kill()
-    for p in alive:
-        p.join(5)
+def _until_exited(procs: list[BaseProcess], limit: float) -> Iterator[float]:
+    end = time.monotonic() + limit
+    while any(p.is_alive() for p in procs) and time.monotonic() < end:
+        yield min(_POLL_S, max(0.0, end - time.monotonic()))

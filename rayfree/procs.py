@@ -103,12 +103,18 @@ def cmdline(pid: int, limit: int = 80) -> str:
         return ""
 
 
-def exit_now(code: int) -> NoReturn:
-    """Leave with `code` once this process has shut down what it owns: the atexit handlers run and the streams
-    are flushed, but the interpreter's teardown of every module and C++ static (about a second with torch
-    loaded) is skipped, and so is a wait for non-daemon threads someone left running."""
+def exit_now(code: int, run_atexit: bool = True) -> NoReturn:
+    """Leave with `code` once this process has shut down what it owns: the atexit handlers run (not in a forked
+    child, `run_atexit=False`: its handlers are its parent's, as multiprocessing's fork children never run them)
+    and the streams are flushed, but the interpreter's teardown of every module and C++ static (about a second
+    with torch loaded) is skipped, and so is a wait for non-daemon threads someone left running."""
     try:
-        atexit._run_exitfuncs()
+        if run_atexit:
+            atexit._run_exitfuncs()
+        else:
+            import multiprocessing.util
+
+            multiprocessing.util._exit_function()  # what a forked child of multiprocessing runs on its way out
     finally:
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):

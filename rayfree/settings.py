@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["Setting", "TABLE", "get", "is_set"]
+__all__ = ["Setting", "TABLE", "get", "is_set", "parse_flag"]
 
 
 class Setting(NamedTuple):
@@ -23,7 +23,7 @@ class Setting(NamedTuple):
     doc: str
 
 
-def _flag(text: str) -> bool:
+def parse_flag(text: str) -> bool:
     word = text.strip().lower()
     if word in ("1", "true", "yes", "on"):
         return True
@@ -106,7 +106,7 @@ TABLE: dict[str, Setting] = {
         Setting(
             "RAYFREE_HEAP_TUNE",
             True,
-            _flag,
+            parse_flag,
             "1: a process with a remote reader sets glibc's mmap and trim thresholds to 32 and 64 MiB (where glibc's "
             "own rule ends), so what ZeroMQ receives lands in warm memory; 0: glibc's defaults",
         ),
@@ -122,13 +122,13 @@ TABLE: dict[str, Setting] = {
             _str,
             "the cluster secret file (`rayfree keygen`); compose mounts it at /run/secrets/rayfree_secret",
         ),
-        Setting("RAYFREE_INSECURE", False, _flag, "1: plain TCP without a cluster secret (trusted networks only)"),
+        Setting("RAYFREE_INSECURE", False, parse_flag, "1: plain TCP without a cluster secret (trusted networks only)"),
         Setting("RAYFREE_HANDLE_MAX_AGE_S", 3600.0, float, "a signed queue handle older than this is refused"),
         # cluster
         Setting(
             "RAYFREE_FORCE_REMOTE",
             False,
-            _flag,
+            parse_flag,
             "1: treat every other rank as on another node (no shared memory between ranks)",
         ),
         Setting("RAYFREE_CONFIG", None, _str, "a TOML or JSON file with the cluster configuration"),
@@ -141,7 +141,7 @@ TABLE: dict[str, Setting] = {
         Setting("RAYFREE_WORKER", None, _str, "`rayfree node --worker`: the engine's worker class, pkg.mod:Class"),
         Setting("RAYFREE_WORKER_KWARGS", None, _str, "`rayfree node --worker-kwargs`: a JSON object"),
         Setting("RAYFREE_ENTRY", None, _str, "`rayfree node --entry`: node 0's driver, pkg.mod:func"),
-        Setting("RAYFREE_HEADLESS", False, _flag, "`rayfree node --headless`: a follower node"),
+        Setting("RAYFREE_HEADLESS", False, parse_flag, "`rayfree node --headless`: a follower node"),
         Setting(
             "RAYFREE_ENTRY_GRACE_S",
             0.5,
@@ -176,7 +176,7 @@ def get(name: str, env: Any = None) -> Any:
     """
     s = TABLE[name]
     text = (os.environ if env is None else env).get(name)
-    if text is None or (text.strip() == "" and s.parse is not _flag):
+    if text is None or (text.strip() == "" and s.parse is not parse_flag):
         return s.default() if callable(s.default) else s.default
     try:
         return s.parse(text)

@@ -33,13 +33,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rayfree.cluster.config import ParallelConfig
 from rayfree.cluster.simulate import SimulatedCluster, SimulatedNode
+from rayfree.supervisor import supervisor
 from rayfree.transport.net import get_open_port
 from rayfree.transport.secure.policy import write_secret
 
@@ -57,9 +57,8 @@ class NodeRun:
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.output: list[str] = []
         self.proc = node.popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self._reader = threading.Thread(target=self._read, daemon=True, name=f"RayfreeTestNode-{node.index}")
         self._drained = False
-        self._reader.start()
+        self._reader = supervisor().start(f"RayfreeTestNode-{node.index}", self._read)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -79,9 +78,9 @@ class NodeRun:
 
     def text(self) -> str:
         """Everything it printed so far (once it has exited: all of it, read to the end of its output)."""
-        if self.proc.poll() is not None and self._reader.is_alive() and not self._drained:
+        if self.proc.poll() is not None and self._reader.alive() and not self._drained:
             self._drained = True  # (bounded, once: a child it left may hold its output open)
-            self._reader.join(5)
+            self._reader.wait(5)
         return "".join(self.output)
 
     def expect(self, pattern: str, timeout: float) -> re.Match[str]:

@@ -16,7 +16,7 @@ if __name__ != "rayfree.transport":  # the repository's folder imported as a top
     )
 
 
-from rayfree.transport.errors import (
+from .errors import (
     BadFrame,
     HandleError,
     MessageTooLarge,
@@ -29,11 +29,11 @@ from rayfree.transport.errors import (
     ShmSpaceError,
     TransportError,
 )
-from rayfree.transport.net import get_ip, get_open_port
-from rayfree.transport.queue.handle import Handle
-from rayfree.transport.queue.message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, MessageQueue
-from rayfree.transport.shm.segment import ShmRingBuffer
-from rayfree.transport.zmq.sockets import SocketError
+from .net import get_ip, get_open_port
+from .queue.handle import Handle
+from .queue.message_queue import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS, MessageQueue
+from .shm.segment import ShmRingBuffer
+from .zmq.sockets import SocketError
 
 __all__ = [
     "MessageQueue",

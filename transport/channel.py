@@ -23,7 +23,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from rayfree import settings
-from rayfree.transport.errors import QueueShutdown, QueueTimeout
+
+from .errors import QueueShutdown, QueueTimeout
 
 __all__ = ["Endpoint", "Sender", "Receiver", "Waiters", "EMPTY", "frame_sizes"]
 

@@ -1,6 +1,6 @@
 """rayfree's worker layer: the interface an engine's worker implements and the process that runs it.
 
-from rayfree.worker.base import WorkerBase
+from .base import WorkerBase
 """
 
 if __name__ != "rayfree.worker":  # the repository's folder imported as a top-level package: two copies of rayfree

@@ -32,6 +32,7 @@ from typing import Any
 
 from rayfree import logs
 from rayfree.procs import exit_now
+from rayfree.supervisor import Failure, Severity, supervisor
 from rayfree.transport import MessageQueue
 from rayfree.transport.secure import policy as security
 from rayfree.transport.shm.segment import remove_entries_of
@@ -57,6 +58,8 @@ EXIT_ORPHANED = 3  # the parent died
 EXIT_REIMPORTED_MAIN = 4  # spawn re-ran the engine's main module, which starts an executor (refuse_reimported_main)
 #: how long a worker whose parent died lets the running method unwind before it leaves anyway
 LIFELINE_GRACE_S = 0.5
+#: how often the lifeline looks whether the parent that let go has died (or only shut down)
+_LOOK_S = 0.05
 
 
 class Lifeline:
@@ -78,7 +81,7 @@ class Lifeline:
         #: removes (vLLM's CPU collectives' shared memory); removed too when the parent died
         self.leftovers: Callable[[], list[str]] | None = None
         if death_pipe is not None:
-            threading.Thread(target=self._watch, daemon=True, name="RayfreeLifeline").start()
+            supervisor().start("RayfreeLifeline", self._watch)
 
     def watch(self, mq: MessageQueue) -> None:
         self.queues.append(mq)
@@ -93,26 +96,38 @@ class Lifeline:
             pass
         except OSError:
             return  # closed by our own exit
+        supervisor().post(Failure("the lifeline", None, Severity.STOP, self))
+
+    # -- what the parent's letting go means (the policy thread) ------------------------------------------------
+
+    def apply(self, failure: Failure) -> None:
         self.stopping.set()
         for mq in list(self.queues):
             mq.shutdown()  # a busy loop waiting for the next call returns
-        # EOF comes both from a shutdown and from the parent's death; the kernel closes a dying process's
-        # files before it hands its children to a new parent, so keep looking until this process is done.
-        while os.getppid() == self.parent:
-            if self.main_done.wait(0.05):
-                return
+        self._look()
+
+    def _look(self) -> None:
+        """EOF comes both from a shutdown and from the parent's death; the kernel closes a dying process's files
+        before it hands its children to a new parent, so keep looking until this process is done."""
+        if self.main_done.is_set():
+            return
+        if os.getppid() == self.parent:
+            supervisor().call_later(_LOOK_S, self._look)
+            return
         self.parent_died = True
-        # What the dead parent made goes first, from this thread: whatever the main thread is doing (still
-        # unpickling its arguments, say), nothing of the parent's outlives it.
+        # What the dead parent made goes first: whatever the main thread is doing (still importing the engine's
+        # main module or unpickling its arguments, say), nothing of the parent's outlives it.
         removed = remove_entries_of({self.parent})
         logger.warning(
             "the executor (pid %d) died: stopping now%s",
             self.parent,
             f" (removed what it left: {', '.join(removed)})" if removed else "",
         )
-        if not self.main_done.is_set():
-            _thread.interrupt_main()  # a running method unwinds at its next Python step
-        if self.main_done.wait(LIFELINE_GRACE_S):
+        _thread.interrupt_main()  # a running method unwinds at its next Python step
+        supervisor().call_later(LIFELINE_GRACE_S, self._leave)
+
+    def _leave(self) -> None:
+        if self.main_done.is_set():
             return
         # Stuck in native code, or ignoring the interrupt: take nothing along and leave.
         removed = remove_entries_of({self.parent, os.getpid()}) + self._remove_leftovers()
@@ -174,6 +189,7 @@ def worker_main(**kwargs: Any) -> None:
     the lifeline (the parent died) always lands where the clean-up below runs."""
     status: Connection | None = kwargs.pop("ready_pipe")
     death_pipe = kwargs.pop("death_pipe", None)
+    forked = kwargs.pop("start_method", "spawn") == "fork"
     exiting = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -272,7 +288,7 @@ def worker_main(**kwargs: Any) -> None:
         lifeline.remove_orphans()
     # The worker is shut down (`worker.shutdown()` released what the engine took; queues and groups are closed):
     # leave without the interpreter's teardown, during which the staged close would think SIGTERM was ignored.
-    exit_now(code)
+    exit_now(code, run_atexit=not forked)
 
 
 def _import_main(how: str, where: str) -> None:

@@ -23,6 +23,7 @@ import cloudpickle
 from rayfree.cluster.config import ClusterConfig
 from rayfree.cluster.peers import peer_gone
 from rayfree.imports import SpecError, load_object
+from rayfree.supervisor import supervisor
 from rayfree.transport import Handle, MessageQueue, TransportError
 
 from .messages import Boxed, RemoteError
@@ -110,7 +111,7 @@ class WorkerProc:
         self.worker.load_model()
         if config.async_scheduling:
             self.async_output_queue = queue.Queue()
-            threading.Thread(target=self.async_output_busy_loop, daemon=True, name="WorkerAsyncOutput").start()
+            supervisor().start("RayfreeAsyncOutput", self.async_output_busy_loop)
         self._init_message_queues(input_shm_handle)
         #: `worker.finish_output(output)`, if the worker has one: what is sent in place of an output that is
         #: not ready to send yet (vLLM's asynchronous outputs, still being copied off the device). With
@@ -140,8 +141,8 @@ class WorkerProc:
                 )
             )
             return
-        from rayfree.cluster.broadcast import attach_broadcast
         from rayfree.cluster.parallel_state import get_inner_dp_world_group
+        from rayfree.cluster.relay_tree import attach_broadcast
 
         group = get_inner_dp_world_group()
         mq, self.upstream = attach_broadcast(group, self.config, self.local_rank, input_shm_handle)

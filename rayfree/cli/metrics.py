@@ -117,15 +117,12 @@ class _Collector:
     def _heartbeats(self, node: str) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 
-        from rayfree.cluster.heartbeat import HeartbeatServer
-        from rayfree.cluster.heartbeat_client import HeartbeatClient
-
         lv = self.liveness
         failed = GaugeMetricFamily("rayfree_cluster_failed", "1 once this node's cluster has failed", labels=["node"])
         failed.add_metric([node], 1.0 if lv.failure is not None else 0.0)
         yield failed
         b = lv.beater
-        if isinstance(b, HeartbeatClient):
+        if b is not None and lv.node != 0:  # a follower: its beats' round trips to node 0
             last = GaugeMetricFamily(
                 "rayfree_heartbeat_last_round_trip_seconds", "the last heartbeat round trip to node 0", labels=["node"]
             )
@@ -135,7 +132,7 @@ class _Collector:
             )
             rtt.add_metric([node], b.rtt_count, b.rtt_sum)
             yield from (last, rtt)
-        elif isinstance(b, HeartbeatServer):
+        elif b is not None:  # node 0: every follower's last beat
             age = GaugeMetricFamily(
                 "rayfree_heartbeat_age_seconds", "seconds since each node's last heartbeat", labels=["node", "peer"]
             )
@@ -150,12 +147,20 @@ class _Collector:
 def serve_metrics(port: int, liveness: NodeLiveness, addr: str = "0.0.0.0") -> Any:
     """Serve /metrics on addr:port from a daemon thread; returns the server (its `shutdown()` stops it)."""
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry, make_wsgi_app
     except ImportError:
         raise MetricsUnavailable("--metrics-port needs prometheus_client: pip install 'rayfree[metrics]'") from None
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from .http import Served
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scraped every few seconds: quiet
+            return
+
     liveness.histograms = True  # before the executors start: every call is counted
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Collector(liveness))
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    server = make_server(addr, port, make_wsgi_app(registry), handler_class=Quiet)
     logger.info("metrics for Prometheus at http://%s:%d/metrics", addr, port)
-    return server
+    return Served(server, "RayfreeMetrics")

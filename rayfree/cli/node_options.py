@@ -10,11 +10,12 @@ import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from rayfree.cluster.config import ClusterConfig
-from rayfree.cluster.loading import add_config_arguments, load_config
+from rayfree.cluster.config import ClusterConfig, ConfigError
+from rayfree.cluster.loading import add_config_arguments, config_path, load_config, resolve
 from rayfree.imports import load_object
 from rayfree.launch.launchers import CHOICES, LaunchError
 from rayfree.launch.placement import Placement, place
+from rayfree.settings import parse_flag
 
 __all__ = [
     "NodeUsageError",
@@ -117,28 +118,24 @@ def apply_security_arguments(args: argparse.Namespace) -> None:
     )
 
 
-def _option(args: argparse.Namespace, name: str, env: dict[str, str] | Any, file: dict[str, Any]) -> str | None:
-    """Flag, else RAYFREE_<NAME>, else the config file's [node] table."""
-    v = getattr(args, name, None)
-    if v is None:
-        v = env.get("RAYFREE_" + name.upper())
-    if v is None and name in file:
-        v = file[name]
-        v = json.dumps(v) if isinstance(v, dict) else ("1" if v is True else "0" if v is False else str(v))
-    return v or None
-
-
-def _file_options(args: argparse.Namespace, env: dict[str, str] | Any) -> dict[str, Any]:
-    from rayfree.cluster.config import _read_file
-
-    path = getattr(args, "config", None) or env.get("RAYFREE_CONFIG")
-    node = _read_file(path).get("node", {}) if path else {}
-    if not isinstance(node, dict):
-        raise NodeUsageError(f"{path}: [node] must be a table ({', '.join(NODE_KEYS)})")
-    unknown = set(node) - set(NODE_KEYS)
+def _node_options(args: argparse.Namespace, env: dict[str, str] | Any) -> dict[str, str]:
+    """`rayfree node`'s own options: each flag, else RAYFREE_<NAME>, else the config file's [node] table
+    (cluster/loading.py `resolve`), as text; absent when nobody gave one."""
+    try:
+        given = resolve(args, env, NODE_KEYS, table="node", others=True)
+    except ConfigError as e:
+        raise NodeUsageError(f"{e} ({', '.join(NODE_KEYS)})") from None
+    unknown = sorted(k for k in given if k not in NODE_KEYS)
     if unknown:
-        raise NodeUsageError(f"{path}: unknown [node] key(s) {sorted(unknown)}: use {', '.join(NODE_KEYS)}")
-    return node
+        raise NodeUsageError(f"{config_path(args, env)}: unknown [node] key(s) {unknown}: use {', '.join(NODE_KEYS)}")
+    out = {}
+    for name, s in given.items():
+        v = s.value
+        if s.from_file:
+            v = json.dumps(v) if isinstance(v, dict) else ("1" if v is True else "0" if v is False else str(v))
+        if v:
+            out[name] = v
+    return out
 
 
 def load_entry(spec: str) -> Callable[[Any], Any]:
@@ -154,7 +151,7 @@ def load_entry(spec: str) -> Callable[[Any], Any]:
 def port_option(args: argparse.Namespace, name: str, env: dict[str, str] | Any = None) -> int | None:
     """--metrics-port / --health-port (or RAYFREE_<NAME>, or the file's [node] table), checked; None: not asked."""
     env = os.environ if env is None else env
-    raw = _option(args, name, env, _file_options(args, env))
+    raw = _node_options(args, env).get(name)
     flag = "--" + name.replace("_", "-")
     if raw is None:
         return None
@@ -189,9 +186,8 @@ def check_port_free(port: int, flag: str) -> None:
 
 def placed(args: argparse.Namespace, env: dict[str, str] | Any) -> tuple[argparse.Namespace, Placement]:
     """`args` with what the launcher supplied filled in as if given by flags; the placement itself."""
-    file = _file_options(args, env)
     try:
-        placement = place(args, env, _option(args, "launcher", env, file))
+        placement = place(args, env, _node_options(args, env).get("launcher"))
     except LaunchError as e:
         raise NodeUsageError(str(e)) from None
     return argparse.Namespace(**{**vars(args), **placement.filled}), placement
@@ -204,19 +200,22 @@ def plan(args: argparse.Namespace, env: dict[str, str] | Any = None) -> NodePlan
     args, placement = placed(args, env)
     config = load_config(args, env=env)
     par = config.parallel
-    file = _file_options(args, env)
-    worker = _option(args, "worker", env, file)
+    given = _node_options(args, env)
+    worker = given.get("worker")
     if not worker:
         raise NodeUsageError("give the worker class: --worker package.module:Class (or RAYFREE_WORKER)")
-    raw_kwargs = _option(args, "worker_kwargs", env, file)
+    raw_kwargs = given.get("worker_kwargs")
     try:
         kwargs = json.loads(raw_kwargs) if raw_kwargs else {}
     except json.JSONDecodeError as e:
         raise NodeUsageError(f"--worker-kwargs is not JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise NodeUsageError('--worker-kwargs must be a JSON object, e.g. \'{"model": "..."}\'')
-    headless = (_option(args, "headless", env, file) or "0").strip().lower() in ("1", "true", "yes")
-    entry = _option(args, "entry", env, file)
+    try:
+        headless = parse_flag(str(given.get("headless", "0")))
+    except ValueError as e:
+        raise NodeUsageError(f"RAYFREE_HEADLESS: {e}") from None
+    entry = given.get("entry")
     leader = par.node_rank_within_dp == 0
     if placement.launch is not None and "node_rank" in placement.filled and not leader:
         # One command on every node (srun, a LeaderWorkerSet template): the entry is node 0's alone.

@@ -13,7 +13,7 @@ import sys
 
 import msgspec
 
-from rayfree.executor.status import ClusterStatus, NodeStatus
+from rayfree.executor.status_messages import ClusterStatus, NodeStatus
 
 __all__ = ["run_status", "format_status"]
 
@@ -22,7 +22,7 @@ def run_status(args: argparse.Namespace) -> int:
     from rayfree.cluster.config import ConfigError
     from rayfree.cluster.heartbeat_client import query_status
     from rayfree.cluster.loading import load_config
-    from rayfree.executor.status import decode_cluster
+    from rayfree.executor.status_messages import decode_cluster
     from rayfree.transport.errors import TransportError
 
     try:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
-from typing import Any
 
 import msgspec
 
-from rayfree.cluster.config import ENV_PREFIX, ParallelConfig, _read_file
+from rayfree.cluster.config import ENV_PREFIX, ParallelConfig
+from rayfree.cluster.loading import resolve
 
 from .launchers import Launch, LaunchError, read_launcher
 
@@ -40,27 +40,9 @@ class Placement(msgspec.Struct, kw_only=True):
         return [f"{f.ljust(width)} = {self.values[f]}  ({self.sources[f]})" for f in FIELDS]
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _explicit(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
     """field -> (value, source) for what the operator gave: flag, else RAYFREE_*, else the config file."""
-    out: dict[str, tuple[str, str]] = {}
-    path = getattr(args, "config", None) or env.get(ENV_PREFIX + "CONFIG")
-    file: dict[str, Any] = {}
-    if path:
-        raw = _read_file(path)
-        file = {**(raw.get("parallel") or {}), **raw}
-    for f in (*FIELDS, "heartbeat_port"):
-        v = getattr(args, f, None)
-        if v is not None:
-            out[f] = (str(v), f"flag {_flag(f)}")
-        elif ENV_PREFIX + f.upper() in env:
-            out[f] = (env[ENV_PREFIX + f.upper()], f"{ENV_PREFIX}{f.upper()}")
-        elif f in file:
-            out[f] = (str(file[f]), f"config file {path}")
-    return out
+    return {f: (str(s.value), s.origin) for f, s in resolve(args, env, (*FIELDS, "heartbeat_port")).items()}
 
 
 def _same(field: str, a: str, b: str) -> bool:

@@ -131,3 +131,34 @@ def test_bad_values_in_files_and_env_are_named(tmp_path) -> None:
         load_config(["--config", str(unknown)], env={})
     with pytest.raises(ConfigError, match="cannot read config file"):
         load_config(["--config", str(tmp_path / "missing.toml")], env={})
+
+
+def test_each_value_comes_with_its_origin_from_one_resolver(tmp_path) -> None:
+    """Flag over RAYFREE_* over the file, for the cluster's fields as for `rayfree node`'s [node] table, each
+    value with where it came from; the file is read in that one place (cluster/loading.py)."""
+    import argparse
+    import os
+
+    from rayfree.cluster.loading import resolve
+
+    path = tmp_path / "c.toml"
+    path.write_text('nnodes = 4\nmaster_port = 29600\n[parallel]\nnode_rank = 3\n[node]\nworker = "m:W"\n')
+    args = argparse.Namespace(config=str(path), nnodes="2", node_rank=None, master_port=None, worker=None)
+    got = resolve(args, {"RAYFREE_NODE_RANK": "1"}, ["nnodes", "node_rank", "master_port", "master_addr"])
+    assert got == {
+        "nnodes": ("2", "flag --nnodes"),
+        "node_rank": ("1", "RAYFREE_NODE_RANK"),
+        "master_port": (29600, f"config file {path}"),
+    }
+    assert resolve(args, {}, ["worker"], table="node") == {"worker": ("m:W", f"config file {path}")}
+    assert resolve(args, {}, ["worker"], table="node")["worker"].from_file
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    readers = []
+    for folder in ("rayfree", "transport", "cluster", "worker", "executor"):
+        for dirpath, _, files in os.walk(os.path.join(root, folder)):
+            for f in files:
+                if f.endswith(".py"):
+                    with open(os.path.join(dirpath, f)) as fh:
+                        if "read_config_file(" in fh.read():
+                            readers.append(os.path.relpath(os.path.join(dirpath, f), root))
+    assert sorted(readers) == ["cluster/config.py", "cluster/loading.py"], readers

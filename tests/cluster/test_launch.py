@@ -82,7 +82,7 @@ def test_two_nodes_claiming_one_rank_are_both_told() -> None:
         )  # fmt: skip
         codes = [p.wait(90) for p in procs]
     said = [re.search(r"two nodes claim rank 1: node 1 \((\S+)\) and node 1 \((\S+)\)", p.text()) for p in procs]
-    assert all(said), [p.text()[-1500:] for p in procs]
+    assert all(said), "\n=====\n".join(p.text()[-2500:] for p in procs)
     assert {said[0].group(1), said[0].group(2)} == {sim.nodes[1].ip, sim.nodes[2].ip}
     assert all(c != 0 for c in codes), codes
 

@@ -189,4 +189,6 @@ def test_node_0_whose_master_port_is_held_refuses_at_once_and_tells_its_follower
     assert "Traceback" not in lead.text(), lead.text()[-3000:]
     assert f_code not in (0, None), follow.text()[-3000:]
     assert f"master_port {port} on node 0 is in use" in follow.text(), follow.text()[-3000:]
+    # node 0 refuses before anything heavy starts (its process imports no torch); it waits only to tell the
+    # follower, whose own start-up (importing rayfree) sets when it beats
     assert t_lead < 20 and t_follow < 30, (t_lead, t_follow)

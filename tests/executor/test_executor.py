@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from rayfree.cli.toy_engine import make_batch, reference_forward
-from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from rayfree.executor import (
     ExecutorFailed,
     MultiprocExecutor,
@@ -24,16 +23,11 @@ from rayfree.executor import (
     WorkerStartupError,
 )
 from rayfree.procs import is_alive
+from tests.support.config import cfg
+from tests.support.waits import wait_until
 
 ECHO = "tests.support.sample_workers:EchoWorker"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def cfg(tp: int = 2, pp: int = 1, **kw) -> ClusterConfig:
-    kw.setdefault("ready_timeout_s", 120)
-    kw.setdefault("shutdown_grace_s", 2)
-    kw.setdefault("shutdown_term_s", 2)
-    return ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp), **kw)
 
 
 @pytest.fixture
@@ -46,13 +40,6 @@ def echo2():
 
 
 alive = is_alive
-
-
-def _until(cond, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def wait_dead(pids, timeout: float) -> bool:
@@ -217,7 +204,7 @@ def test_sigkilled_worker_fails_pending_and_later_calls_fast_and_calls_back_once
         with pytest.raises(ExecutorFailed, match="rank 1"):
             ex.collective_rpc("echo", args=(1,))
         ex.shutdown()  # returns once the monitor's own shutdown is done; the callback follows it
-        _until(lambda: calls == ["first"])
+        wait_until(lambda: calls == ["first"], 10, "the first call")
         assert ex.is_failed
         ex.register_failure_callback(lambda: calls.append("late"))  # registered after: called at once
         assert calls == ["first", "late"]
@@ -340,7 +327,7 @@ def test_spawn_and_fork_start_methods(method, monkeypatch) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)])
 def test_toy_engine_matches_the_single_process_model(tp, pp) -> None:
-    with MultiprocExecutor(cfg(tp, pp), "rayfree.cli.toy_engine:ToyWorker") as ex:
+    with MultiprocExecutor(cfg(tp=tp, pp=pp), "rayfree.cli.toy_engine:ToyWorker") as ex:
         assert ex.output_rank == (pp - 1) * tp and ex.max_concurrent_batches == pp
         for step in range(5):
             batch = make_batch(step)

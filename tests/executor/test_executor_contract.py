@@ -28,6 +28,7 @@ from rayfree import (
     WorkerError,
     WorkerStartupError,
 )
+from tests.support.config import cfg
 
 ECHO = "tests.support.sample_workers:EchoWorker"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,13 +37,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(params=["shm", "tcp"])
 def path(request) -> str:
     return request.param
-
-
-def cfg(path: str = "shm", tp: int = 2, **kw) -> ClusterConfig:
-    kw.setdefault("ready_timeout_s", 120)
-    kw.setdefault("shutdown_grace_s", 2)
-    kw.setdefault("shutdown_term_s", 2)
-    return ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=tp), force_remote=path == "tcp", **kw)
 
 
 # -- errors by name ---------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from rayfree.executor import ExecutorFailed, MultiprocExecutor, RpcTimeout, Work
 from rayfree.procs import descendants, is_alive, stat_fields
 from rayfree.transport.shm.segment import creator_alive, creator_pid, entries
 from tests.support import children as procs
+from tests.support.config import cfg
+from tests.support.waits import wait_until
 
 ECHO = "tests.support.sample_workers:EchoWorker"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -29,22 +31,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(params=["shm", "tcp"])
 def path(request) -> str:
     return request.param
-
-
-def cfg(path: str, tp: int = 2, **kw) -> ClusterConfig:
-    kw.setdefault("ready_timeout_s", 120)
-    kw.setdefault("shutdown_grace_s", 2)
-    kw.setdefault("shutdown_term_s", 2)
-    return ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=tp), force_remote=path == "tcp", **kw)
-
-
-def wait_until(cond, timeout: float, what: str) -> float:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.01)
-    return time.monotonic() - t0
 
 
 def topology(ex: MultiprocExecutor) -> list[str]:
@@ -514,10 +500,10 @@ def test_a_follower_told_of_node_0s_failure_before_its_executor_started_starts_n
         )
         return ClusterConfig(parallel=par, heartbeat_port=hb, join_timeout_s=30, ready_timeout_s=60)
 
-    leader = NodeLiveness(node(0))
+    leader = NodeLiveness.for_node(node(0))
     refusing = threading.Thread(target=leader.refuse, args=("node 0 refused to start: a test's reason", 20))
     refusing.start()
-    follower = NodeLiveness(node(1))
+    follower = NodeLiveness.for_node(node(1))
     try:
         assert follower.settled.wait(20), "the follower was never told of node 0's failure"
         before, seen, done = set(descendants(os.getpid())), set(), threading.Event()

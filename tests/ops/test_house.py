@@ -105,8 +105,85 @@ INSIDES = [
         r"^\s*import zmq\b|\bzmq\.Socket\b|\.setsockopt\(zmq\.|send_multipart\(|recv_multipart\(",
         ("transport/zmq/", "transport/secure/"),
     ),
-    ("an executor's private state", r"\b(ex|executor|exe|me)\._[a-z]", ("executor/multiproc.py",)),
 ]
+
+
+def _private_names(path: str) -> set[str]:
+    """What a class keeps to itself: its `_x` methods and the `self._x` attributes it sets."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _private(node.name):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            if isinstance(node.ctx, ast.Store) and _private(node.attr):
+                out.add(node.attr)
+    return out
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _reaches(path: str, names: set[str]) -> list[tuple[int, str]]:
+    """Where a module reads one of `names` off anything but `self`, `cls` or a class it names (the ast, so an
+    expression like `raised[0][0]._stop_reason` is seen as well as `ex._stop_reason`)."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    return [
+        (node.lineno, ast.unparse(node))
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr in names
+        and not (isinstance(node.value, ast.Name) and (node.value.id in ("self", "cls") or node.value.id[:1].isupper()))
+    ]
+
+
+def test_no_module_reads_the_executors_private_state() -> None:
+    mine = os.path.join(ROOT, "executor", "multiproc.py")
+    names = _private_names(mine)
+    assert {"_stop_reason", "_failure", "_closing"} <= names, names
+    bad = [
+        f"{os.path.relpath(path, ROOT)}:{line} reads {text}"
+        for path in _modules().values()
+        if path != mine
+        for line, text in _reaches(path, names)
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_state_check_sees_through_any_expression(tmp_path) -> None:
+    probe = tmp_path / "m.py"
+    probe.write_text("x = raised[0][0]._stop_reason\ny = self._stop_reason\nz = MultiprocExecutor._finalize\n")
+    assert _reaches(str(probe), {"_stop_reason", "_finalize"}) == [(1, "raised[0][0]._stop_reason")]
+
+
+def _thread_calls(path: str) -> list[int]:
+    """Lines that make a thread: `threading.Thread(...)`, or `Thread(...)` imported from threading."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    bare = any(
+        isinstance(n, ast.ImportFrom) and n.module == "threading" and any(a.name == "Thread" for a in n.names)
+        for n in ast.walk(tree)
+    )
+    return [
+        n.lineno
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and (
+            (isinstance(n.func, ast.Attribute) and n.func.attr == "Thread" and ast.unparse(n.func.value) == "threading")
+            or (bare and isinstance(n.func, ast.Name) and n.func.id == "Thread")
+        )
+    ]
+
+
+def test_every_thread_is_started_by_the_supervisor() -> None:
+    """One owner for every background thread (rayfree/supervisor.py): no other module makes one."""
+    where = {os.path.relpath(p, ROOT): _thread_calls(p) for p in _modules().values()}
+    assert where.pop("rayfree/supervisor.py"), "the supervisor itself makes its threads"
+    bad = {path: lines for path, lines in where.items() if lines}
+    assert not bad, f"threads started outside rayfree/supervisor.py (use supervisor().start): {bad}"
 
 
 def test_nothing_reaches_into_a_room_from_outside_it() -> None:
@@ -132,3 +209,27 @@ def test_no_module_is_over_400_lines() -> None:
         if n > 400:
             long[os.path.relpath(path, ROOT)] = n
     assert not long, long
+
+
+def test_inside_a_layer_modules_import_each_other_relatively() -> None:
+    """So the structure of each layer is visible to tools that read imports; across layers, `rayfree.<layer>`."""
+    bad = []
+    for name, path in _modules().items():
+        parts = name.split(".")
+        if len(parts) < 2 or parts[1] not in ("transport", "cluster", "worker", "executor"):
+            continue
+        own = f"rayfree.{parts[1]}"
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and not node.level
+                else []
+            )
+            bad += [
+                f"{os.path.relpath(path, ROOT)}:{node.lineno} {m}" for m in mods if m == own or m.startswith(own + ".")
+            ]
+    assert not bad, "absolute imports of the module's own layer:\n" + "\n".join(bad)

@@ -283,7 +283,7 @@ def relay_bytes(ex) -> int:
     before = _tx_bytes()
     lens = [ex.collective_rpc(payload_len, args=(payload,), timeout=60) for _ in range(n)]
     per_broadcast = (_tx_bytes() - before) / n / size
-    from rayfree.cluster.broadcast import runs_relay
+    from rayfree.cluster.relay_tree import runs_relay
     from rayfree.transport.secure.policy import process_secret
 
     cfg = ex.config
@@ -291,7 +291,9 @@ def relay_bytes(ex) -> int:
     relays = []
     deadline = time.monotonic() + 10  # statuses ride on heartbeats: wait for one taken after the broadcasts
     while time.monotonic() < deadline:
-        nodes = ex.liveness.cluster_status().nodes
+        from rayfree.executor.status_messages import cluster_status
+
+        nodes = cluster_status(ex.liveness).nodes
         relays = [
             dict(node=s.node, ip=s.ip, **{k: getattr(r, k) for k in r.__struct_fields__})
             for s in nodes
@@ -310,4 +312,29 @@ def relay_bytes(ex) -> int:
         info=ex.collective_rpc(where, timeout=60),
         sealed=process_secret() is not None,
     )
+    return 0
+
+
+def _threads(worker: Any) -> list[str]:
+    from rayfree.supervisor import supervisor
+
+    return sorted(t.name for t in supervisor().threads())
+
+
+def threads(ex) -> int:
+    """Every process's supervised threads: this node's, every worker's, and the other nodes' (from their status,
+    as `rayfree status` shows it)."""
+    from rayfree.executor.status_messages import cluster_status
+
+    ex.collective_rpc("check_health", timeout=60)
+    workers = {str(r): names for r, names in enumerate(ex.collective_rpc(_threads, timeout=60))}
+    deadline = time.monotonic() + 10  # the followers' statuses ride on their heartbeats: one sent once ready
+    nodes: dict[str, list[str]] = {}
+    while time.monotonic() < deadline:
+        st = cluster_status(ex.liveness).nodes
+        nodes = {str(n.node): n.threads for n in st}
+        if all(n.state == "ok" and n.threads for n in st):
+            break
+        time.sleep(0.1)
+    say("THREADS", nodes=nodes, workers=workers)
     return 0

@@ -29,6 +29,7 @@ from rayfree.transport import (
 from rayfree.transport.shm import ring
 from rayfree.transport.shm.segment import SHM_DIR
 from tests.support import children as procs
+from tests.support.waits import wait_until
 
 CHUNK = 1 << 16
 
@@ -580,14 +581,6 @@ def test_ipv6_remote_reader() -> None:
         r.close()
 
 
-def _until(cond, timeout: float = 10.0) -> None:
-    """Poll a condition with a deadline (not a sleep standing in for synchronisation)."""
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.001)
-
-
 def test_reader_waits_past_a_wrap_marker_until_the_message_behind_it_is_written() -> None:
     """The writer wraps while a zero-copy reader still holds chunk 0: the parked reader is woken by
     the WRAP marker, goes past it, waits again, and gets the message once it lets go of
@@ -605,9 +598,10 @@ def test_reader_waits_past_a_wrap_marker_until_the_message_behind_it_is_written(
         tw = threading.Thread(target=lambda: results.setdefault("w", w.enqueue(b, timeout=10)))
         tr = threading.Thread(target=lambda: results.setdefault("r", r.dequeue(timeout=10)))
         tr.start()
-        _until(lambda: r._r.receiver.ring.buf[128] == 1)  # the reader is parked at chunk 3
+        wait_until(lambda: r._r.receiver.ring.buf[128] == 1, 10, "the reader parked at chunk 3", every=0.001)
         tw.start()
-        _until(lambda: r._r.receiver.rr.idx == 0)  # woken by the WRAP marker, it went past it to chunk 0
+        # woken by the WRAP marker, it went past it to chunk 0
+        wait_until(lambda: r._r.receiver.rr.idx == 0, 10, "the reader past the marker", every=0.001)
         assert torch.equal(held, a)
         del held
         gc.collect()
@@ -627,7 +621,7 @@ def test_a_writer_waiting_for_a_wrap_marker_to_be_read_is_woken() -> None:
         got: list = []
         t = threading.Thread(target=lambda: got.append(r.dequeue(timeout=10)))
         t.start()
-        _until(lambda: r._r.receiver.ring.buf[128] == 1)  # the reader is parked at chunk 3
+        wait_until(lambda: r._r.receiver.ring.buf[128] == 1, 10, "the reader parked at chunk 3", every=0.001)
         t0 = time.monotonic()
         w.enqueue(b"b" * (250 << 10), timeout=5)  # 4 chunks: WRAP at 3, then 0..3
         assert time.monotonic() - t0 < 2.0, "the writer was not woken when its chunk came free"

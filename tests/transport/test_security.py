@@ -21,6 +21,7 @@ import zmq
 
 from rayfree.transport import HandleError, MessageQueue
 from rayfree.transport.secure import policy as security
+from rayfree.transport.secure import signing
 from rayfree.transport.secure.policy import ClusterSecret, InsecureTransport
 from rayfree.transport.shm.slots import read_layout, write_head
 from tests.support import children as procs
@@ -71,9 +72,9 @@ def test_a_forged_handle_is_refused_before_anything_connects() -> None:
             MessageQueue.create_from_handle(bytes(tampered), 0)
         # Signed with another cluster's secret.
         other = ClusterSecret(os.urandom(32), "elsewhere")
-        body, nonce = security.unseal(good)
+        body, nonce = signing.unseal(good)
         fake = b"RFS1" + msgspec.msgpack.encode(
-            security._Sealed(body, nonce, time.time(), other.mac(security._signed_bytes(body, nonce, time.time())))
+            signing._Sealed(body, nonce, time.time(), other.mac(signing._signed_bytes(body, nonce, time.time())))
         )
         with pytest.raises(HandleError, match="signed with another secret"):
             MessageQueue.create_from_handle(fake, 0)
@@ -117,14 +118,14 @@ def test_tcp_without_a_secret_is_refused_unless_insecure(monkeypatch) -> None:
 def test_a_reader_without_the_secret_gets_nothing(monkeypatch) -> None:
     """The writer has the secret; a reader process with another secret cannot subscribe."""
     with tcp_writer() as w:
-        raw_body, _ = security.unseal(w.export_handle().to_bytes())
+        raw_body, _ = signing.unseal(w.export_handle().to_bytes())
         d = os.path.dirname(os.environ["RAYFREE_SECRET_FILE"])
         wrong = os.path.join(d, f"wrong-{os.getpid()}")
         security.write_secret(wrong)
         try:
             # The stranger re-signs the handle with its own secret, so it gets as far as connecting.
             monkeypatch.setenv("RAYFREE_SECRET_FILE", wrong)
-            stranger_handle = security.seal(raw_body)
+            stranger_handle = signing.seal(raw_body)
             monkeypatch.setenv("RAYFREE_SECRET_FILE", os.path.join(d, "secret"))
             p, conn = procs.spawn(procs.reader_echo, stranger_handle, 0, env={"RAYFREE_SECRET_FILE": wrong})
             try:

@@ -2,15 +2,18 @@
 
 It crosses process and node boundaries before peers are authenticated, so it
 is msgpack, never pickle, signed with the cluster secret when there is one
-(policy.seal), and `from_bytes` checks it thoroughly.
+(signing.seal), and `from_bytes` checks it thoroughly.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import msgspec
 
-from rayfree.transport.errors import HandleError
-from rayfree.transport.secure import policy
+from ..errors import HandleError
+from ..secure import signing
 
 __all__ = ["Handle", "HANDLE_VERSION"]
 
@@ -35,6 +38,34 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
     max_message_bytes: int | None
     writer_pid: int
 
+    @classmethod
+    def for_writer(
+        cls,
+        queue_id: bytes,
+        n_reader: int,
+        local_reader_ranks: list[int],
+        ring: dict[str, Any] | None,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        remote_endpoint: str | None,
+        max_message_bytes: int | None = None,
+    ) -> Handle:
+        """The handle of a queue this process writes: `ring` is its ring's names (`ShmSender.names`), or None
+        for a queue without one (every reader remote)."""
+        names = ring or {"shm_name": None, "shm_size": 0, "ipc_dir": None, "local_endpoint": None}
+        return cls(
+            version=HANDLE_VERSION,
+            queue_id=queue_id.hex(),
+            n_reader=n_reader,
+            local_reader_ranks=local_reader_ranks,
+            max_chunk_bytes=max_chunk_bytes,
+            max_chunks=max_chunks,
+            remote_endpoint=remote_endpoint,
+            max_message_bytes=max_message_bytes,
+            writer_pid=os.getpid(),
+            **names,
+        )
+
     @property
     def n_local_reader(self) -> int:
         return len(self.local_reader_ranks)
@@ -50,7 +81,7 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
         return self.local_endpoint
 
     def to_bytes(self) -> bytes:
-        return policy.seal(_MAGIC + msgspec.msgpack.encode(self))
+        return signing.seal(_MAGIC + msgspec.msgpack.encode(self))
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Handle:
@@ -58,10 +89,10 @@ class Handle(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_signed(cls, data: bytes | bytearray | memoryview) -> tuple[Handle, bytes | None]:
-        """The handle and its signature's nonce (None when unsigned), for `policy.check_fresh`."""
+        """The handle and its signature's nonce (None when unsigned), for `signing.check_fresh`."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise HandleError(f"a handle is bytes from Handle.to_bytes(), got {type(data).__name__}")
-        data, nonce = policy.unseal(bytes(data))
+        data, nonce = signing.unseal(bytes(data))
         return cls._parse(data), nonce
 
     @classmethod

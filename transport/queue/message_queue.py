@@ -21,22 +21,18 @@ import logging
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from rayfree.transport.channel import Sender
-from rayfree.transport.errors import QueueShutdown, TransportError
-from rayfree.transport.queue.handle import Handle
-from rayfree.transport.queue.reader import QueueReader
-from rayfree.transport.queue.writer import QueueWriter, deadline_of
-from rayfree.transport.secure import policy
+from ..channel import Sender
+from ..errors import QueueShutdown, TransportError
+from ..secure import signing
+from ..shm.segment import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
+from .handle import Handle
+from .reader import QueueReader
+from .writer import QueueWriter, deadline_of
 
 __all__ = ["MessageQueue", "Handle", "DEFAULT_MAX_CHUNK_BYTES", "DEFAULT_MAX_CHUNKS"]
 
 logger = logging.getLogger("rayfree.transport")
 
-#: Default ring: 24 chunks of 4 MiB (96 MiB of /dev/shm). A message may span
-#: several consecutive chunks, so anything up to the whole ring stays in
-#: shared memory; only larger messages take the overflow socket.
-DEFAULT_MAX_CHUNK_BYTES = 4 << 20
-DEFAULT_MAX_CHUNKS = 24
 #: close() waits this long for threads blocked in the queue to leave.
 CLOSE_WAIT_S = 2.0
 
@@ -167,7 +163,7 @@ class MessageQueue:
             handle, _nonce = Handle.from_signed(handle)
         else:
             handle.validate()
-        policy.check_fresh(_nonce, f"reader {rank} of queue {handle.queue_id}")
+        signing.check_fresh(_nonce, f"reader {rank} of queue {handle.queue_id}")
         if not isinstance(rank, int) or not 0 <= rank < handle.n_reader:
             raise ValueError(
                 f"rank {rank!r} is not a reader of this queue: its readers are ranks 0..{handle.n_reader - 1}"
@@ -225,7 +221,10 @@ class MessageQueue:
             assert self._r is not None
             self._r.handshake(deadline, timeout)
         self._ready = True
-        # the role's own call, looked up once (the methods of this facade stay what they are)
+        # The role's own call, looked up once for the hot path (the methods of this facade stay what they are):
+        # a writer's `_one` is `QueueWriter.one_path` (its only Sender, whose `try_send` takes a small message),
+        # `_dumps` `QueueWriter.dumps` and `_send_frames` `QueueWriter.send_frames`; a reader's `_recv` is its
+        # receiver's `recv` (`ShmReceiver.recv` or `SocketReceiver.recv`).
         self._one = None
         if self._w is not None:
             self._recv = self._not_a_reader

@@ -7,13 +7,13 @@ writer's TCP publisher. Either way the reader holds one `Receiver`.
 
 from __future__ import annotations
 
-from rayfree.transport.channel import Receiver, Waiters
-from rayfree.transport.errors import BadFrame, QueueTimeout
-from rayfree.transport.queue.handle import Handle
-from rayfree.transport.shm.receiver import ShmReceiver
-from rayfree.transport.zmq import heap
-from rayfree.transport.zmq.receiver import SocketReceiver
-from rayfree.transport.zmq.sender import READY
+from ..channel import Receiver, Waiters
+from ..errors import BadFrame, QueueTimeout
+from ..shm.receiver import ShmReceiver
+from ..zmq import heap
+from ..zmq.receiver import SocketReceiver
+from ..zmq.sender import READY
+from .handle import Handle
 
 __all__ = ["QueueReader"]
 

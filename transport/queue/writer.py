@@ -10,7 +10,6 @@ only a path that cannot take it now is waited on (`send`).
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import time
 import weakref
@@ -18,14 +17,15 @@ from collections.abc import Callable
 from typing import Any
 
 from rayfree import settings
-from rayfree.transport import serde
-from rayfree.transport.channel import Sender, Waiters, frame_sizes
-from rayfree.transport.errors import MessageTooLarge
-from rayfree.transport.net import get_ip, tcp_endpoint
-from rayfree.transport.queue.handle import HANDLE_VERSION, Handle
-from rayfree.transport.shm.sender import ShmSender
-from rayfree.transport.zmq import lingering
-from rayfree.transport.zmq.sender import READY, SocketSender
+
+from .. import serde
+from ..channel import Sender, Waiters, frame_sizes
+from ..errors import MessageTooLarge
+from ..net import get_ip, tcp_endpoint
+from ..shm.sender import ShmSender
+from ..zmq import lingering
+from ..zmq.sender import READY, SocketSender
+from .handle import Handle
 
 __all__ = ["QueueWriter", "REMOTE_SNDHWM", "deadline_of"]
 
@@ -95,22 +95,15 @@ class QueueWriter:
         #: the one path of a queue that has one, when nothing (a size limit) must be checked first
         self.one_path = self.senders[0] if len(self.senders) == 1 and max_message_bytes is None else None
         self._finalizer = weakref.finalize(self, _cleanup, self.shm)
-        names = (
-            self.shm.names()
-            if self.shm is not None
-            else {"shm_name": None, "shm_size": 0, "ipc_dir": None, "local_endpoint": None}
-        )
-        self.handle = Handle(
-            version=HANDLE_VERSION,
-            queue_id=queue_id.hex(),
-            n_reader=n_reader,
-            local_reader_ranks=local_reader_ranks,
-            max_chunk_bytes=max_chunk_bytes,
-            max_chunks=max_chunks,
-            remote_endpoint=self.remote.endpoint if self.remote is not None else None,
-            max_message_bytes=max_message_bytes,
-            writer_pid=os.getpid(),
-            **names,
+        self.handle = Handle.for_writer(
+            queue_id,
+            n_reader,
+            local_reader_ranks,
+            self.shm.names() if self.shm is not None else None,
+            max_chunk_bytes,
+            max_chunks,
+            self.remote.endpoint if self.remote is not None else None,
+            max_message_bytes,
         )
 
     # -- the handshake ----------------------------------------------------------------------

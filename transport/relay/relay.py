@@ -14,7 +14,6 @@ whole tree. The thread forwards first, then opens, then writes the ring.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import threading
 import time
@@ -22,14 +21,17 @@ from collections.abc import Callable
 from typing import Any
 
 from rayfree import settings
-from rayfree.transport.errors import BadFrame, QueueShutdown, QueueTimeout
-from rayfree.transport.net import tcp_endpoint
-from rayfree.transport.queue.handle import HANDLE_VERSION, Handle
-from rayfree.transport.queue.writer import REMOTE_SNDHWM
-from rayfree.transport.shm.sender import ShmSender
-from rayfree.transport.zmq import heap, lingering
-from rayfree.transport.zmq.receiver import SocketReceiver
-from rayfree.transport.zmq.sender import CLOSE, CTRL, READY, SocketSender
+from rayfree.supervisor import supervisor
+
+from ..errors import BadFrame, QueueShutdown, QueueTimeout
+from ..net import tcp_endpoint
+from ..queue.handle import Handle
+from ..queue.writer import REMOTE_SNDHWM
+from ..shm.segment import DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_CHUNKS
+from ..shm.sender import ShmSender
+from ..zmq import heap, lingering
+from ..zmq.receiver import SocketReceiver
+from ..zmq.sender import CLOSE, CTRL, READY, SocketSender
 
 __all__ = ["Relay"]
 
@@ -53,8 +55,8 @@ class Relay:
         *,
         timeout_s: float,
         spin_us: float | None = None,
-        max_chunk_bytes: int = 4 << 20,
-        max_chunks: int = 24,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
         on_broken: Callable[[Exception], None] | None = None,
     ) -> None:
         self.relay_id = relay_id
@@ -71,6 +73,7 @@ class Relay:
         self._upstream: tuple[Handle, str] | None = None
         self._connected = threading.Event()
         self._stopping = False
+        self._closed = False
         self._ended = False  # the writer's CLOSE came: the ring and the children were told
         queue_id = secrets.token_bytes(16)
         self.ring = ShmSender.create(list(range(n_local)), max_chunk_bytes, max_chunks, queue_id, spin_us)
@@ -82,20 +85,11 @@ class Relay:
             self.ring.abort()
             raise
         self.endpoint = self.out.endpoint if self.out is not None else None
-        self.handle = Handle(
-            version=HANDLE_VERSION,
-            queue_id=queue_id.hex(),
-            n_reader=n_local,
-            local_reader_ranks=list(range(n_local)),
-            max_chunk_bytes=max_chunk_bytes,
-            max_chunks=max_chunks,
-            remote_endpoint=self.endpoint,  # where the child nodes subscribe (the same stream, passed on)
-            max_message_bytes=None,
-            writer_pid=os.getpid(),
-            **self.ring.names(),
+        # the child nodes subscribe to the same stream, passed on, at `endpoint`
+        self.handle = Handle.for_writer(
+            queue_id, n_local, list(range(n_local)), self.ring.names(), max_chunk_bytes, max_chunks, self.endpoint
         )
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"RayfreeRelay-{relay_id}")
-        self._thread.start()
+        self._thread = supervisor().start(f"RayfreeRelay-{relay_id}", self._run, stop=self._shut_channels)
 
     # -- the stream in ----------------------------------------------------------------------------
 
@@ -220,18 +214,19 @@ class Relay:
 
     # -- the end ------------------------------------------------------------------------------------
 
-    def close(self, timeout: float = 2.0) -> None:
-        """Stop the thread and release every channel (the ring's names too); idempotent."""
-        if self._stopping:
-            return
+    def _shut_channels(self) -> None:
         self._stopping = True
         for ch in (self._up, self.ring, self.out):
             if ch is not None:
                 ch.shutdown()
-        if self._thread is not threading.current_thread():  # (from its own thread: a failure it reported)
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("relay %d: its thread did not stop within %.1fs; abandoning it", self.relay_id, timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread and release every channel (the ring's names too); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._shut_channels()
+        self._thread.join(timeout)  # (never from its own thread: on_broken only reports)
         if self.out is not None:
             self.out.abort()
         if not self._ended:

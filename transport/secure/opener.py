@@ -14,8 +14,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from rayfree.transport.errors import BadFrame, OutOfSequence
-from rayfree.transport.secure.aead import (
+from ..errors import BadFrame, OutOfSequence
+from ..shm.bulk import BufferPool
+from .aead import (
     _ALIGN,
     _HEAD,
     _HEAD_ONE1,
@@ -32,7 +33,6 @@ from rayfree.transport.secure.aead import (
     _nonce,
     plan,
 )
-from rayfree.transport.shm.bulk import BufferPool
 
 __all__ = ["Opener"]
 

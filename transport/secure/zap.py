@@ -16,6 +16,8 @@ import time
 import zmq
 import zmq.utils.z85
 
+from rayfree.supervisor import supervisor
+
 __all__ = ["ensure_zap_handler", "zap_socket"]
 
 logger = logging.getLogger("rayfree.security")
@@ -46,7 +48,7 @@ def ensure_zap_handler(context: zmq.Context, client_public_z85: bytes) -> None:
         sock.bind(ZAP_ENDPOINT)
         allowed = {key}
         _handler = (os.getpid(), sock, allowed)
-    threading.Thread(target=_serve, args=(sock, allowed), daemon=True, name="RayfreeZAP").start()
+    supervisor().start("RayfreeZAP", _serve, args=(sock, allowed))
 
 
 def _serve(sock: zmq.Socket, allowed: set[bytes]) -> None:

@@ -17,6 +17,7 @@ import weakref
 from collections import deque
 
 from rayfree import settings
+from rayfree.supervisor import supervisor
 
 __all__ = ["copy_into", "PARALLEL_MIN_BYTES", "BufferPool", "size_class"]
 
@@ -78,7 +79,7 @@ def _pool() -> tuple[queue.SimpleQueue, int]:
                 _threads = max(1, settings.get("RAYFREE_COPY_THREADS"))
                 jobs: queue.SimpleQueue = queue.SimpleQueue()
                 for i in range(_threads - 1):
-                    threading.Thread(target=_worker, args=(jobs,), name=f"rayfree-copy-{i}", daemon=True).start()
+                    supervisor().start(f"RayfreeCopy-{i}", _worker, args=(jobs,))
                 _jobs, _pool_pid = jobs, os.getpid()
     return _jobs, _threads
 

@@ -22,16 +22,17 @@ from collections.abc import Callable
 from typing import Any
 
 from rayfree import settings
-from rayfree.transport import serde
-from rayfree.transport.channel import EMPTY, Receiver
-from rayfree.transport.errors import BadFrame, QueueClosed
-from rayfree.transport.shm import slots
-from rayfree.transport.shm.bulk import BufferPool, copy_into
-from rayfree.transport.shm.ring import RingReader
-from rayfree.transport.shm.segment import ShmRingBuffer
-from rayfree.transport.shm.slots import KIND_OVERFLOW, ONE_FRAME_OFFSET
-from rayfree.transport.shm.waiting import SpinPolicy, WakePipe, note_ring_processes, spin
-from rayfree.transport.zmq.receiver import SocketReceiver
+
+from .. import serde
+from ..channel import EMPTY, Receiver
+from ..errors import BadFrame, QueueClosed
+from ..zmq.receiver import SocketReceiver
+from . import slots
+from .bulk import BufferPool, copy_into
+from .ring import RingReader
+from .segment import ShmRingBuffer
+from .slots import KIND_OVERFLOW, ONE_FRAME_OFFSET
+from .waiting import SpinPolicy, WakePipe, note_ring_processes, spin
 
 __all__ = ["ShmReceiver"]
 
@@ -77,6 +78,7 @@ class ShmReceiver(Receiver):
         self._base_addr = ring.address
         self._holders: dict[int, type] = {}
         self._leases: dict[int, weakref.ref[Any]] = {}
+        #: `RingReader.get_one` (ring.py), bound once for `try_recv`'s one-chunk message (the hot path)
         self._get_one = self.rr.get_one
 
     @classmethod

@@ -32,11 +32,12 @@ from collections.abc import Callable
 from typing import Any
 
 from rayfree import settings
-from rayfree.transport.channel import EMPTY
-from rayfree.transport.errors import BadFrame
-from rayfree.transport.shm.segment import CLOSED, READER_PARKED, WRITER_PARKED, ShmRingBuffer
-from rayfree.transport.shm.slots import KIND_DATA, KIND_WRAP, KINDS, ONE, ONE_FRAME_OFFSET, SLOT
-from rayfree.transport.shm.waiting import SpinPolicy, _fence_acquire, _fence_release, fence, sched_yield
+
+from ..channel import EMPTY
+from ..errors import BadFrame
+from .segment import CLOSED, READER_PARKED, WRITER_PARKED, ShmRingBuffer
+from .slots import KIND_DATA, KIND_WRAP, KINDS, ONE, ONE_FRAME_OFFSET, SLOT
+from .waiting import SpinPolicy, _fence_acquire, _fence_release, fence, sched_yield
 
 # fence() inlined as its two calls on the hot paths (a Python frame costs as much as the fence itself).
 _acquire, _release = _fence_acquire, _fence_release

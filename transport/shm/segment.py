@@ -23,8 +23,8 @@ import os
 import secrets
 import struct
 
-from rayfree.transport.errors import HandleError, SegmentNotFound, ShmSpaceError
-from rayfree.transport.net import runtime_dir
+from ..errors import HandleError, SegmentNotFound, ShmSpaceError
+from ..net import runtime_dir
 
 try:  # CPython's own binding of shm_open/shm_unlink, without multiprocessing's resource tracker.
     import _posixshmem
@@ -33,6 +33,8 @@ except ImportError:  # pragma: no cover - non-POSIX
 
 __all__ = [
     "ShmRingBuffer",
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "DEFAULT_MAX_CHUNKS",
     "SEGMENT_PREFIX",
     "SHM_DIR",
     "WRITER_PARKED",
@@ -51,6 +53,11 @@ __all__ = [
     "remove_probe",
 ]
 
+#: A ring's default size, for every queue and relay: 24 chunks of 4 MiB (96 MiB of /dev/shm). A message may span
+#: several consecutive chunks, so anything up to the whole ring stays in shared memory; only larger messages
+#: take the overflow socket.
+DEFAULT_MAX_CHUNK_BYTES = 4 << 20
+DEFAULT_MAX_CHUNKS = 24
 SEGMENT_PREFIX = "rayfree-"
 SHM_DIR = "/dev/shm"
 

@@ -16,15 +16,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rayfree.transport.channel import Sender, frame_sizes
-from rayfree.transport.net import IpcDir
-from rayfree.transport.shm import slots
-from rayfree.transport.shm.bulk import copy_into
-from rayfree.transport.shm.ring import RingWriter
-from rayfree.transport.shm.segment import ShmRingBuffer
-from rayfree.transport.shm.slots import KIND_DATA, KIND_OVERFLOW
-from rayfree.transport.shm.waiting import SpinPolicy, WakePipe, note_ring_processes, spin
-from rayfree.transport.zmq.sender import SocketSender
+from ..channel import Sender, frame_sizes
+from ..net import IpcDir
+from ..zmq.sender import SocketSender
+from . import slots
+from .bulk import copy_into
+from .ring import RingWriter
+from .segment import ShmRingBuffer
+from .slots import KIND_DATA, KIND_OVERFLOW
+from .waiting import SpinPolicy, WakePipe, note_ring_processes, spin
 
 __all__ = ["ShmSender"]
 
@@ -63,7 +63,9 @@ class ShmSender(Sender):
         #: bytes this path has carried (the overflow socket's included), for metrics
         self.sent_bytes = 0
         self._base_addr = ring.address
+        #: `RingWriter.put_one` (ring.py), bound once for `try_send`'s one-chunk message (the hot path)
         self._put_one = self.rw.put_one
+        #: `WakePipe.wake` of the one reader's pipe (waiting.py), when there is one reader
         self._wake_one = self.reader_pipes[0].wake if ring.n_reader == 1 else None
 
     @classmethod

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import struct
 
-from rayfree.transport.errors import BadFrame
+from ..errors import BadFrame
 
 __all__ = [
     "KIND_DATA",

@@ -18,7 +18,7 @@ import struct
 
 import zmq
 
-from rayfree.transport.zmq.sockets import SocketError, make_dealer, make_router, zmq_errors
+from .sockets import SocketError, make_dealer, make_router, zmq_errors
 
 __all__ = ["ControlSocket"]
 

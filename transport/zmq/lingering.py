@@ -22,8 +22,8 @@ import os
 import threading
 import time
 
-from rayfree.transport.errors import TransportError
-from rayfree.transport.zmq.sender import CLOSE, SocketSender
+from ..errors import TransportError
+from .sender import CLOSE, SocketSender
 
 __all__ = ["hold", "flush"]
 

@@ -16,8 +16,9 @@ import time
 import zmq
 
 from rayfree import settings
-from rayfree.transport.errors import QueueBroken
-from rayfree.transport.zmq.sockets import zmq_errors
+
+from ..errors import QueueBroken
+from .sockets import zmq_errors
 
 __all__ = ["LinkWatch"]
 

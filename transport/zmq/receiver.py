@@ -16,15 +16,15 @@ from typing import Any
 
 import zmq
 
-from rayfree.transport import serde
-from rayfree.transport.channel import EMPTY, Receiver
-from rayfree.transport.errors import BadFrame, OutOfSequence, QueueClosed
-from rayfree.transport.secure import policy
-from rayfree.transport.secure.aead import admission_token, queue_key
-from rayfree.transport.secure.opener import Opener
-from rayfree.transport.zmq.link import LinkWatch
-from rayfree.transport.zmq.sender import CLOSE, CTRL, SEQ, SLICE_MS
-from rayfree.transport.zmq.sockets import HELLO_PREFIX, make_subscriber, zmq_errors
+from .. import serde
+from ..channel import EMPTY, Receiver
+from ..errors import BadFrame, OutOfSequence, QueueClosed
+from ..secure import policy
+from ..secure.aead import admission_token, queue_key
+from ..secure.opener import Opener
+from .link import LinkWatch
+from .sender import CLOSE, CTRL, SEQ, SLICE_MS
+from .sockets import HELLO_PREFIX, make_subscriber, zmq_errors
 
 __all__ = ["SocketReceiver"]
 

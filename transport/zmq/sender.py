@@ -27,12 +27,12 @@ from typing import Any
 
 import zmq
 
-from rayfree.transport import serde
-from rayfree.transport.channel import Sender, frame_sizes
-from rayfree.transport.errors import QueueShutdown, QueueTimeout, TransportError
-from rayfree.transport.secure import policy
-from rayfree.transport.secure.aead import SEG_MIN, Sealer, admission_token, queue_key
-from rayfree.transport.zmq.sockets import HELLO_PREFIX, make_publisher, tracker_done, zmq_errors
+from .. import serde
+from ..channel import Sender, frame_sizes
+from ..errors import QueueShutdown, QueueTimeout, TransportError
+from ..secure import policy
+from ..secure.aead import SEG_MIN, Sealer, admission_token, queue_key
+from .sockets import HELLO_PREFIX, make_publisher, tracker_done, zmq_errors
 
 __all__ = ["SocketSender", "CTRL", "READY", "CLOSE", "SLICE_MS", "SEQ", "hello_rank"]
 
@@ -63,6 +63,15 @@ def hello_rank(body: bytes) -> int | None:
         return int(body.split(b":", 1)[0])
     except ValueError:
         return None
+
+
+def _admitter(admit_key: bytes, queue_id: bytes) -> Callable[[int, bytes], bool]:
+    """Whether a subscriber's hello token admits reader `rank` to queue `queue_id`."""
+
+    def admit(rank: int, token: bytes) -> bool:
+        return hmac.compare_digest(token, admission_token(admit_key, queue_id, rank))
+
+    return admit
 
 
 class SocketSender(Sender):
@@ -112,11 +121,7 @@ class SocketSender(Sender):
             secret = policy.process_secret()
             assert secret is not None
             sealer = Sealer(queue_key(secret.derive(b"queue-aead"), queue_id), queue_id)
-            admit_key = secret.derive(b"queue-admit")
-
-            def admit(rank: int, token: bytes) -> bool:
-                return hmac.compare_digest(token, admission_token(admit_key, queue_id, rank))
-
+            admit = _admitter(secret.derive(b"queue-admit"), queue_id)
         return cls(sock, path, readers, hwm, endpoint, sealer, admit)
 
     # -- sending -------------------------------------------------------------------------------
@@ -295,14 +300,8 @@ class SocketSender(Sender):
         """A relay's publisher, once it knows the stream it passes on: admit that queue's readers by their
         tokens (on a cluster with a secret)."""
         secret = policy.process_secret()
-        if secret is None:
-            return
-        admit_key = secret.derive(b"queue-admit")
-
-        def admit(rank: int, token: bytes) -> bool:
-            return hmac.compare_digest(token, admission_token(admit_key, queue_id, rank))
-
-        self._admit = admit
+        if secret is not None:
+            self._admit = _admitter(secret.derive(b"queue-admit"), queue_id)
 
     def send_control(self, msg: bytes, block: bool) -> bool:
         """READY or CLOSE (sealed like any message on a sealed queue); False if it could not go now."""

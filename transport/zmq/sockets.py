@@ -19,9 +19,10 @@ import threading
 import zmq
 
 from rayfree import settings
-from rayfree.transport.errors import QueueTimeout, TransportError
-from rayfree.transport.net import is_ipv6
-from rayfree.transport.secure import policy, zap
+
+from ..errors import QueueTimeout, TransportError
+from ..net import is_ipv6
+from ..secure import policy, zap
 
 __all__ = [
     "context",

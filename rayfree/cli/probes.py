@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import select
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from rayfree.executor import health
+
+from .http import Served
 
 __all__ = ["HealthServer"]
 
@@ -58,9 +57,7 @@ class HealthServer:
 
         self._server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
         self._server.daemon_threads = True
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="RayfreeHealth")
-        self._thread.start()
+        self._served = Served(self._server, "RayfreeHealth")
         logger.info("node %d: health probes at http://0.0.0.0:%d/livez and /readyz", node, port)
 
     def judge(self, readiness: bool) -> str:
@@ -74,18 +71,5 @@ class HealthServer:
             logger.debug("health check failed", exc_info=True)
             return f"the health check itself failed: {type(e).__name__}: {e}"
 
-    def _serve(self) -> None:
-        """Answer requests until `close` writes to the wake pipe (no periodic wake-up while idle, and a close
-        that takes no poll interval)."""
-        while True:
-            ready, _, _ = select.select([self._server, self._wake_r], [], [])
-            if self._wake_r in ready:
-                return
-            self._server.handle_request()
-
     def close(self) -> None:
-        os.write(self._wake_w, b"x")
-        self._thread.join(2.0)
-        self._server.server_close()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
+        self._served.close()

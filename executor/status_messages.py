@@ -9,6 +9,9 @@ every node, over the authenticated heartbeat channel (cluster/heartbeat.py).
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import msgspec
 
 from rayfree.procs import proc_state
@@ -25,6 +28,9 @@ __all__ = [
     "ClusterStatus",
     "replica_status",
     "worker_statuses",
+    "node_status",
+    "cluster_status",
+    "relays_seen",
     "encode",
     "decode_node",
     "decode_cluster",
@@ -89,6 +95,8 @@ class NodeStatus(msgspec.Struct):
     #: filled in by node 0: seconds since this node's last heartbeat, and whether it counts as lost
     heartbeat_age_s: float | None = None
     state: str = "ok"
+    #: the node process's threads, by name (rayfree's supervisor's: docs/architecture.md lists them)
+    threads: list[str] = []
 
 
 class ClusterStatus(msgspec.Struct):
@@ -148,6 +156,68 @@ def replica_status(ex: ReplicaView) -> ReplicaStatus:
         slowest_reader=slowest,
         bytes_broadcast=dict(ring.get("bytes") or {}),
         rpc_failures=snap.failures if snap is not None else 0,
+    )
+
+
+def node_status(lv: Any) -> NodeStatus:
+    """This node (a liveness): its workers, and the replicas it leads (calls in flight, replies, the ring)."""
+    from rayfree.supervisor import supervisor
+
+    par = lv.par
+    exs = lv.executors()
+    rtt = getattr(lv.beater, "rtt_s", None)
+    return NodeStatus(
+        node=lv.node,
+        ip=lv.ip,
+        pid=os.getpid(),
+        ranks=par.node_ranks(lv.node),
+        replicas=par.node_replicas,
+        workers=[w for ex in exs for w in worker_statuses(ex)],
+        leads=[replica_status(ex) for ex in exs if ex.is_leader],
+        heartbeat_rtt_ms=None if rtt is None else round(rtt * 1000, 3),
+        relays=[r for r in (relay_status(ex) for ex in exs) if r is not None],
+        state="failed" if lv.failure is not None else ("starting" if lv.ready_count < lv.replicas else "ok"),
+        threads=sorted(t.name for t in supervisor().threads()),
+    )
+
+
+def relays_seen(lv: Any) -> dict[int, list[RelayStatus]]:
+    """Node 0: each follower's relays, from its last heartbeat's status, by node (for the stall report)."""
+    out: dict[int, list[RelayStatus]] = {}
+    views = lv.beater.peer_views() if lv.node == 0 and lv.beater is not None else []
+    for node, _ip, _ranks, _age, _gone, raw in views:
+        try:
+            out[node] = decode_node(raw).relays if raw else []
+        except Exception:  # noqa: BLE001 - an unreadable status: nothing to say of its relay
+            out[node] = []
+    return out
+
+
+def cluster_status(lv: Any) -> ClusterStatus:
+    """Every node (node 0's view: the others' last reported status and the age of their last beat)."""
+    from rayfree.cluster.join import shape_of
+
+    par = lv.par
+    nodes = [node_status(lv)]
+    views = lv.beater.peer_views() if lv.node == 0 and lv.beater is not None else []
+    for node, ip, ranks, age, gone, raw in views:
+        ns = None
+        if raw:
+            try:
+                ns = decode_node(raw)
+            except Exception:  # noqa: BLE001 - an unreadable status: show what the heartbeats know
+                ns = None
+        if ns is None:
+            ns = NodeStatus(node=node, ip=ip, pid=-1, ranks=ranks, replicas=par.replicas_of_node(node))
+        ns.heartbeat_age_s = None if age is None else round(age, 3)
+        ns.state = "lost" if gone else ("not joined" if age is None else ns.state)
+        nodes.append(ns)
+    return ClusterStatus(
+        nnodes=par.nnodes,
+        world_size=par.world_size,
+        data_parallel_size=par.data_parallel_size,
+        shape=shape_of(par),
+        nodes=nodes,
     )
 
 
