@@ -109,7 +109,9 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
         next_scan = 0.0
         while not store.check(keys):
             now = time.monotonic()
-            if now >= next_scan or now >= deadline:  # who is missing, and does anyone disagree?
+            # who is missing, and does anyone disagree? A second claim of a rank is looked for at every turn:
+            # the first claimant must see it before rank 0's node, failing, takes the rendezvous down
+            if now >= next_scan or now >= deadline or store.check(["rayfree/duplicate"]):
                 missing = [r for r in range(world_size) if not store.check([keys[r]])]
                 seen = _check_agreement(store, seen, me, rank, deadline)
                 next_scan = now + _SCAN_S
