@@ -125,6 +125,8 @@ class WorkerStartupError(ExecutorError):
         super().__init__(message + (f"\n\nWorker traceback:\n{remote_traceback}" if remote_traceback else ""))
         self.rank = rank
         self.remote_traceback = remote_traceback
+        #: it reads like the fallout of a peer that went away (its cause is another rank's, maybe another node's)
+        self.consequence = False
 
 
 class StartupTimeout(WorkerStartupError, TimeoutError):

@@ -32,9 +32,11 @@ __all__ = [
 logger = logging.getLogger("rayfree.executor")
 
 
-def await_verdict(liveness: Any, error_type: str, message: str, timeouts: bool = True, what: str = "") -> bool:
+def await_verdict(
+    liveness: Any, error_type: str, message: str, timeouts: bool = True, what: str = "", slack: float = 0.0
+) -> bool:
     """If an error reads like a lost peer and this node's heartbeats can judge (a NodeLiveness of a cluster of
-    several nodes), wait for their verdict, bounded by their suspect window; True if it waited."""
+    several nodes), wait for their verdict, bounded by their suspect window (plus `slack`); True if it waited."""
     if liveness is None or not liveness.verdict_s() or not peer_gone(error_type, message, timeouts):
         return False
     if liveness.beater is not None and peer_gone(error_type, message, timeouts=False):
@@ -43,7 +45,7 @@ def await_verdict(liveness: Any, error_type: str, message: str, timeouts: bool =
         logger.info(
             "%s looks like a lost peer; waiting up to %.1fs for the heartbeats' verdict", what, liveness.verdict_s()
         )
-    liveness.settled.wait(liveness.verdict_s())
+    liveness.settled.wait(liveness.verdict_s() + slack)
     return True
 
 

@@ -73,6 +73,10 @@ def check_master_port(config: ClusterConfig) -> None:
         )
 
 
+#: see startup_cause
+STARTUP_VERDICT_SLACK_S = 1.5
+
+
 def startup_cause(e: BaseException, failure: Callable[[], Exception | None], liveness: Any) -> Exception | None:
     """Why start-up really failed, when `e` is the fallout: the executor's own recorded failure, or a node
     the heartbeats found lost. A rank's rendezvous or handshake that broke because another node went away
@@ -83,7 +87,9 @@ def startup_cause(e: BaseException, failure: Callable[[], Exception | None], liv
     if isinstance(e, KeyboardInterrupt):
         return None
     if failure() is None and isinstance(e, Exception):
-        await_verdict(liveness, type(e).__name__, str(e), timeouts=False)
+        # slack: the other node may be the one whose rank failed first; its own start-up holds a consequence for
+        # CONSEQUENCE_HOLD_S and stops its ranks before its goodbye, on a machine as loaded as this one
+        await_verdict(liveness, type(e).__name__, str(e), timeouts=False, slack=STARTUP_VERDICT_SLACK_S)
     lost = getattr(liveness, "failure", None)
     return failure() or (lost if isinstance(lost, (NodeLost, LeaderLost)) else None)
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from rayfree.cluster.config import ClusterConfig
 from rayfree.cluster.heartbeat import WAIT_LOG_S
+from rayfree.cluster.peers import peer_gone
 from rayfree.transport.secure import policy as security
 from rayfree.transport.shm.segment import remove_entries_of
 from rayfree.worker.main import EXIT_REIMPORTED_MAIN, Deferred, worker_main
@@ -36,7 +37,7 @@ from rayfree.worker.messages import Fatal, Ready, StartupFailed, decode
 from rayfree.worker.titles import title_for
 
 from .errors import StartupTimeout, WorkerStartupError
-from .monitor import WorkerMonitor
+from .monitor import CONSEQUENCE_HOLD_S, WorkerMonitor
 from .spawning import main_in_worker, start_context, worker_env
 
 __all__ = ["WorkerGroup", "WorkerHandle", "ExitedProcess", "StartupAborted", "exit_description", "start_context"]
@@ -190,13 +191,21 @@ class WorkerGroup:
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         abort_r = self._abort[0]
+        held: tuple[WorkerStartupError, float] | None = None  # a consequence ("connection closed by peer")
         while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            sentinels = {w.proc.sentinel: w for w in pending.values()}  # type: ignore[union-attr]
+            now = time.monotonic()
+            if held is not None and now >= held[1]:
+                raise held[0]  # no cause of it showed up here: another node's (the heartbeats judge that)
+            left = None if deadline is None else max(0.0, deadline - now)
             slice_s = WAIT_LOG_S if left is None else min(left, WAIT_LOG_S)
+            if held is not None:
+                slice_s = min(slice_s, held[1] - now)
+            sentinels = {w.proc.sentinel: w for w in pending.values()}  # type: ignore[union-attr]
             ready = multiprocessing.connection.wait([*pending, *sentinels, abort_r], timeout=slice_s)
             if abort_r in ready:
                 raise StartupAborted("the executor failed while its workers were starting")
+            if held is not None and not ready:
+                continue
             if not ready and (deadline is None or time.monotonic() < deadline):
                 bound = "" if timeout is None else f" of {timeout:.0f}s (ready_timeout_s)"
                 waiting = (sorted(w.rank for w in pending.values()), time.monotonic() - started, bound)
@@ -218,7 +227,15 @@ class WorkerGroup:
                         self._died_before_ready(w)
                     continue  # its message (if any) is read through the pipe
                 if obj in pending:
-                    self._on_ready_message(pending.pop(obj))
+                    err = self._on_ready_message(pending.pop(obj))
+                    if err is None:
+                        continue
+                    if not err.consequence:
+                        raise err  # a rank's own failure: the cause, whatever was held
+                    if held is None:  # wait, briefly, for the failure that caused it (monitor.py's rule)
+                        held = (err, time.monotonic() + CONSEQUENCE_HOLD_S)
+        if held is not None:
+            raise held[0]
 
     def abort(self) -> None:
         """Wake `wait_ready` (any thread): it raises StartupAborted, and its caller shuts the group down."""
@@ -240,23 +257,26 @@ class WorkerGroup:
             f"{w.describe()} died before becoming ready ({exit_description(w.proc.exitcode)}){why}", w.rank
         )
 
-    def _on_ready_message(self, w: WorkerHandle) -> None:
+    def _on_ready_message(self, w: WorkerHandle) -> WorkerStartupError | None:
+        """Its READY taken in (None), or its start-up failure, to raise."""
         pipe = w.ready_pipe
         assert pipe is not None
         try:
             msg = decode(pipe.recv_bytes())
         except EOFError:
             self._died_before_ready(w)
-            return
+            return None
         if isinstance(msg, StartupFailed):
             self._close_status(w)
             w.proc.join(_STARTUP_EXIT_WAIT_S)  # it leaves right after its report: name its exit too
-            raise WorkerStartupError(
+            err = WorkerStartupError(
                 f"{w.describe()} failed to start ({exit_description(w.proc.exitcode)}): "
                 f"{msg.error_type}: {msg.message}",
                 msg.rank,
                 msg.traceback,
             )
+            err.consequence = peer_gone(msg.error_type, msg.message, timeouts=False)
+            return err
         if not isinstance(msg, Ready):
             self._close_status(w)
             raise WorkerStartupError(f"{w.describe()} sent {type(msg).__name__} before READY", w.rank)
@@ -264,6 +284,7 @@ class WorkerGroup:
         w.upstream = (msg.upstream_handle, msg.upstream_endpoint) if msg.upstream_handle else None
         if self.on_ready is not None:
             self.on_ready(w)
+        return None
 
     @staticmethod
     def _close_status(w: WorkerHandle) -> None:
