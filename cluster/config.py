@@ -20,6 +20,8 @@ import msgspec
 
 from rayfree.transport.net import is_local_address, local_addresses
 
+from .devices import DeviceError, check_settings
+
 __all__ = ["ParallelConfig", "ClusterConfig", "ConfigError", "require_config", "ENV_PREFIX"]
 
 
@@ -241,6 +243,13 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     collective_methods: list[str] = msgspec.field(
         default_factory=lambda: ["execute_model", "sample_tokens", "compile_or_warm_up_model"]
     )
+    #: GPU nodes (devices.py, docs/gpu.md): which visible devices the workers use (None: all); CPU binding at
+    #: spawn ("none", "auto": the GPU's NUMA node, or NUMA ids by worker); a CUDA_VISIBLE_DEVICES per worker;
+    #: one NIC per device (NCCL_IB_HCA)
+    device_ids: str | None = None
+    numa_bind: str = "none"
+    per_rank_visible_devices: bool = False
+    gpu_nics: str | None = None
 
     def validate(self, check_local_master: bool = False) -> ClusterConfig:
         """Raise ConfigError on the first wrong or inconsistent value (naming the field and the value); return
@@ -252,6 +261,10 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
         _check_types(self)
         self.parallel.validate(check_local_master)
+        try:
+            check_settings(self.numa_bind, self.device_ids, self.gpu_nics)
+        except DeviceError as e:
+            raise ConfigError(str(e)) from None
         for name in (
             "join_timeout_s",
             "ready_timeout_s",

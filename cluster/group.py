@@ -67,9 +67,8 @@ class Group:
         self.rank_in_group = self.ranks.index(rank)
         self.world_size = len(self.ranks)
         self.cpu_group = cpu_group
-        #: the process group for tensors on this rank's device. rayfree's groups are gloo, so this is
-        #: `cpu_group` (CPU tensors); a GPU engine makes its NCCL group for `ranks` and sets it here
-        #: (`dist.new_group(group.ranks, backend="nccl")`, called on every rank).
+        #: the process group for tensors on this rank's device: `cpu_group` itself on CPU; NCCL's (or the
+        #: `device_backend`'s) group of the same ranks when parallel_state built the pair
         self.device_group = cpu_group
         self.advertise_ip = advertise_ip
         if force_remote is None:

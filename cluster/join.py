@@ -13,12 +13,18 @@ is given, so a rank first waits, in its own loop, until the store's port
 accepts a connection. Rank 0 hosts the store, so when it sees a disagreement it
 keeps the store open a little longer (`TELL_S`) for ranks still on their way,
 who would otherwise only learn that the rendezvous is gone.
+
+The store is torch.distributed's TCPStore: no secret guards it. Anyone who reaches node 0's master port can
+read and write its keys while the cluster forms; an entry rayfree did not write (one that does not parse, a
+rank's own entry gone) fails the join at once with a line naming the store, and a stranger who only deletes
+or holds back keys makes it fail within `timeout_s`: never a hang (operations.md, "Security").
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import re
 import socket
 import time
 
@@ -26,9 +32,11 @@ from .config import ParallelConfig
 from .group import GroupError
 from .peers import RENDEZVOUS_GONE
 
-__all__ = ["JoinError", "join", "shape_of"]
+__all__ = ["JoinError", "ForeignEntry", "join", "shape_of"]
 
 _SCAN_S = 0.5
+#: how often a rank that came before rank 0 tries the store's port (a refused connect costs microseconds)
+_PORT_POLL_S = 0.02
 TELL_S = 5.0  # how long rank 0 keeps the store open after a disagreement, for late ranks to hear of it
 
 log = logging.getLogger("rayfree.cluster.join")
@@ -36,6 +44,16 @@ log = logging.getLogger("rayfree.cluster.join")
 
 class JoinError(GroupError):
     """Ranks did not all join the world in time, or they disagree on its shape; the message says which."""
+
+
+class ForeignEntry(JoinError):
+    """The store holds what no rayfree rank wrote, or lost what one did: something else reached it."""
+
+    def __init__(self, rank: int, where: str, what: str) -> None:
+        super().__init__(
+            f"rank {rank}: the rendezvous at {where} {what}: something other than this cluster's ranks reached "
+            f"node 0's master port (it has no secret: keep it on the nodes' private network)"
+        )
 
 
 def shape_of(par: ParallelConfig) -> str:
@@ -56,7 +74,7 @@ def _wait_for_port(host: str, port: int, deadline: float) -> bool:
             with socket.create_connection((host, port), timeout=min(1.0, left)):
                 return True
         except OSError:
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(_PORT_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
 def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, shape: str = "", node: int = -1):
@@ -113,7 +131,9 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
             # the first claimant must see it before rank 0's node, failing, takes the rendezvous down
             if now >= next_scan or now >= deadline or store.check(["rayfree/duplicate"]):
                 missing = [r for r in range(world_size) if not store.check([keys[r]])]
-                seen = _check_agreement(store, seen, me, rank, deadline)
+                if rank in missing:
+                    raise ForeignEntry(rank, f"{host}:{port}", f"lost rank {rank}'s own entry (someone deleted it)")
+                seen = _check_agreement(store, seen, me, rank, deadline, f"{host}:{port}")
                 next_scan = now + _SCAN_S
             if now >= deadline:
                 raise JoinError(
@@ -122,7 +142,7 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
                     f"{time.monotonic() - t0:.1f}s); check that their node started and can reach {host}"
                 )
             time.sleep(0.02)
-        _check_agreement(store, seen, me, rank, deadline)
+        _check_agreement(store, seen, me, rank, deadline, f"{host}:{port}", final=True)
     except JoinError:
         raise
     except Exception as e:  # noqa: BLE001 - the store went away: rank 0 gave up or died
@@ -171,17 +191,31 @@ def _where(entry: str) -> str:
     return f"node {f[2]} ({f[3]})" if f[2] != "-1" else f"the process at {f[3]}"
 
 
-def _check_agreement(store, seen: int, me: str, rank: int, deadline: float) -> int:
+def _check_agreement(
+    store, seen: int, me: str, rank: int, deadline: float, where: str = "", final: bool = False
+) -> int:
     """Read the arrivals after the first `seen`; JoinError if one's world or shape is not this rank's, or two
-    nodes claimed one rank."""
+    nodes claimed one rank; ForeignEntry for what no rank wrote. Returns how many were read. (An arrival is
+    counted before its entry is written: one not there yet is read at the next scan; at the `final` check,
+    when every rank has joined, one still missing after a moment was never a rank's.)"""
     if store.check(["rayfree/duplicate"]):
-        err = JoinError(store.get("rayfree/duplicate").decode())
+        text = store.get("rayfree/duplicate").decode(errors="replace")
+        err = JoinError(text) if _DUPLICATE.match(text) else ForeignEntry(rank, where, f"holds {text[:60]!r}")
         if rank == 0:
             _tell_late_ranks(store, err, deadline)
         raise err
     count = int(store.add("rayfree/arrivals", 0))
     for i in range(seen + 1, count + 1):
-        other = store.get(f"rayfree/arrival/{i}").decode()
+        key = f"rayfree/arrival/{i}"
+        if not store.check([key]):
+            if not final:
+                return i - 1
+            time.sleep(_SCAN_S)
+            if not store.check([key]):
+                raise ForeignEntry(rank, where, f"counts {count} arrivals but has no entry for arrival {i}")
+        other = store.get(key).decode(errors="replace")
+        if not _ENTRY.match(other):
+            raise ForeignEntry(rank, where, f"holds an arrival no rank wrote ({other[:60]!r})")
         if _fields(other)[4] != _fields(me)[4]:
             err = JoinError(_secrets_differ(me, other))
             if rank == 0:
@@ -206,13 +240,20 @@ def _tell_late_ranks(store, err: JoinError, deadline: float) -> None:
     try:
         while time.monotonic() < until:
             count = int(store.add("rayfree/arrivals", 0))
-            worlds = [int(_world_and_shape(store.get(f"rayfree/arrival/{i}").decode())[0]) for i in range(1, count + 1)]
+            keys = [f"rayfree/arrival/{i}" for i in range(1, count + 1)]
+            entries = [store.get(k).decode(errors="replace") for k in keys if store.check([k])]  # (get blocks)
+            worlds = [int(_world_and_shape(e)[0]) for e in entries if _ENTRY.match(e)] or [0]
             if all(store.check([f"rayfree/join/{r}"]) for r in range(max(worlds))):
                 time.sleep(2 * _SCAN_S)  # the last to come reads the arrivals at its next scan
                 return
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - telling them is best effort; the error stands
         return
+
+
+#: what a rank's entry looks like (rank|world|node|address|fingerprint|shape), and a duplicate claim's text
+_ENTRY = re.compile(r"\d+\|\d+\|-?\d+\|[^|]+\|[^|]+\|[^|]*$")
+_DUPLICATE = re.compile(r"two nodes claim rank \d+: ")
 
 
 def _fields(entry: str) -> list[str]:

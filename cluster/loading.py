@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -103,7 +104,7 @@ def _parse_value(name: str, text: str) -> Any:
     t = _field_type(name)
     if text.strip().lower() in ("", "none", "null") and "None" in str(t):
         return None
-    if t is str:
+    if t is str or set(typing.get_args(t)) == {str, type(None)}:  # (a string, or one that may be unset)
         return text
     if t is bool and text.strip():  # the spellings environment variables use
         try:
@@ -129,7 +130,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             metavar="V",
             default=None,
             help=argparse.SUPPRESS
-            if name not in _SHORT and name not in ("nnodes", "node_rank", "master_addr", "master_port")
+            if name not in _SHORT
+            and name not in ("nnodes", "node_rank", "master_addr", "master_port", "device_ids", "numa_bind")
             else None,
         )
 

@@ -54,6 +54,8 @@ _ADOPTED = False
 _TIMEOUT_S = 120.0
 _FORCE_REMOTE: bool | None = None
 _MASTER = "127.0.0.1"
+#: the backend of the groups' device halves (None: they are the gloo groups)
+_DEVICE_BACKEND: str | None = None
 
 
 def _parse_init_method(method: str) -> tuple[str, int]:
@@ -74,12 +76,16 @@ def init_distributed_environment(
     force_remote: bool | None = None,
     shape: str = "",
     node: int = -1,
+    device_backend: str | None = None,
 ) -> Group:
     """Join the world (torch.distributed, gloo on CPU) and return the world group.
 
-    `shape` (join.shape_of) and `node` let a rank that finds others with another shape say so.
+    `shape` (join.shape_of) and `node` let a rank that finds others with another shape say so. With
+    `device_backend` ("nccl" on GPUs) every group is a pair, as vLLM's GroupCoordinator: `cpu_group` (gloo,
+    the control plane's bytes) and `device_group` (that backend, the tensors on the device); without, the
+    device group is the gloo group itself.
     """
-    global _WORLD, _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER
+    global _WORLD, _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER, _DEVICE_BACKEND
     if _WORLD is not None:
         if _WORLD.world_size != world_size or _WORLD.rank != rank:
             raise GroupError(f"already initialized as rank {_WORLD.rank} of {_WORLD.world_size}")
@@ -93,7 +99,14 @@ def init_distributed_environment(
     )
     _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER = store, timeout_s, force_remote, host
     _WORLD = _make_group("world", list(range(world_size)), dist.group.WORLD)
+    _DEVICE_BACKEND = device_backend
+    if device_backend is not None:
+        _WORLD.device_group = _new_group(list(range(world_size)), device_backend)
     return _WORLD
+
+
+def _new_group(ranks: list[int], backend: str) -> Any:
+    return dist.new_group(ranks, backend=backend, timeout=datetime.timedelta(seconds=_TIMEOUT_S))
 
 
 def adopt_distributed_environment(
@@ -185,13 +198,15 @@ def initialize_model_parallel(parallel_config: ParallelConfig) -> None:
             # new_group is collective: every rank creates every group and keeps its own.
             # One-rank groups need no process group; whole-world ones reuse the world's.
             if len(ranks) == 1:
-                pg = None
+                pg = dev = None
             elif len(ranks) == world.world_size:
-                pg = world.cpu_group
+                pg, dev = world.cpu_group, world.device_group
             else:
-                pg = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=_TIMEOUT_S))
+                pg = _new_group(ranks, "gloo")
+                dev = _new_group(ranks, _DEVICE_BACKEND) if _DEVICE_BACKEND else pg
             if world.rank in ranks:
                 _GROUPS[kind] = _make_group(kind, ranks, pg)
+                _GROUPS[kind].device_group = dev
 
 
 def model_parallel_is_initialized() -> bool:
@@ -252,8 +267,9 @@ def destroy_model_parallel() -> None:
 
 def destroy_distributed_environment() -> None:
     """Leave torch.distributed (after destroy_model_parallel) and drop the world group."""
-    global _WORLD, _STORE, _ADOPTED
+    global _WORLD, _STORE, _ADOPTED, _DEVICE_BACKEND
     destroy_model_parallel()
+    _DEVICE_BACKEND = None
     if _WORLD is not None:
         _WORLD.destroy()
         _WORLD = None

@@ -30,12 +30,13 @@ class TPLinearWorker(WorkerBase):
         weight = full_layer().weight.detach()
         self.width = IN // self.tp.world_size
         self.lo = self.tp.rank_in_group * self.width
-        self.weight = weight[:, self.lo : self.lo + self.width].clone()  # this rank's columns
+        # this rank's columns, on its device (cuda:{device_index} on a GPU node, the CPU here)
+        self.weight = weight[:, self.lo : self.lo + self.width].clone().to(self.device)
 
     def execute_model(self, x: torch.Tensor) -> torch.Tensor:
-        partial = x[:, self.lo : self.lo + self.width] @ self.weight.T
+        partial = x[:, self.lo : self.lo + self.width].to(self.device) @ self.weight.T
         dist.all_reduce(partial, group=self.tp.device_group)  # the sum over the TP ranks: the full product
-        return partial
+        return partial.cpu()
 
 
 def main(tp: int = 2) -> float:

@@ -10,8 +10,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from rayfree import settings
+from rayfree.cluster.config import ClusterConfig, ConfigError
+from rayfree.cluster.devices import DeviceError, Placement, Topology, place, visible_devices
 
-__all__ = ["start_context", "worker_env", "main_in_worker"]
+__all__ = ["start_context", "worker_env", "main_in_worker", "placements", "placed"]
 
 
 def start_context() -> Any:
@@ -60,3 +62,53 @@ def worker_env() -> Iterator[None]:
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def placements(config: ClusterConfig) -> list[Placement]:
+    """The places of this executor's workers: the node's places for every DP replica it runs (so replicas get
+    disjoint devices), this replica's slice. Refused, before any worker starts, when the node runs more ranks
+    than it has devices (ConfigError, one line naming both)."""
+    par = config.parallel
+    topo = Topology.read(settings.get("RAYFREE_TOPOLOGY_ROOT")).within(os.sched_getaffinity(0))
+    replicas = par.node_replicas if par.dp_rank in par.node_replicas else [par.dp_rank]
+    try:
+        visible = visible_devices(topo, os.environ, config.device_ids)
+        every = place(
+            topo,
+            visible,
+            len(replicas) * par.local_ranks,
+            numa_bind=config.numa_bind,
+            per_rank_visible_devices=config.per_rank_visible_devices,
+            gpu_nics=config.gpu_nics,
+            node=par.node_rank,
+        )
+    except DeviceError as e:
+        raise ConfigError(f"{e} (refused before starting any worker)") from None
+    first = replicas.index(par.dp_rank) * par.local_ranks
+    out = every[first : first + par.local_ranks]
+    if visible and "CUDA_DEVICE_ORDER" not in os.environ:  # the driver's order, which device ids follow here
+        out = [Placement(p.device, p.cpus, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", **p.env}, p.numa) for p in out]
+    return out
+
+
+@contextlib.contextmanager
+def placed(p: Placement) -> Iterator[None]:
+    """While one worker starts: its own variables in the environment, and this thread bound to its CPUs, which
+    a spawned or forked child inherits from its first instruction on (before it imports torch or allocates:
+    Linux then allocates its memory on the NUMA node it runs on). Both are restored afterwards; the worker
+    applies them again itself (worker_main), for a forkserver's children."""
+    saved_env = {k: os.environ.get(k) for k in p.env}
+    saved_cpus = os.sched_getaffinity(0) if p.cpus is not None else None
+    os.environ.update(p.env)
+    try:
+        if p.cpus is not None:
+            os.sched_setaffinity(0, p.cpus)  # (0: this thread alone, on Linux)
+        yield
+    finally:
+        if saved_cpus is not None:
+            os.sched_setaffinity(0, saved_cpus)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -43,6 +43,8 @@ class WorkerStatus(msgspec.Struct):
     pid: int
     title: str
     state: str  # "running", "sleeping (waiting)", "stopped (SIGSTOP?)", "gone", ...
+    device: int | None = None  # its GPU, by index among those it sees (None: no GPU)
+    cpus: str = ""  # the CPUs it is bound to, when numa_bind binds it ("" : not bound)
 
 
 class CallStatus(msgspec.Struct):
@@ -116,9 +118,28 @@ def worker_statuses(ex: ReplicaView) -> list[WorkerStatus]:
             w.proc.pid or -1,
             w.title,
             proc_state(w.proc.pid) if w.proc.pid else "not started",
+            w.device,
+            _bound_cpus(w.proc.pid),
         )
         for w in ex.workers
     ]
+
+
+def _bound_cpus(pid: int | None) -> str:
+    """`pid`'s CPUs as a cpulist, when they are fewer than this node process's own ("": not bound, or gone)."""
+    try:
+        mine, its = os.sched_getaffinity(0), os.sched_getaffinity(pid or -1)
+    except OSError:
+        return ""
+    if its >= mine:
+        return ""
+    runs: list[list[int]] = []
+    for c in sorted(its):
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def relay_status(ex: ReplicaView) -> RelayStatus | None:

@@ -38,7 +38,7 @@ from rayfree.worker.titles import title_for
 
 from .errors import StartupTimeout, WorkerStartupError
 from .monitor import CONSEQUENCE_HOLD_S, WorkerMonitor
-from .spawning import main_in_worker, start_context, worker_env
+from .spawning import main_in_worker, placed, placements, start_context, worker_env
 
 __all__ = ["WorkerGroup", "WorkerHandle", "ExitedProcess", "StartupAborted", "exit_description", "start_context"]
 
@@ -96,6 +96,8 @@ class WorkerHandle:
     ready_pipe: Connection | None
     death_writer: Connection | None
     title: str = "Worker"
+    #: its device (index among the devices it sees; None without GPUs), placed by the node (devices.py)
+    device: int | None = None
     #: set at READY: its reply queue's handle, (worker 0, multi-node) every rank's, and (a follower's first
     #: worker, relay) the leader's queue handle and where this node's relay subscribes to it
     reply_handle: bytes | None = None
@@ -138,6 +140,7 @@ class WorkerGroup:
         par = self.config.parallel
         inherited: list[int] | None = [] if context.get_start_method() == "fork" else None
         policy = security.current()  # handed to each worker explicitly (never through os.environ)
+        places = placements(self.config)
         with _SPAWN_LOCK, worker_env():
             for local_rank, rank in enumerate(self.ranks):
                 ready_r, ready_w = context.Pipe(duplex=False)
@@ -165,12 +168,14 @@ class WorkerGroup:
                     death_pipe=death_r,
                     inherited_fds=list(inherited or []),
                     payload=payload,
+                    placement={"env": places[local_rank].env, "cpus": places[local_rank].cpus},
                 )
                 proc = context.Process(target=worker_main, kwargs=kwargs, name=f"RayfreeWorker-{rank}", daemon=True)
                 try:
                     spawning = context.get_start_method() == "spawn"
                     with main_in_worker(proc._kwargs) if spawning else contextlib.nullcontext():  # type: ignore[attr-defined]
-                        proc.start()
+                        with placed(places[local_rank]):
+                            proc.start()
                 except (pickle.PicklingError, TypeError, AttributeError) as e:
                     for c in (ready_r, death_w):
                         c.close()
@@ -182,7 +187,8 @@ class WorkerGroup:
                 finally:
                     ready_w.close()
                     death_r.close()
-                self.workers.append(WorkerHandle(rank, proc, ready_r, death_w, title_for(par, rank)))
+                title = title_for(par, rank)
+                self.workers.append(WorkerHandle(rank, proc, ready_r, death_w, title, places[local_rank].device))
 
     def wait_ready(self, timeout: float | None) -> None:
         """Every worker's READY; WorkerStartupError naming whoever failed, StartupTimeout naming who was late

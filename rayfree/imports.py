@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import os
 import sys
 from typing import Any
 
-__all__ = ["load_object", "SpecError"]
+__all__ = ["load_object", "SpecError", "check_spec"]
 
 
 class SpecError(ValueError):
@@ -57,3 +58,56 @@ def load_object(spec: str, what: str) -> Any:
         except AttributeError:
             raise SpecError(f"{what} {spec!r}: {mod!r} has no {part!r}") from None
     return obj
+
+
+def check_spec(spec: str, what: str) -> bool | None:
+    """Is `spec` ('pkg.mod:Name') right, judged without running its module (which may import torch: a node
+    process that only starts workers has no use for it)? True: its module's source defines or imports the name
+    at top level; SpecError: the form is wrong, or the source surely lacks the name (or defines a function
+    where a class is asked for); None: it cannot tell (no source here, a module-level __getattr__ or `import
+    *`, names made as it runs, a script path), and the caller imports it or leaves it to the workers."""
+    mod, sep, name = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
+    if not sep or not mod or not name:
+        raise SpecError(f"{what} {spec!r}: write it as 'package.module:Name' (or 'script.py:name')")
+    if mod.endswith(".py") or os.sep in mod or mod in sys.modules:
+        return None
+    try:
+        found = importlib.util.find_spec(mod)
+    except (ImportError, ValueError):
+        return None
+    if found is None or not found.origin or not found.origin.endswith(".py"):
+        return None
+    try:
+        with open(found.origin, "rb") as f:
+            source = f.read()
+        tree = ast.parse(source, found.origin)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    if any(w in source for w in (b"globals()", b"exec(", b"setattr(sys.modules", b"sys.modules[__name__]")):
+        return None  # it makes names as it runs: only an import tells
+    top = name.split(".")[0]
+    kinds: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            kinds[node.name] = "class"
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            kinds[node.name] = "function" if node.name != "__getattr__" else "getattr"
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                kinds[(a.asname or a.name).split(".")[0]] = "*" if a.name == "*" else "other"
+        else:  # assignments, and anything defined or imported under a top-level if / try
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Name) and isinstance(sub.ctx, ast.Store):
+                    kinds.setdefault(sub.id, "other")
+                elif isinstance(sub, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    kinds.setdefault(sub.name, "other")
+                elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+                    for a in sub.names:
+                        kinds.setdefault((a.asname or a.name).split(".")[0], "*" if a.name == "*" else "other")
+    if top in kinds:
+        if what == "worker class" and "." not in name and kinds[top] == "function":
+            raise SpecError(f"{what} {spec!r}: {name!r} in {mod!r} is a function, not a class")
+        return True
+    if "getattr" in kinds.values() or "*" in kinds.values():
+        return None
+    raise SpecError(f"{what} {spec!r}: {mod!r} has no {top!r}")

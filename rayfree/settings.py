@@ -136,6 +136,19 @@ TABLE: dict[str, Setting] = {
         Setting(
             "RAYFREE_WORKER_MULTIPROC_METHOD", "spawn", _str, "how worker processes start: spawn, fork or forkserver"
         ),
+        Setting(
+            "RAYFREE_LOCAL_DEVICE",
+            None,
+            int,
+            "set by the node in each worker on a GPU node, not by operators: the worker's device, by index among "
+            "those it sees (WorkerBase.device_index)",
+        ),
+        Setting(
+            "RAYFREE_TOPOLOGY_ROOT",
+            "/",
+            _str,
+            "where a node reads its GPUs and NUMA nodes (/proc/driver/nvidia, /sys) from: a test's own tree",
+        ),
         Setting("RAYFREE_LOG_LEVEL", "INFO", _str, "log level of rayfree's processes (node, workers)"),
         # `rayfree node`
         Setting("RAYFREE_WORKER", None, _str, "`rayfree node --worker`: the engine's worker class, pkg.mod:Class"),

@@ -162,6 +162,7 @@ def simulated_cluster(
     args: Sequence[str] = (),
     cwd: str | None = None,
     pythonpath: Sequence[str] = (),
+    node_env: dict[int, dict[str, str]] | None = None,
 ) -> Iterator[SimulatedRun]:
     """Start `rayfree node` on `nnodes` simulated nodes and yield the running cluster; remove everything on exit.
 
@@ -176,6 +177,7 @@ def simulated_cluster(
         args: more `rayfree node` options for every node (say ``["--health-port", "8000"]``).
         cwd: where the nodes run (default: this process's directory); it is put first on their PYTHONPATH.
         pythonpath: more directories on the nodes' PYTHONPATH.
+        node_env: more environment for one node alone, by node rank (its devices, say).
     """
     if nnodes < 1:
         raise ValueError(f"nnodes must be >= 1, got {nnodes}")
@@ -205,8 +207,8 @@ def simulated_cluster(
             ]  # fmt: skip
             if worker_kwargs:
                 argv += ["--worker-kwargs", json.dumps(worker_kwargs)]
-            node_env = {"PYTHONPATH": path, "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {})}
-            nodes.append(NodeRun(node, argv, node_env, cwd))
+            own = {"PYTHONPATH": path, "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {}), **(node_env or {}).get(k, {})}
+            nodes.append(NodeRun(node, argv, own, cwd))
         yield run
     finally:
         run.close()

@@ -9,11 +9,15 @@ needs; the defaults are what a CPU-only toy needs.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from rayfree import settings
 from rayfree.cluster.config import ClusterConfig
 
 __all__ = ["WorkerBase"]
+
+logger = logging.getLogger("rayfree.worker")
 
 
 class WorkerBase:
@@ -35,16 +39,39 @@ class WorkerBase:
         self.distributed_init_method = distributed_init_method
         self.is_driver_worker = is_driver_worker
         self.kwargs = kwargs
+        #: this worker's GPU, by its index among the devices the process sees (the node placed it: its own
+        #: device, disjoint from every other worker's of the node, DP replicas' included); None without GPUs.
+        #: Use it, not `local_rank`, to pick the device.
+        self.device_index: int | None = settings.get("RAYFREE_LOCAL_DEVICE")
+        #: where this worker's tensors live (set by init_device)
+        self.device: Any = None
+
+    #: the backend of every group's device half; None: "nccl" when the worker has a CUDA device, else no second
+    #: group (the device group is the gloo group)
+    device_backend: str | None = None
 
     def init_device(self) -> None:
-        """Join the torch.distributed world (gloo, every DP replica's ranks) and build the parallel groups.
+        """Select this worker's device (`cuda:{device_index}` when CUDA is present, else the CPU), join the
+        torch.distributed world (every DP replica's ranks) and build the parallel groups, each a pair: a gloo
+        `cpu_group` for the control plane and a `device_group` for tensors (NCCL on CUDA)."""
+        import torch
 
-        GPU engines override this to select `cuda:{local_rank}` first and then
-        call `super().init_device()`.
-        """
         from rayfree.cluster.join import shape_of
         from rayfree.cluster.parallel_state import init_distributed_environment, initialize_model_parallel
 
+        backend = self.device_backend
+        if self.device_index is not None and torch.cuda.is_available():
+            torch.cuda.set_device(self.device_index)
+            self.device = torch.device("cuda", self.device_index)
+            backend = backend or "nccl"
+        else:
+            if self.device_index is None and torch.cuda.is_available():
+                logger.warning(
+                    "rank %d: CUDA is available but this node placed no GPU on it (the driver's "
+                    "/proc/driver/nvidia/gpus lists none): it runs on the CPU",
+                    self.rank,
+                )
+            self.device = torch.device("cpu")
         par = self.parallel_config
         # `rank` is the rank within this DP replica (the executor's); the world spans every replica.
         init_distributed_environment(
@@ -56,6 +83,7 @@ class WorkerBase:
             force_remote=self.config.force_remote or None,
             shape=shape_of(par),
             node=par.node_rank if par.nnodes > 1 else -1,
+            device_backend=backend,
         )
         initialize_model_parallel(self.parallel_config)
 

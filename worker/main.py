@@ -182,11 +182,22 @@ class Deferred:
         return pickle.loads(self._data)
 
 
+def _apply_placement(placement: dict[str, Any] | None) -> None:
+    """This worker's own variables and CPUs (executor/spawning.py set them at spawn already; a forkserver's
+    child starts from the server's instead), before the engine's main module and torch are imported."""
+    if not placement:
+        return
+    os.environ.update(placement["env"])
+    if placement["cpus"] is not None:
+        os.sched_setaffinity(0, placement["cpus"])
+
+
 def worker_main(**kwargs: Any) -> None:
     """Entry point of the worker process (the parent's WorkerGroup passes these keyword arguments).
 
     The signal handlers come first and everything after them sits in one try/finally, so an interrupt from
     the lifeline (the parent died) always lands where the clean-up below runs."""
+    _apply_placement(kwargs.pop("placement", None))  # first: every thread of the worker inherits its CPUs
     status: Connection | None = kwargs.pop("ready_pipe")
     death_pipe = kwargs.pop("death_pipe", None)
     forked = kwargs.pop("start_method", "spawn") == "fork"

@@ -22,7 +22,7 @@ import cloudpickle
 
 from rayfree.cluster.config import ClusterConfig
 from rayfree.cluster.peers import peer_gone
-from rayfree.imports import SpecError, load_object
+from rayfree.imports import SpecError, check_spec, load_object
 from rayfree.supervisor import supervisor
 from rayfree.transport import Handle, MessageQueue, TransportError
 
@@ -67,6 +67,8 @@ def check_worker_path(spec: str) -> None:
     from rayfree.cluster.config import ConfigError
 
     try:
+        if check_spec(spec, "worker class"):
+            return  # read from its source: its module (and torch with it) is imported where the workers run
         resolve_worker_cls(spec)
     except (SpecError, TypeError) as e:
         raise ConfigError(str(e)) from None

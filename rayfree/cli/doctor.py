@@ -12,24 +12,17 @@ import argparse
 import os
 import socket
 import sys
-from dataclasses import dataclass
 
 from rayfree import settings
 from rayfree.cluster.config import ClusterConfig, ConfigError
 from rayfree.cluster.loading import load_config
 from rayfree.transport.secure.policy import SecretError
 
+from .checks import Check
+
 __all__ = ["run_doctor", "Check", "diagnose"]
 
 GiB = 1 << 30
-
-
-@dataclass
-class Check:
-    name: str
-    status: str  # "ok", "warn", "FAIL"
-    detail: str
-    fix: str = ""
 
 
 def _fmt(n: float) -> str:
@@ -321,7 +314,9 @@ def diagnose(
     checks += [ip_check, check_master(config, quick)]
     if not quick:
         checks.append(check_ports(config))
-    checks += [check_ifnames(ip), check_stale(fix, ask)]
+    from .doctor_gpu import check_collectives_address, gpu_checks
+
+    checks += [check_ifnames(ip), check_collectives_address(ip), *gpu_checks(config), check_stale(fix, ask)]
     return checks
 
 

@@ -63,11 +63,16 @@ def format_status(st: ClusterStatus) -> str:
         lines.append(f"{n.node:<5}{n.ip:<16}{n.state:<12}{beat:<11}{rtt:<9}{str(n.ranks):<18}{n.replicas}")
     lines.append("")
     width = max([len(w.title) for n in st.nodes for w in n.workers] + [12]) + 11
-    lines.append(f"{'node':<5}{'rank':<6}{'world':<7}{'pid':>8}  {'process':<{width}}state")
+    placed = any(w.device is not None or w.cpus for n in st.nodes for w in n.workers)
+    lines.append(
+        f"{'node':<5}{'rank':<6}{'world':<7}{'pid':>8}  {'process':<{width}}state"
+        + ("  [device cpus]" if placed else "")
+    )
     for n in st.nodes:
         for w in n.workers:
+            where = f"  [{'-' if w.device is None else w.device} {w.cpus or '-'}]" if placed else ""
             lines.append(
-                f"{n.node:<5}{w.rank:<6}{w.global_rank:<7}{w.pid:>8}  {'rayfree::' + w.title:<{width}}{w.state}"
+                f"{n.node:<5}{w.rank:<6}{w.global_rank:<7}{w.pid:>8}  {'rayfree::' + w.title:<{width}}{w.state}{where}"
             )
         if not n.workers:
             lines.append(f"{n.node:<5}(no worker reported" + (": node lost)" if n.state == "lost" else ")"))

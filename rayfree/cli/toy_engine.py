@@ -76,7 +76,11 @@ class ToyWorker(WorkerBase):
         mine = weights[self.pp.rank_in_group * per_stage : (self.pp.rank_in_group + 1) * per_stage]
         cols = h // self.tp.world_size
         lo = self.tp.rank_in_group * cols
-        self.layers = [(w1[lo : lo + cols].contiguous(), w2[:, lo : lo + cols].contiguous()) for w1, w2 in mine]
+        self.dev = self.device if self.device is not None else torch.device("cpu")  # cuda:{device_index} on GPUs
+        self.layers = [
+            (w1[lo : lo + cols].contiguous().to(self.dev), w2[:, lo : lo + cols].contiguous().to(self.dev))
+            for w1, w2 in mine
+        ]
         self.last_step_s = 0.0
         self.last_dp_sum = 0.0
 
@@ -90,17 +94,19 @@ class ToyWorker(WorkerBase):
             total = x.sum().reshape(1)
             dist.all_reduce(total, group=self.dp.cpu_group)
             self.last_dp_sum = float(total.item())
+        x = x.to(self.dev)  # tensors on the device go over the device groups (the gloo groups themselves on CPU)
         if pp.rank_in_group > 0:
             x = torch.empty_like(x)
-            dist.recv(x, src=pp.ranks[pp.rank_in_group - 1], group=pp.cpu_group)
+            dist.recv(x, src=pp.ranks[pp.rank_in_group - 1], group=pp.device_group)
         for w1, w2 in self.layers:
             partial = torch.relu(x @ w1.T) @ w2.T
             if self.tp.world_size > 1:
-                dist.all_reduce(partial, group=self.tp.cpu_group)
+                dist.all_reduce(partial, group=self.tp.device_group)
             x = x + partial
         if pp.rank_in_group < pp.world_size - 1:
-            dist.send(x, dst=pp.ranks[pp.rank_in_group + 1], group=pp.cpu_group)
+            dist.send(x, dst=pp.ranks[pp.rank_in_group + 1], group=pp.device_group)
             x = None
+        x = None if x is None else x.cpu()
         self.last_output = x
         self.last_step_s = time.perf_counter() - t0
         return x

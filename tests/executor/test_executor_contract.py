@@ -145,6 +145,7 @@ def test_a_class_only_the_workers_could_import_shows_the_first_workers_error_onc
         "import multiprocessing\n"
         "if multiprocessing.parent_process() is None:\n"
         "    raise ImportError('only the workers can import this module')\n"
+        "globals().update(Present=object)  # names made as it runs: its source cannot tell what it has\n"
     )
     script = (
         "from rayfree import ClusterConfig, ParallelConfig, MultiprocExecutor, WorkerStartupError\n"

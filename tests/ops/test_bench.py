@@ -94,3 +94,19 @@ def test_scale_bench_runs_and_counts_the_copies_out_of_node_0() -> None:
     copies = {r[0]: float(r[2]) for r in rows}
     assert 1.9 <= copies["flat"] <= 2.3 and 0.95 <= copies["relay"] <= 1.2, out.stdout
     assert re.search(r"floor \(raw pyzmq .*tiny p50 [\d.]+ us, 1 MiB p50 [\d.]+ ms", out.stdout), out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_gpu_check_says_there_is_no_gpu_and_runs_its_plumbing_on_the_cpu(tmp_path) -> None:
+    """`make gpu-check` on this machine (no GPU): one line, exit 0, nothing run; `--on-cpu` runs the same script's
+    executor and two-node paths on the CPU, tokens checked against the reference."""
+    env = {**os.environ, "RAYFREE_TOPOLOGY_ROOT": str(tmp_path)}  # a node whose driver lists no GPU
+    script = os.path.join(ROOT, "bench", "gpu_check.py")
+    out = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "no NVIDIA GPU on this machine" in out.stdout and "TP=" not in out.stdout, out
+    out = subprocess.run(
+        [sys.executable, script, "--on-cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=200
+    )
+    assert out.returncode == 0 and re.search(r"TP=2 per step p50 \d+ us", out.stdout), f"{out.stdout}\n{out.stderr}"
+    if os.geteuid() == 0:
+        assert "two simulated nodes, TP=2 across them" in out.stdout, out.stdout

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from rayfree.transport import get_open_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TWO_NODES = [
     "--nnodes",
@@ -113,3 +115,24 @@ def test_the_words_on_security_match_what_runs() -> None:
         with open(os.path.join(ROOT, f)) as fh:
             text = fh.read()
         assert "CURVE-authenticated, encrypted" not in text and "encrypted TCP" not in text, f
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--tp", "4"], "rayfree node: node 0 runs 4 worker(s) but sees 2 device(s) (0, 1): give it more GPUs"),
+        (["--tp", "2", "--numa-bind", "near"], "rayfree node: numa_bind='near': use auto, none, or NUMA node ids"),
+        (["--tp", "2", "--device-ids", "5"], "rayfree node: device_ids='5': position 5 is past the 2 device(s)"),
+    ],
+)
+def test_a_gpu_node_short_of_devices_or_given_a_wrong_device_setting_says_so_in_one_line(tmp_path, args, says) -> None:
+    from tests.support.topology import fake_topology
+
+    port = get_open_port("127.0.0.1")
+    env = {"RAYFREE_TOPOLOGY_ROOT": str(fake_topology(tmp_path, [0, 1], {0: "0", 1: "1"}))}
+    worker = ["--worker", "rayfree.cli.toy_engine:ToyWorker", "--entry", "rayfree.cli.demo:drive"]
+    r = run(["node", *args, "--master-port", str(port), *worker], env=env)
+    errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("rayfree node:")]
+    assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith(says), r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr

@@ -25,6 +25,7 @@ def test_gpu_services_reserve_gpus_share_memory_and_use_the_host_network() -> No
         devices = svc["deploy"]["resources"]["reservations"]["devices"]
         assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices), name
         assert svc.get("ipc") == "host" or svc.get("shm_size"), f"{name}: /dev/shm would be docker's 64 MB"
+        assert svc["ulimits"]["memlock"] == -1, f"{name}: pinned memory and RDMA need memlock unlimited"
         assert svc.get("network_mode") == "host", f"{name}: multi-node needs the hosts' network"
         assert svc["healthcheck"]["test"][1:] == ["rayfree", "doctor", "--quick"], name
         assert "profiles" not in svc

@@ -132,3 +132,30 @@ def test_dp_replicas_are_listed_with_this_node_s_place() -> None:
     )
     assert "node 1 of 2, 4 rank(s) here" in r.stdout, r.stdout
     assert "replica 3: node(s) [1], world ranks 6..7 <- this node (leads it)" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(90)
+def test_on_a_gpu_node_it_shows_each_workers_device_and_cpus_and_what_nccl_needs(tmp_path) -> None:
+    """A GPU node's files (a tree of the test's own): the devices seen with their UUID and NUMA node, each
+    worker's place under numa_bind=auto, the checks NCCL and CUDA need; a node short of devices fails."""
+    from tests.support.topology import fake_topology, uuid_of
+
+    env = {"RAYFREE_TOPOLOGY_ROOT": str(fake_topology(tmp_path, [0, 1], {0: "0", 1: "1"}))}
+    env = {**env, "CUDA_VISIBLE_DEVICES": "1,0"}
+    r = doctor("--quick", "--tp", "2", "--numa-bind", "auto", "--master-port", str(_free_port()), env=env)
+    devices = line(r.stdout, "devices")
+    assert "[ ok ]" in devices and f"1 ({uuid_of(1)}, NUMA 1), 0 ({uuid_of(0)}, NUMA 0)" in devices, r.stdout
+    assert "worker 0: device 0, cpus 1; worker 1: device 1, cpus 0" in devices, devices
+    for name in ("nccl shm", "ipc namespace", "memlock"):
+        assert line(r.stdout, name), r.stdout
+    r = doctor("--quick", "--tp", "4", "--master-port", str(_free_port()), env=env)
+    devices = line(r.stdout, "devices")
+    assert r.returncode == 1 and "[FAIL]" in devices and "runs 4 worker(s) but sees 2 device(s) (1, 0)" in devices
+
+
+def test_the_collectives_address_is_warned_of_when_public() -> None:
+    from rayfree.cli.doctor_gpu import check_collectives_address
+
+    assert check_collectives_address("10.1.2.3").status == "ok"
+    public = check_collectives_address("8.8.8.8")
+    assert public.status == "warn" and "neither authenticated nor encrypted" in public.detail and public.fix

@@ -184,3 +184,9 @@ class EchoWorker(WorkerBase):
         while time.monotonic() < end:
             pass
         return self.rank
+
+
+class PairedGroupsWorker(EchoWorker):
+    """Builds every group as a pair with a second backend, as a GPU worker does with NCCL (gloo here)."""
+
+    device_backend = "gloo"

@@ -1,0 +1,168 @@
+"""`make gpu-check`: rayfree on this machine's NVIDIA GPUs, in under five minutes; on a machine without one it
+says so and exits 0 having run nothing.
+
+What it runs (docs/gpu.md): the toy engine through MultiprocExecutor at TP=1 and, with two or more GPUs, TP=2,
+on CUDA (its tensors over NCCL device groups, its control plane over gloo), checked against the one-process
+reference; an NCCL all-reduce on the world's device group; per-step latency against the same run on the CPU;
+and, as root, two simulated nodes (network namespaces) sharing the GPUs, one GPU each.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+STEPS = 200
+
+
+def cuda_devices() -> int:
+    """How many GPUs CUDA sees, asked in a child (this process must not initialise CUDA: its workers would
+    inherit a broken context)."""
+    from rayfree import settings
+    from rayfree.cluster.devices import Topology
+
+    if not Topology.read(settings.get("RAYFREE_TOPOLOGY_ROOT")).gpus:
+        return 0
+    code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+
+
+def nccl_all_reduce(worker) -> tuple[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from rayfree.cluster.parallel_state import get_world_group
+
+    g = get_world_group()
+    t = torch.ones(1, device=worker.device) * (worker.rank + 1)
+    dist.all_reduce(t, group=g.device_group)
+    return dist.get_backend(g.device_group), float(t.item())
+
+
+def run(tp: int, gpu: bool) -> list[float]:
+    """Per-step seconds of STEPS toy steps at `tp`, on the GPUs or the CPU; the tokens checked on each."""
+    from rayfree import ClusterConfig, MultiprocExecutor, ParallelConfig
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not gpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the same engine on the CPU path
+    try:
+        config = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=tp), numa_bind="auto" if gpu else "none")
+        with MultiprocExecutor(config, "rayfree.cli.toy_engine:ToyWorker") as ex:
+            if gpu:
+                backend, total = ex.collective_rpc(nccl_all_reduce, timeout=120)[0]
+                assert backend == "nccl" and total == tp * (tp + 1) / 2, (backend, total)
+                print(f"  TP={tp}: NCCL all-reduce on the device group beside gloo's control plane: ok")
+            times = []
+            for step in range(STEPS):
+                batch = make_batch(step)
+                t0 = time.perf_counter()
+                ex.collective_rpc("execute_model", args=(batch,), timeout=120)
+                tokens = ex.collective_rpc("sample_tokens", timeout=120, unique_reply_rank=0)
+                times.append(time.perf_counter() - t0)
+                want = reference_forward(batch["x"]).argmax(dim=-1).tolist()
+                assert tokens == want, (step, tokens, want)
+        return times
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def drive(executor) -> None:
+    """The simulated nodes' entry: a few checked steps across the two nodes' GPUs."""
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+
+    for step in range(20):
+        batch = make_batch(step)
+        executor.collective_rpc("execute_model", args=(batch,), timeout=120)
+        tokens = executor.collective_rpc("sample_tokens", timeout=120, unique_reply_rank=0)
+        assert tokens == reference_forward(batch["x"]).argmax(dim=-1).tolist(), step
+    print("gpu-check: two nodes, 20 steps checked", flush=True)
+
+
+def two_nodes(n_gpus: int) -> None:
+    from rayfree.testing import simulated_cluster
+
+    per_node = {k: {"CUDA_VISIBLE_DEVICES": str(k % n_gpus)} for k in range(2)}  # (ignored on a node without GPUs)
+    with simulated_cluster(
+        2, worker="rayfree.cli.toy_engine:ToyWorker", entry="bench.gpu_check:drive", tp=2, cwd=ROOT, node_env=per_node
+    ) as c:
+        codes = c.wait(timeout=180)
+        assert codes == [0, 0] and "20 steps checked" in c.nodes[0].text(), c.output()
+    print("  two simulated nodes, TP=2 across them, one GPU each: 20 steps, tokens equal the reference")
+
+
+def vllm_compare(tp: int) -> None:
+    """With vLLM (CUDA build) installed: greedy tokens of a tiny local Llama through RayfreeExecutor and through
+    vLLM's own mp executor (tests/support/vllm_engine.py, as `make test-vllm` runs it on CPUs), equal, and the
+    wall time of each engine's two generate calls."""
+    probe = "import torch, vllm; print(torch.cuda.is_available())"
+    has = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    if has.returncode != 0 or has.stdout.strip() != "True":
+        print("  vLLM with CUDA is not installed here: its comparison skipped")
+        return
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rayfree-gpu-check-") as d:
+        model = os.path.join(d, "tiny-llama")
+        subprocess.run(
+            [sys.executable, "-m", "tests.support.vllm_tiny_model", model], cwd=ROOT, check=True, timeout=300
+        )
+        tokens, walls = {}, {}
+        for backend in ("mp", "rayfree"):
+            t = time.perf_counter()
+            out = subprocess.run(
+                [sys.executable, "-m", "tests.support.vllm_engine", model, backend, "generate", "--tp", str(tp)],
+                cwd=ROOT, capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+            walls[backend] = time.perf_counter() - t
+            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("TOKENS:")), None)
+            assert out.returncode == 0 and line, f"vLLM ({backend}) failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+            tokens[backend] = json.loads(line[len("TOKENS:") :])["calls"]
+    assert tokens["mp"] == tokens["rayfree"], tokens
+    print(
+        f"  vLLM TP={tp}: RayfreeExecutor's tokens equal vLLM's mp executor's; whole run (start, two generate "
+        f"calls, stop) {walls['rayfree']:.1f} s vs {walls['mp']:.1f} s"
+    )
+
+
+def main() -> int:
+    t0 = time.monotonic()
+    if "--on-cpu" in sys.argv:  # the script's own plumbing, on the CPU path (its test runs this)
+        global STEPS
+        STEPS = 30
+        print(f"gpu-check --on-cpu: TP=2 per step p50 {statistics.median(run(2, False)) * 1e6:.0f} us")
+        if os.geteuid() == 0:
+            two_nodes(1)
+        return 0
+    n = cuda_devices()
+    if n == 0:
+        print("gpu-check: no NVIDIA GPU on this machine (the driver lists none, or CUDA sees none): nothing run")
+        return 0
+    print(f"gpu-check: {n} GPU(s)")
+    for tp in [1, 2] if n >= 2 else [1]:
+        gpu, cpu = run(tp, True), run(tp, False)
+        g, c = statistics.median(gpu[20:]) * 1e6, statistics.median(cpu[20:]) * 1e6
+        print(f"  TP={tp}: per step (execute + sample, p50) {g:.0f} us on CUDA, {c:.0f} us on the CPU path")
+    if os.geteuid() == 0:
+        two_nodes(n)
+    else:
+        print("  two simulated nodes: skipped (needs root for network namespaces)")
+    vllm_compare(min(n, 2))
+    print(f"gpu-check: done in {time.monotonic() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
