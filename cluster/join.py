@@ -197,7 +197,7 @@ def _check_agreement(
     """Read the arrivals after the first `seen`; JoinError if one's world or shape is not this rank's, or two
     nodes claimed one rank; ForeignEntry for what no rank wrote. Returns how many were read. (An arrival is
     counted before its entry is written: one not there yet is read at the next scan; at the `final` check,
-    when every rank has joined, one still missing after a moment was never a rank's.)"""
+    when every rank has joined, one still missing after TELL_S was never a rank's.)"""
     if store.check(["rayfree/duplicate"]):
         text = store.get("rayfree/duplicate").decode(errors="replace")
         err = JoinError(text) if _DUPLICATE.match(text) else ForeignEntry(rank, where, f"holds {text[:60]!r}")
@@ -210,7 +210,9 @@ def _check_agreement(
         if not store.check([key]):
             if not final:
                 return i - 1
-            time.sleep(_SCAN_S)
+            until = min(deadline, time.monotonic() + TELL_S)  # (its rank may be descheduled between the two)
+            while not store.check([key]) and time.monotonic() < until:
+                time.sleep(_PORT_POLL_S)
             if not store.check([key]):
                 raise ForeignEntry(rank, where, f"counts {count} arrivals but has no entry for arrival {i}")
         other = store.get(key).decode(errors="replace")
