@@ -11,9 +11,9 @@ from typing import Any
 
 from rayfree import settings
 from rayfree.cluster.config import ClusterConfig, ConfigError
-from rayfree.cluster.devices import DeviceError, Placement, Topology, place, visible_devices
+from rayfree.cluster.devices import DeviceError, Placement, Topology, Visible, place, visible_devices
 
-__all__ = ["start_context", "worker_env", "main_in_worker", "placements", "placed"]
+__all__ = ["start_context", "worker_env", "main_in_worker", "node_topology", "node_places", "placements", "placed"]
 
 
 def start_context() -> Any:
@@ -64,26 +64,39 @@ def worker_env() -> Iterator[None]:
             os.environ.pop("OMP_NUM_THREADS", None)
 
 
+def node_topology() -> Topology:
+    """This node's GPUs and NUMA nodes, with the CPUs this process may use (its cpuset)."""
+    return Topology.read(settings.get("RAYFREE_TOPOLOGY_ROOT")).within(os.sched_getaffinity(0))
+
+
+def node_places(config: ClusterConfig, topo: Topology) -> tuple[list[Visible], list[Placement]]:
+    """The node's visible devices and the places of all its workers, every DP replica's (replica k's after
+    replica k-1's); DeviceError when they cannot hold."""
+    par = config.parallel
+    replicas = par.node_replicas if par.dp_rank in par.node_replicas else [par.dp_rank]
+    visible = visible_devices(topo, os.environ, config.device_ids)
+    every = place(
+        topo,
+        visible,
+        len(replicas) * par.local_ranks,
+        numa_bind=config.numa_bind,
+        per_rank_visible_devices=config.per_rank_visible_devices,
+        gpu_nics=config.gpu_nics,
+        node=par.node_rank,
+    )
+    return visible, every
+
+
 def placements(config: ClusterConfig) -> list[Placement]:
     """The places of this executor's workers: the node's places for every DP replica it runs (so replicas get
     disjoint devices), this replica's slice. Refused, before any worker starts, when the node runs more ranks
     than it has devices (ConfigError, one line naming both)."""
     par = config.parallel
-    topo = Topology.read(settings.get("RAYFREE_TOPOLOGY_ROOT")).within(os.sched_getaffinity(0))
-    replicas = par.node_replicas if par.dp_rank in par.node_replicas else [par.dp_rank]
     try:
-        visible = visible_devices(topo, os.environ, config.device_ids)
-        every = place(
-            topo,
-            visible,
-            len(replicas) * par.local_ranks,
-            numa_bind=config.numa_bind,
-            per_rank_visible_devices=config.per_rank_visible_devices,
-            gpu_nics=config.gpu_nics,
-            node=par.node_rank,
-        )
+        visible, every = node_places(config, node_topology())
     except DeviceError as e:
         raise ConfigError(f"{e} (refused before starting any worker)") from None
+    replicas = par.node_replicas if par.dp_rank in par.node_replicas else [par.dp_rank]
     first = replicas.index(par.dp_rank) * par.local_ranks
     out = every[first : first + par.local_ranks]
     if visible and "CUDA_DEVICE_ORDER" not in os.environ:  # the driver's order, which device ids follow here

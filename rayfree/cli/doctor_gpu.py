@@ -8,9 +8,9 @@ import ipaddress
 import os
 import resource
 
-from rayfree import settings
 from rayfree.cluster.config import ClusterConfig
-from rayfree.cluster.devices import DeviceError, Topology, place, visible_devices
+from rayfree.cluster.devices import DeviceError, Topology
+from rayfree.executor.spawning import node_places, node_topology
 
 from .checks import Check
 
@@ -26,19 +26,8 @@ def _cpus(cpus: tuple[int, ...] | None) -> str:
 
 
 def check_devices(config: ClusterConfig, topo: Topology) -> Check:
-    par = config.parallel
-    n = par.local_ranks * len(par.node_replicas)
     try:
-        visible = visible_devices(topo, os.environ, config.device_ids)
-        places = place(
-            topo,
-            visible,
-            n,
-            numa_bind=config.numa_bind,
-            per_rank_visible_devices=config.per_rank_visible_devices,
-            gpu_nics=config.gpu_nics,
-            node=par.node_rank,
-        )
+        visible, places = node_places(config, topo)
     except DeviceError as e:
         return Check("devices", "FAIL", str(e), "set CUDA_VISIBLE_DEVICES / device_ids, or run fewer ranks per node")
     if not topo.gpus:
@@ -111,7 +100,7 @@ def check_collectives_address(ip: str) -> Check:
 
 
 def gpu_checks(config: ClusterConfig) -> list[Check]:
-    topo = Topology.read(settings.get("RAYFREE_TOPOLOGY_ROOT")).within(os.sched_getaffinity(0))
+    topo = node_topology()
     checks = [check_devices(config, topo)]
     if topo.gpus:
         checks += [check_gpu_shm(), check_ipc(), check_memlock()]
