@@ -27,33 +27,20 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 
 import msgspec
 
-from rayfree.supervisor import Supervised, supervisor
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
+from .heartbeat_beater import BYE_LINGER_MS, RECONNECT_S, Beater, LostCallback
 from .heartbeat_messages import Beat, Bye, StatusQuery, Verdict, _decode, _encode
 
 __all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "HeartbeatServer"]
 
 logger = logging.getLogger("rayfree.cluster")
-
-#: How long a closing socket may take to put its goodbye on the wire.
-_BYE_LINGER_MS = 300
-#: How often a waiting side says what it waits for.
-WAIT_LOG_S = 10.0
-#: A node status bigger than this is not sent (a beat over the sockets' 64 KiB limit would cut the link).
-STATUS_MAX_BYTES = 48 << 10
-
-
-#: on_lost(node_rank, ranks, ip, why) / on_bye(node_rank, clean, reason)
-LostCallback = Callable[[int, list[int], str, str], None]
-ByeCallback = Callable[[int, bool, str], None]
 
 
 class _Peer:
@@ -96,106 +83,15 @@ def _span(ranks: list[int]) -> str:
 #: how often node 0 judges the cluster's readiness for its followers
 VERDICT_S = 0.1
 
-#: how long a peer whose connection dropped has to connect and beat again before it is lost
-RECONNECT_S = 0.3
+#: how long node 0 waits for its followers to read its goodbye before it closes its socket, and how often it looks
+BYE_CONFIRM_S = 2.0
+_BYE_POLL_MS = 20
 
 #: how long a leader that failed keeps answering followers that have not beaten yet with its goodbye
 TELL_LATE_S = 2.0
 
 
-class _Beater:
-    """A thread that owns one socket (ZeroMQ sockets are not thread-safe) until `close()`."""
-
-    def __init__(self, interval: float, timeout: float, name: str) -> None:
-        if not 0 < interval < timeout:
-            raise ValueError(f"heartbeat interval {interval}s must be positive and below the timeout {timeout}s")
-        self.interval = interval
-        self.timeout = timeout
-        self.armed_at: float | None = None
-        #: when a connection last dropped; a peer silent since then is lost after `suspect_window`
-        self.suspect_at: float | None = None
-        self.suspect_window = min(timeout, RECONNECT_S)
-        #: another signal (a collective's connection error) confirmed the drop: a silent peer is lost at once
-        self.corroborated = False
-        self.dropped = 0
-        self._dropped_logged_at = 0.0
-        self._stop = threading.Event()
-        self._bye: Bye | None = None
-        self._name = name
-        self._thread: Supervised | None = None
-
-    def _start(self) -> None:
-        self._thread = supervisor().start(self._name, self._run_guarded, stop=self._stop.set)
-
-    def arm(self) -> None:
-        """From now on, silence longer than the timeout is a loss."""
-        self.armed_at = time.monotonic()
-
-    def corroborate(self) -> None:
-        """A collective with a peer just broke with a connection error: if a connection dropped too, its silent
-        peer is lost now, not a suspect window later (two signals agree)."""
-        if self.suspect_at is not None:
-            self.corroborated = True
-
-    def stop(self, bye: Bye | None = None) -> None:
-        """Tell the thread to end, saying `bye` to the other side(s) first if given; returns at once."""
-        if bye is not None and self._bye is None:
-            self._bye = bye
-        self._stop.set()
-
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.alive()
-
-    def join(self, timeout: float) -> bool:
-        """Wait (bounded) until the thread has said its goodbye and closed its socket."""
-        return self._thread is None or self._thread.join(timeout)
-
-    def close(self, bye: Bye | None = None, timeout: float = 5.0) -> None:
-        """`stop`, then `join` (from another thread: a thread never stops itself)."""
-        self.stop(bye)
-        self.join(timeout)
-
-    def _dropped(self, what: str) -> None:
-        """Report a message that was dropped, once per burst (a broken peer must not flood the log)."""
-        self.dropped += 1
-        now = time.monotonic()
-        if now - self._dropped_logged_at > 5.0:
-            self._dropped_logged_at = now
-            logger.warning("heartbeat: dropped %s; %d dropped so far", what, self.dropped)
-
-    def _receive(self, sock: ControlSocket, poll_ms: int) -> list[list[bytes]]:
-        """Wait up to `poll_ms` for messages; a dropped connection makes the peer(s) suspect."""
-        got = sock.receive(poll_ms)
-        if sock.take_dropped():
-            self.suspect_at = time.monotonic()
-        return got
-
-    def _silent(self, last: float | None, now: float, dropped_at: float | None) -> str | None:
-        """Why a peer last heard from at `last`, whose connection dropped at `dropped_at`, counts as lost now
-        (None: it does not)."""
-        assert self.armed_at is not None
-        since = max(last or 0.0, self.armed_at)
-        if now - since > self.timeout:
-            return f"no heartbeat for {now - since:.1f}s (heartbeat_timeout_s={self.timeout})"
-        window = 0.0 if self.corroborated else self.suspect_window
-        if dropped_at is not None and since < dropped_at and now - dropped_at >= window:
-            return (
-                f"its connection dropped and it did not connect and beat again within {self.suspect_window:.1f}s "
-                f"(its process died or was stopped, its host went down, or the link was cut)"
-            )
-        return None
-
-    def _run_guarded(self) -> None:
-        try:
-            self._run()
-        except Exception:  # noqa: BLE001 - a dead heartbeat thread must not be silent
-            logger.exception("%s: heartbeat thread failed", self._name)
-
-    def _run(self) -> None:
-        raise NotImplementedError
-
-
-class HeartbeatServer(_Beater):
+class HeartbeatServer(Beater):
     """On the leader: answers every follower's beat and reports a follower that falls silent."""
 
     def __init__(
@@ -226,7 +122,7 @@ class HeartbeatServer(_Beater):
         self._start()
 
     def join(self, timeout: float) -> bool:
-        """As `_Beater.join`; after a failure the thread first tells late followers (`tell_late_s`)."""
+        """As `Beater.join`; after a failure the thread first tells late followers (`tell_late_s`)."""
         bye = self._bye
         return super().join(timeout + (self.tell_late_s if bye is not None and not bye.clean else 0.0))
 
@@ -250,11 +146,11 @@ class HeartbeatServer(_Beater):
                     self._log_waiting(time.monotonic() - started)
                     next_log = time.monotonic() + JOIN_LOG_S
                 self._push_verdict(sock)
-            self._say_bye(sock)
+            self._await_goodbyes(sock, self._say_bye(sock))
             if self._bye is not None and not self._bye.clean:
                 self._tell_latecomers(sock, poll_ms)
         finally:
-            sock.close(_BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
+            sock.close(BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
 
     def _on_message(self, sock: ControlSocket, frames: list[bytes], me: int, seq: int) -> None:
         if len(frames) != 2:
@@ -392,9 +288,33 @@ class HeartbeatServer(_Beater):
                     waiting.discard(msg.node_rank)
                     sock.send_quietly([frames[0], _encode(self._bye)])
 
-    def _say_bye(self, sock: ControlSocket) -> None:
+    def _say_bye(self, sock: ControlSocket) -> dict[int, bytes]:
+        """The goodbye to every follower with a connection; returns whom it was sent to."""
+        told: dict[int, bytes] = {}
         if self._bye is None:
-            return
+            return told
         for peer in self.peers.values():  # (also one that beat as a node whose rank another claimed, and left)
             if peer.identity is not None and (not peer.gone or peer.bye_from not in (None, peer.identity)):
                 sock.send_quietly([peer.identity, _encode(self._bye)])
+                told[peer.node_rank] = peer.identity
+        return told
+
+    def _await_goodbyes(self, sock: ControlSocket, told: dict[int, bytes]) -> None:
+        """ZeroMQ drops what its I/O thread has not sent yet when the process exits, and node 0 exits right after
+        its goodbye: wait (bounded) until every follower told has dropped its connection, which it does once it
+        read the goodbye. ZeroMQ refuses a message (a verdict, harmless if it comes after the goodbye) to a peer
+        with no connection."""
+        until = time.monotonic() + BYE_CONFIRM_S
+        probe = _encode(Verdict(self.verdict))
+        while told:
+            told = {k: i for k, i in told.items() if sock.reachable([i, probe])}
+            if not told or time.monotonic() >= until:
+                break
+            sock.receive(_BYE_POLL_MS)
+        if told:
+            logger.warning(
+                "node 0: follower node(s) %s did not close their connection within %.1fs of node 0's goodbye; "
+                "leaving anyway (they may learn of it only from the lost connection)",
+                sorted(told),
+                BYE_CONFIRM_S,
+            )

@@ -14,26 +14,15 @@ import msgspec
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
-from .heartbeat import (
-    _BYE_LINGER_MS,
-    STATUS_MAX_BYTES,
-    WAIT_LOG_S,
-    Beat,
-    Bye,
-    ByeCallback,
-    StatusQuery,
-    Verdict,
-    _Beater,
-    _decode,
-    _encode,
-)
+from .heartbeat_beater import BYE_LINGER_MS, STATUS_MAX_BYTES, WAIT_LOG_S, Beater, ByeCallback
+from .heartbeat_messages import Beat, Bye, StatusQuery, Verdict, _decode, _encode
 
 __all__ = ["HeartbeatClient", "query_status"]
 
 logger = logging.getLogger("rayfree.cluster")
 
 
-class HeartbeatClient(_Beater):
+class HeartbeatClient(Beater):
     """On a follower: beats toward the leader; reports the leader lost, or gone on purpose (`Bye`)."""
 
     def __init__(
@@ -117,7 +106,7 @@ class HeartbeatClient(_Beater):
             if self._bye is not None:
                 sock.send_quietly([_encode(self._bye)])
         finally:
-            sock.close(_BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
+            sock.close(BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
 
     def _status(self) -> bytes:
         if self.status_fn is None:

@@ -120,6 +120,10 @@ class NodePolicy:
         if self.record is not None:
             logger.debug("%s: %s (after the node's failure: nothing more to do)", f.source, f.cause)
             return
+        if id(f) in self._deferred and self.lv.stopped_cleanly:
+            # the verdict it waited for was node 0's clean stop: its close reached this node's ranks first
+            logger.info("%s: %s came with node 0's clean stop; not a failure", f.source, why_of(f.cause))
+            return
         if self._await_verdict(f):
             return
         self.record = dataclasses.replace(f, domain=None, executor=None)  # (the record keeps no executor alive)

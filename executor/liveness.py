@@ -82,6 +82,8 @@ class NodeLiveness:
         self.histograms = False
         #: set when the cluster's fate is decided: node 0 said goodbye, or something failed
         self.settled = threading.Event()
+        #: node 0 stopped the cluster cleanly (its goodbye, on a follower): why, or "" while it has not
+        self.stopped_cleanly = ""
         self.ip = get_ip(peer=par.master_addr) if par.nnodes > 1 else "127.0.0.1"
         self._refused = ""
 
@@ -295,6 +297,7 @@ class FollowerLiveness(NodeLiveness):
     def _head_bye(self, _node: int, clean: bool, reason: str) -> None:
         if clean:
             logger.info("node %d: node 0 stopped the cluster; stopping this node's workers", self.node)
+            self.stopped_cleanly = reason or "node 0 stopped"
             self.settled.set()
             self.policy.report("node 0's goodbye", None, Severity.STOP)
         else:

@@ -28,7 +28,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from rayfree.cluster.config import ClusterConfig
-from rayfree.cluster.heartbeat import WAIT_LOG_S
+from rayfree.cluster.heartbeat_beater import WAIT_LOG_S
 from rayfree.cluster.peers import peer_gone
 from rayfree.transport.secure import policy as security
 from rayfree.transport.shm.segment import remove_entries_of

@@ -33,7 +33,7 @@ from typing import Any
 from rayfree import logs
 from rayfree.procs import exit_now
 from rayfree.supervisor import Failure, Severity, supervisor
-from rayfree.transport import MessageQueue
+from rayfree.transport import MessageQueue, QueueClosed
 from rayfree.transport.secure import policy as security
 from rayfree.transport.shm.segment import remove_entries_of
 
@@ -268,6 +268,11 @@ def worker_main(**kwargs: Any) -> None:
     except Exception as e:
         if lifeline.stopping.is_set():
             logger.debug("worker rank %d shutting down (%s)", rank, type(e).__name__)
+        elif ready and isinstance(e, QueueClosed):
+            # Its writer stopped on purpose before this worker's own stop reached it (on a follower node, node
+            # 0's close through the relay can come first): the executor hears the exit and the stop's cause.
+            logger.warning("worker rank %d: %s, before this worker was told to stop; leaving", rank, e)
+            code = 1
         else:
             err = RemoteError.of(rank, e)
             # A start-up failure delivered to the parent is reported there, once for the node (not once per

@@ -9,12 +9,15 @@ it); `receive` waits up to a slice for messages and notes dropped and
 their peer, and to beat at once. Both ends ping each other in libzmq's I/O
 thread (sockets.py, `_link_heartbeats`), so a peer that is killed, stopped or
 cut off drops its connection within RAYFREE_LINK_TIMEOUT_S whether or not
-any Python thread gets the interpreter in time.
+any Python thread gets the interpreter in time. `wake` (from any thread) ends
+the owner's current `receive` at once: a stop needs no polling slice.
 """
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
 
 import zmq
 
@@ -43,6 +46,10 @@ class ControlSocket:
         self._poller: zmq.Poller | None = None
         self._again = zmq_errors(f"a control message at {endpoint}", again=True)
         self._quiet = zmq_errors("", ignore=True)
+        self._wake_lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     @classmethod
     def listen(cls, endpoint: str) -> ControlSocket:
@@ -60,6 +67,16 @@ class ControlSocket:
             self._poller = zmq.Poller()
             self._poller.register(self._sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
+            self._poller.register(self._wake_r, zmq.POLLIN)
+
+    def wake(self) -> None:
+        """End the owner's `receive` now (any thread; a no-op once the socket is closed)."""
+        with self._wake_lock:
+            if self._wake_w >= 0:
+                try:
+                    os.write(self._wake_w, b"w")
+                except BlockingIOError:
+                    pass  # a wake is pending already
 
     def try_send(self, frames: list[bytes]) -> bool:
         """Now or not at all (False: the peer's queue is full, it is not connected yet, or its connection is gone)."""
@@ -93,6 +110,12 @@ class ControlSocket:
         assert self._poller is not None and self._monitor is not None
         with zmq_errors(f"receiving at {self.endpoint}"):
             events = dict(self._poller.poll(wait_ms))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 256):
+                    pass
+            except BlockingIOError:
+                pass
         if self._monitor in events:
             while True:
                 with self._again:
@@ -136,3 +159,8 @@ class ControlSocket:
             self._monitor.close(linger=0)
             self._monitor = None
         self._sock.close(linger=linger_ms)
+        with self._wake_lock:
+            for fd in (self._wake_r, self._wake_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1

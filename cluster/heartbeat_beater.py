@@ -1,0 +1,131 @@
+"""What both ends of the heartbeats share (heartbeat.py has the protocol and node 0's side, heartbeat_client.py a
+follower's): the thread that owns one `ControlSocket`, its stop, and the rule that calls a silent peer lost."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from rayfree.supervisor import Supervised, supervisor
+from rayfree.transport.zmq.control import ControlSocket
+
+from .heartbeat_messages import Bye
+
+__all__ = ["Beater", "RECONNECT_S", "WAIT_LOG_S", "STATUS_MAX_BYTES", "BYE_LINGER_MS", "LostCallback", "ByeCallback"]
+
+logger = logging.getLogger("rayfree.cluster")
+
+
+#: How long a closing socket may take to put its goodbye on the wire.
+BYE_LINGER_MS = 300
+#: How often a waiting side says what it waits for.
+WAIT_LOG_S = 10.0
+#: A node status bigger than this is not sent (a beat over the sockets' 64 KiB limit would cut the link).
+STATUS_MAX_BYTES = 48 << 10
+
+
+#: on_lost(node_rank, ranks, ip, why) / on_bye(node_rank, clean, reason)
+LostCallback = Callable[[int, list[int], str, str], None]
+ByeCallback = Callable[[int, bool, str], None]
+
+
+#: how long a peer whose connection dropped has to connect and beat again before it is lost
+RECONNECT_S = 0.3
+
+
+class Beater:
+    """A thread that owns one socket (ZeroMQ sockets are not thread-safe) until `close()`; other threads only
+    `stop` it, which wakes it at once."""
+
+    _sock: ControlSocket
+
+    def __init__(self, interval: float, timeout: float, name: str) -> None:
+        if not 0 < interval < timeout:
+            raise ValueError(f"heartbeat interval {interval}s must be positive and below the timeout {timeout}s")
+        self.interval = interval
+        self.timeout = timeout
+        self.armed_at: float | None = None
+        #: when a connection last dropped; a peer silent since then is lost after `suspect_window`
+        self.suspect_at: float | None = None
+        self.suspect_window = min(timeout, RECONNECT_S)
+        #: another signal (a collective's connection error) confirmed the drop: a silent peer is lost at once
+        self.corroborated = False
+        self.dropped = 0
+        self._dropped_logged_at = 0.0
+        self._stop = threading.Event()
+        self._bye: Bye | None = None
+        self._name = name
+        self._thread: Supervised | None = None
+
+    def _start(self) -> None:
+        self._thread = supervisor().start(self._name, self._run_guarded, stop=self.stop)
+
+    def arm(self) -> None:
+        """From now on, silence longer than the timeout is a loss."""
+        self.armed_at = time.monotonic()
+
+    def corroborate(self) -> None:
+        """A collective with a peer just broke with a connection error: if a connection dropped too, its silent
+        peer is lost now, not a suspect window later (two signals agree)."""
+        if self.suspect_at is not None:
+            self.corroborated = True
+
+    def stop(self, bye: Bye | None = None) -> None:
+        """Tell the thread to end, saying `bye` to the other side(s) first if given; returns at once."""
+        if bye is not None and self._bye is None:
+            self._bye = bye
+        self._stop.set()
+        self._sock.wake()
+
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.alive()
+
+    def join(self, timeout: float) -> bool:
+        """Wait (bounded) until the thread has said its goodbye and closed its socket."""
+        return self._thread is None or self._thread.join(timeout)
+
+    def close(self, bye: Bye | None = None, timeout: float = 5.0) -> None:
+        """`stop`, then `join` (from another thread: a thread never stops itself)."""
+        self.stop(bye)
+        self.join(timeout)
+
+    def _dropped(self, what: str) -> None:
+        """Report a message that was dropped, once per burst (a broken peer must not flood the log)."""
+        self.dropped += 1
+        now = time.monotonic()
+        if now - self._dropped_logged_at > 5.0:
+            self._dropped_logged_at = now
+            logger.warning("heartbeat: dropped %s; %d dropped so far", what, self.dropped)
+
+    def _receive(self, sock: ControlSocket, poll_ms: int) -> list[list[bytes]]:
+        """Wait up to `poll_ms` for messages; a dropped connection makes the peer(s) suspect."""
+        got = sock.receive(poll_ms)
+        if sock.take_dropped():
+            self.suspect_at = time.monotonic()
+        return got
+
+    def _silent(self, last: float | None, now: float, dropped_at: float | None) -> str | None:
+        """Why a peer last heard from at `last`, whose connection dropped at `dropped_at`, counts as lost now
+        (None: it does not)."""
+        assert self.armed_at is not None
+        since = max(last or 0.0, self.armed_at)
+        if now - since > self.timeout:
+            return f"no heartbeat for {now - since:.1f}s (heartbeat_timeout_s={self.timeout})"
+        window = 0.0 if self.corroborated else self.suspect_window
+        if dropped_at is not None and since < dropped_at and now - dropped_at >= window:
+            return (
+                f"its connection dropped and it did not connect and beat again within {self.suspect_window:.1f}s "
+                f"(its process died or was stopped, its host went down, or the link was cut)"
+            )
+        return None
+
+    def _run_guarded(self) -> None:
+        try:
+            self._run()
+        except Exception:  # noqa: BLE001 - a dead heartbeat thread must not be silent
+            logger.exception("%s: heartbeat thread failed", self._name)
+
+    def _run(self) -> None:
+        raise NotImplementedError

@@ -1,0 +1,105 @@
+"""Node 0's goodbye, end to end: a follower has read it before node 0's heartbeat thread lets its process go on
+to exit (ZeroMQ drops what its I/O thread has not sent when a process exits), and a follower that never reads
+it holds node 0 up only for a bounded, logged wait. Real sockets on loopback, no mocks."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import pytest
+import zmq
+
+from rayfree.cluster.heartbeat import BYE_CONFIRM_S, Beat, Bye, HeartbeatServer
+from rayfree.cluster.heartbeat_client import HeartbeatClient
+from rayfree.cluster.heartbeat_messages import _decode, _encode
+from rayfree.transport import get_open_port
+from rayfree.transport.zmq.sockets import make_dealer
+
+
+def _server(port: int, lost: list[int]) -> HeartbeatServer:
+    return HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 5.0, lambda n, r, ip, why: lost.append(n))
+
+
+def _follower(port: int) -> zmq.Socket:
+    """A raw follower that beat once and was answered: node 0 knows its connection."""
+    sock = make_dealer(f"tcp://127.0.0.1:{port}")
+    sock.send(_encode(Beat(1, [1], "127.0.0.1", os.getpid(), 1)))
+    assert sock.poll(20_000), "node 0 never answered the beat"
+    return sock
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("clean", [True, False])
+def test_a_follower_has_read_node_0s_goodbye_when_node_0s_close_returns(clean: bool) -> None:
+    port = get_open_port("127.0.0.1")
+    lost: list[int] = []
+    byes: list[tuple[int, bool, str]] = []
+    told = threading.Event()
+    server = _server(port, lost)
+    client = HeartbeatClient(
+        "127.0.0.1",
+        port,
+        1,
+        [1],
+        "127.0.0.1",
+        0.05,
+        5.0,
+        lambda why: lost.append(0),
+        lambda node, c, reason: (byes.append((node, c, reason)), told.set()),
+    )
+    try:
+        assert client.contact.wait(20), "the follower never heard node 0"
+        server.close(Bye(0, clean, "shut down"), timeout=20)
+        # No wait here: node 0's close returned, so its process may exit now, and the follower has it already.
+        assert told.is_set() and byes == [(0, clean, "shut down")], byes
+        assert client.join(10)
+        assert not lost, lost
+    finally:
+        client.close(timeout=10)
+        server.close(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_follower_that_never_reads_the_goodbye_holds_node_0_up_only_for_a_bounded_logged_wait(caplog) -> None:
+    port = get_open_port("127.0.0.1")
+    lost: list[int] = []
+    server = _server(port, lost)
+    deaf = _follower(port)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rayfree.cluster"):
+            server.close(Bye(0, True, "shut down"), timeout=BYE_CONFIRM_S + 20)
+            assert not server.running()
+        warned = [r.getMessage() for r in caplog.records if "did not close their connection" in r.getMessage()]
+        assert warned and "[1]" in warned[0] and "leaving anyway" in warned[0], caplog.text
+    finally:
+        deaf.close(linger=0)
+        server.close(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_node_0s_close_waits_for_the_follower_that_read_the_goodbye_to_drop_its_connection(caplog) -> None:
+    port = get_open_port("127.0.0.1")
+    lost: list[int] = []
+    server = _server(port, lost)
+    follower = _follower(port)
+    closer = threading.Thread(target=server.close, args=(Bye(0, True, "shut down"), BYE_CONFIRM_S + 20))
+    try:
+        with caplog.at_level(logging.WARNING, logger="rayfree.cluster"):
+            closer.start()
+            got = None
+            while not isinstance(got, Bye):  # answers and verdicts may come first
+                assert follower.poll(20_000), "no goodbye came"
+                got = _decode(follower.recv())
+            assert closer.is_alive() and server.running(), "node 0 let go before its follower dropped the connection"
+            follower.close(linger=0)
+            closer.join(BYE_CONFIRM_S + 20)
+            assert not closer.is_alive() and not server.running()
+        assert "did not close their connection" not in caplog.text
+        assert not lost, lost
+    finally:
+        follower.close(linger=0)
+        if closer.is_alive():
+            closer.join(30)
+        server.close(timeout=10)
