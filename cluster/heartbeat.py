@@ -35,7 +35,7 @@ import msgspec
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
-from .heartbeat_beater import BYE_LINGER_MS, RECONNECT_S, Beater, LostCallback
+from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
 from .heartbeat_messages import Beat, Bye, StatusQuery, Verdict, _decode, _encode
 
 __all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "HeartbeatServer"]
@@ -80,8 +80,12 @@ def _span(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)
 
 
-#: how often node 0 judges the cluster's readiness for its followers
+#: how often node 0 judges the cluster's readiness for its followers: while it is not ready (start-up, trouble),
+#: and while it is (a rank stopped on node 0, a call stalled: the followers' /readyz hears it within this)
 VERDICT_S = 0.1
+VERDICT_READY_S = 0.25
+#: while a connection that dropped is not yet known to be whose, how often node 0 asks
+FIND_DROPPED_S = 0.05
 
 #: how long node 0 waits for its followers to read its goodbye before it closes its socket, and how often it looks
 BYE_CONFIRM_S = 2.0
@@ -136,7 +140,7 @@ class HeartbeatServer(Beater):
         sock.watch()
         try:
             while not self._stop.is_set():
-                for frames in self._receive(sock, poll_ms):
+                for frames in self._receive(sock, wait_ms(self._next_due(next_log))):
                     seq += 1
                     self._on_message(sock, frames, me, seq)
                 if self.suspect_at is not None and time.monotonic() - self.suspect_at < 2 * RECONNECT_S:
@@ -192,6 +196,22 @@ class HeartbeatServer(Beater):
         # False: its queue is full: it is not reading, and its own timeout will tell it
         sock.try_send([identity, _encode(Beat(0, [], "", me, seq))])
 
+    def _next_due(self, next_log: float) -> float:
+        """When the loop must look again if nothing arrives (a beat, a dropped connection and a stop wake it):
+        the next verdict, a peer's silence deadline or reconnect window, the join's progress line."""
+        now = time.monotonic()
+        due = now + IDLE_LOOK_S
+        if self.verdict_fn is not None:
+            due = min(due, self._verdict_at + (VERDICT_S if self.verdict else VERDICT_READY_S))
+        if self.suspect_at is not None and now - self.suspect_at < 2 * RECONNECT_S:
+            due = min(due, now + FIND_DROPPED_S)  # whose connection dropped (ZeroMQ drops the pipe a little later)
+        if self.armed_at is None:
+            return min(due, next_log)
+        for peer in self.peers.values():
+            if not peer.gone:
+                due = min(due, self._silence_due(peer.last_seen, peer.dropped_at))
+        return due
+
     def _find_dropped(self, sock: ControlSocket, at: float) -> None:
         """A connection dropped: whose? ZeroMQ refuses a message (the verdict) to a peer with no connection."""
         for peer in self.peers.values():
@@ -235,7 +255,7 @@ class HeartbeatServer(Beater):
     def _push_verdict(self, sock: ControlSocket) -> None:
         """Every VERDICT_S, the cluster's readiness; sent to every follower when it changed."""
         now = time.monotonic()
-        if self.verdict_fn is None or now - self._verdict_at < VERDICT_S:
+        if self.verdict_fn is None or now - self._verdict_at < (VERDICT_S if self.verdict else VERDICT_READY_S):
             return
         self._verdict_at = now
         try:

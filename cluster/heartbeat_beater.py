@@ -13,7 +13,17 @@ from rayfree.transport.zmq.control import ControlSocket
 
 from .heartbeat_messages import Bye
 
-__all__ = ["Beater", "RECONNECT_S", "WAIT_LOG_S", "STATUS_MAX_BYTES", "BYE_LINGER_MS", "LostCallback", "ByeCallback"]
+__all__ = [
+    "Beater",
+    "RECONNECT_S",
+    "IDLE_LOOK_S",
+    "wait_ms",
+    "WAIT_LOG_S",
+    "STATUS_MAX_BYTES",
+    "BYE_LINGER_MS",
+    "LostCallback",
+    "ByeCallback",
+]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -33,6 +43,13 @@ ByeCallback = Callable[[int, bool, str], None]
 
 #: how long a peer whose connection dropped has to connect and beat again before it is lost
 RECONNECT_S = 0.3
+#: the longest a heartbeat thread sleeps when nothing is due (what is due, arrives or stops wakes it sooner)
+IDLE_LOOK_S = 1.0
+
+
+def wait_ms(due: float) -> int:
+    """Milliseconds from now until `due` (monotonic), rounded up so the look finds it due."""
+    return max(0, int((due - time.monotonic()) * 1000) + 1)
 
 
 class Beater:
@@ -65,12 +82,14 @@ class Beater:
     def arm(self) -> None:
         """From now on, silence longer than the timeout is a loss."""
         self.armed_at = time.monotonic()
+        self._sock.wake()  # (its deadlines start now)
 
     def corroborate(self) -> None:
         """A collective with a peer just broke with a connection error: if a connection dropped too, its silent
         peer is lost now, not a suspect window later (two signals agree)."""
         if self.suspect_at is not None:
             self.corroborated = True
+            self._sock.wake()  # the silent peer is lost now, not at the end of its window
 
     def stop(self, bye: Bye | None = None) -> None:
         """Tell the thread to end, saying `bye` to the other side(s) first if given; returns at once."""
@@ -105,6 +124,15 @@ class Beater:
         if sock.take_dropped():
             self.suspect_at = time.monotonic()
         return got
+
+    def _silence_due(self, last: float | None, dropped_at: float | None) -> float:
+        """When `_silent` would first call this peer lost if it stays silent (armed only)."""
+        assert self.armed_at is not None
+        since = max(last or 0.0, self.armed_at)
+        due = since + self.timeout
+        if dropped_at is not None and since < dropped_at:
+            due = min(due, dropped_at + (0.0 if self.corroborated else self.suspect_window))
+        return due
 
     def _silent(self, last: float | None, now: float, dropped_at: float | None) -> str | None:
         """Why a peer last heard from at `last`, whose connection dropped at `dropped_at`, counts as lost now

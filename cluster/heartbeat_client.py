@@ -14,7 +14,7 @@ import msgspec
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
-from .heartbeat_beater import BYE_LINGER_MS, STATUS_MAX_BYTES, WAIT_LOG_S, Beater, ByeCallback
+from .heartbeat_beater import BYE_LINGER_MS, STATUS_MAX_BYTES, WAIT_LOG_S, Beater, ByeCallback, wait_ms
 from .heartbeat_messages import Beat, Bye, StatusQuery, Verdict, _decode, _encode
 
 __all__ = ["HeartbeatClient", "query_status"]
@@ -62,7 +62,6 @@ class HeartbeatClient(Beater):
 
     def _run(self) -> None:
         sock = self._sock
-        poll_ms = int(min(self.interval, 0.1) * 1000)
         pid = os.getpid()
         seq = 0
         next_beat = 0.0
@@ -81,7 +80,10 @@ class HeartbeatClient(Beater):
                         self._sent_at = time.monotonic()
                     # (else not connected yet, or the link is down: the timeout decides)
                     next_beat = now + self.interval
-                for frames in self._receive(sock, poll_ms):
+                due = next_beat if self.contact.is_set() else min(next_beat, next_log)
+                if self.armed_at is not None:
+                    due = min(due, self._silence_due(self.last_reply, self.suspect_at))
+                for frames in self._receive(sock, wait_ms(due)):
                     if len(frames) == 1 and self._on_message(frames[0]):
                         return
                 if sock.take_connected() or self.suspect_at != dropped:  # (re)connected, or dropped: beat now

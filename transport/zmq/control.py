@@ -15,13 +15,12 @@ the owner's current `receive` at once: a stop needs no polling slice.
 
 from __future__ import annotations
 
-import os
 import struct
-import threading
 
 import zmq
 
 from .sockets import SocketError, make_dealer, make_router, zmq_errors
+from .waker import Waker
 
 __all__ = ["ControlSocket"]
 
@@ -46,10 +45,7 @@ class ControlSocket:
         self._poller: zmq.Poller | None = None
         self._again = zmq_errors(f"a control message at {endpoint}", again=True)
         self._quiet = zmq_errors("", ignore=True)
-        self._wake_lock = threading.Lock()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._waker = Waker()
 
     @classmethod
     def listen(cls, endpoint: str) -> ControlSocket:
@@ -67,16 +63,11 @@ class ControlSocket:
             self._poller = zmq.Poller()
             self._poller.register(self._sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
-            self._poller.register(self._wake_r, zmq.POLLIN)
+            self._poller.register(self._waker.fd, zmq.POLLIN)
 
     def wake(self) -> None:
         """End the owner's `receive` now (any thread; a no-op once the socket is closed)."""
-        with self._wake_lock:
-            if self._wake_w >= 0:
-                try:
-                    os.write(self._wake_w, b"w")
-                except BlockingIOError:
-                    pass  # a wake is pending already
+        self._waker.wake()
 
     def try_send(self, frames: list[bytes]) -> bool:
         """Now or not at all (False: the peer's queue is full, it is not connected yet, or its connection is gone)."""
@@ -110,12 +101,8 @@ class ControlSocket:
         assert self._poller is not None and self._monitor is not None
         with zmq_errors(f"receiving at {self.endpoint}"):
             events = dict(self._poller.poll(wait_ms))
-        if self._wake_r in events:
-            try:
-                while os.read(self._wake_r, 256):
-                    pass
-            except BlockingIOError:
-                pass
+        if self._waker.fd in events:
+            self._waker.drain()
         if self._monitor in events:
             while True:
                 with self._again:
@@ -159,8 +146,4 @@ class ControlSocket:
             self._monitor.close(linger=0)
             self._monitor = None
         self._sock.close(linger=linger_ms)
-        with self._wake_lock:
-            for fd in (self._wake_r, self._wake_w):
-                if fd >= 0:
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
+        self._waker.close()

@@ -40,10 +40,20 @@ class LinkWatch:
         self._check_at = 0.0
         self._lost_at: float | None = None
 
-    def check(self, what: str) -> None:
-        """Note a drop; QueueBroken once the link has been down for the grace with no message since."""
+    @property
+    def monitor(self) -> zmq.Socket:
+        """The monitor socket, for a poll that a drop should end."""
+        return self._monitor
+
+    def left(self) -> float:
+        """Seconds until a drop already seen would become QueueBroken (a large number while the link is up)."""
+        return 3600.0 if self._lost_at is None else max(0.0, self._lost_at + self.grace - _perf())
+
+    def check(self, what: str, force: bool = False) -> None:
+        """Note a drop; QueueBroken once the link has been down for the grace with no message since. At most
+        once a slice, unless `force` (a poll said the monitor has an event)."""
         now = _perf()
-        if now < self._check_at:
+        if now < self._check_at and not force:
             return
         self._check_at = now + self.every_s
         mon = self._monitor

@@ -1,7 +1,9 @@
 """The subscriber's end of the socket channel: one reader's messages from a ZeroMQ publisher (sender.py).
 
-It blocks inside ZeroMQ, in slices (so shutdown and the deadline are seen,
-through the channel's one wait loop), opens sealed messages before anything
+It blocks inside ZeroMQ for one slice (the hot path: no call but the receive),
+then, idle, in a poll that a message, a shutdown (`Waker`) or a link event
+ends, so a reader that waits for long costs nothing; the deadline and the
+progress line come through the channel's one wait loop. It opens sealed messages before anything
 else looks at them, and skips (and counts) what cannot be parsed. Each
 message's sequence number must be the next one (insecure streams: 8 bytes
 before frame 0; sealed ones: checked by the opener): anything else is
@@ -25,6 +27,7 @@ from ..secure.opener import Opener
 from .link import LinkWatch
 from .sender import CLOSE, CTRL, SEQ, SLICE_MS
 from .sockets import HELLO_PREFIX, make_subscriber, zmq_errors
+from .waker import Waker
 
 __all__ = ["SocketReceiver"]
 
@@ -34,6 +37,8 @@ _perf = time.perf_counter
 _loads = serde.loads
 _seq_of = SEQ.unpack_from
 _SEQ_LEN = SEQ.size
+#: once a slice brought nothing, the longest one poll waits (a message, a shutdown or a link event ends it sooner)
+IDLE_WAIT_S = 5.0
 
 
 class SocketReceiver(Receiver):
@@ -70,6 +75,8 @@ class SocketReceiver(Receiver):
         self._link: LinkWatch | None = None
         self._raw = zmq_errors("dequeue")
         self._again = zmq_errors("dequeue", again=True)
+        self._waker = Waker()
+        self._poller: zmq.Poller | None = None
 
     @classmethod
     def subscribe(cls, endpoint: str, path: str, rank: int, queue_id: str, maxmsgsize: int | None) -> SocketReceiver:
@@ -117,14 +124,20 @@ class SocketReceiver(Receiver):
         return self._rest(self._next_frame(deadline, True, what), what, deadline)
 
     def _next_frame(self, deadline: float | None, indefinite: bool, what: str) -> zmq.Frame:
-        """The first frame of the next ZeroMQ message, waiting in slices (shutdown, deadline, a log line)."""
+        """The first frame of the next ZeroMQ message: one slice in ZeroMQ's blocking receive, then polls that
+        a shutdown or a link event ends (the deadline and a log line come between them)."""
+        first = True
 
         def attempt(s: float) -> zmq.Frame | None:
+            nonlocal first
             if s <= 0:  # out of time: one last look, so a message that has arrived is read (timeout 0)
                 with self._again:
                     return self.sock.recv(zmq.NOBLOCK, copy=False)
                 return None
-            ms = int(s * 1000) + 1
+            if not first:
+                return self._idle_look(s, what)
+            first = False
+            ms = int(min(s, SLICE_MS / 1000) * 1000) + 1
             with self._raw:
                 if ms != self._rcvtimeo:
                     self.sock.setsockopt(zmq.RCVTIMEO, ms)
@@ -140,9 +153,35 @@ class SocketReceiver(Receiver):
             deadline,
             what,
             lambda _: "",
-            slice_s=SLICE_MS / 1000,
+            slice_s=IDLE_WAIT_S,
             log=None if indefinite else (lambda w: f"{what}: still waiting after {w:.0f}s"),
         )
+
+    def _idle_look(self, s: float, what: str) -> zmq.Frame | None:
+        """Up to `s` seconds in a poll of the socket, the waker and the link's monitor."""
+        if self._poller is None:
+            self._poller = zmq.Poller()
+            self._poller.register(self.sock, zmq.POLLIN)
+            self._poller.register(self._waker.fd, zmq.POLLIN)
+            if self._link is not None:
+                self._poller.register(self._link.monitor, zmq.POLLIN)
+        link = self._link
+        if link is not None:
+            s = min(s, link.left())
+        with self._raw:
+            events = dict(self._poller.poll(int(s * 1000) + 1))
+        if self.sock in events:
+            with self._again:
+                return self.sock.recv(zmq.NOBLOCK, copy=False)
+        if self._waker.fd in events:
+            self._waker.drain()
+        if link is not None:
+            link.check(what, force=True)
+        return None
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._waker.wake()  # a wait in `_idle_look` ends now
 
     def _message(self, frame: zmq.Frame, deadline: float | None, what: str) -> Any:
         """The object of the message that begins with `frame`."""
@@ -246,6 +285,7 @@ class SocketReceiver(Receiver):
     def watch_link(self, endpoint: str) -> None:
         """A remote reader, once READY: notice when its TCP connection to the writer drops (link.py)."""
         self._link = LinkWatch(self.sock, endpoint, SLICE_MS / 1000)
+        self._poller = None  # made again, with the link's monitor
 
     def ack_close(self) -> None:
         """Tell the writer this reader has read its CLOSE (by dropping the hello topic)."""
@@ -258,4 +298,6 @@ class SocketReceiver(Receiver):
         if self._link is not None:
             self._link.close()
             self._link = None
+        self._poller = None
         self.sock.close(linger=0)
+        self._waker.close()
