@@ -9,6 +9,7 @@ floor, for the paced case).
 
     python bench/transport.py            # full table (~1-2 min on 2 cores)
     python bench/transport.py --quick    # fewer iterations
+    python bench/transport.py --shared 1,2,4 --payloads 32MiB --rounds 3   # big payloads shared vs copied
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ import statistics
 import sys
 import time
 
+# This directory's vllm.py would shadow the vllm package (the shared-reads table's arena column).
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rayfree.procs import cpu_seconds  # noqa: E402
 from rayfree.transport import MessageQueue  # noqa: E402
-from rayfree.transport.secure import policy as security
+from rayfree.transport.secure import policy as security  # noqa: E402
 
 STOP = ("__stop__",)
 
@@ -54,10 +57,10 @@ def nbytes(obj) -> int:
 # -- MessageQueue readers -------------------------------------------------------
 
 
-def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool, policy=None) -> None:
+def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool, policy=None, zero_copy: bool = False) -> None:
     __import__("torch")  # import it before timing starts: readers rebuild tensors
     security.use(policy)  # the bench's cluster secret, handed over explicitly
-    bq = MessageQueue.create_from_handle(handle, rank)
+    bq = MessageQueue.create_from_handle(handle, rank, zero_copy=zero_copy)
     rq = None
     if rank == 0:
         rq = MessageQueue(1, 1 if local_reply else 0, max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1")
@@ -79,7 +82,7 @@ def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool, policy=No
 
 
 class MQRig:
-    def __init__(self, n_local: int, n_remote: int) -> None:
+    def __init__(self, n_local: int, n_remote: int, zero_copy: bool = False) -> None:
         ctx = mp.get_context("spawn")
         n = n_local + n_remote
         self.bq = MessageQueue(n, n_local, connect_ip="127.0.0.1")
@@ -87,7 +90,7 @@ class MQRig:
         self.procs, conns = [], []
         for r in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=mq_reader, args=(h, r, b, n_remote == 0, security.current()), daemon=True)
+            p = ctx.Process(target=mq_reader, args=(h, r, b, n_remote == 0, security.current(), zero_copy), daemon=True)
             p.start()
             self.procs.append(p)
             conns.append(a)
@@ -543,6 +546,118 @@ def fence_ab(iters: int, rounds: int = 3) -> tuple[float, float]:
     return pct(got["always"], 0.5), pct(got["auto"], 0.5)
 
 
+def vllm_reader(handle, rank: int, reply_conn, policy=None) -> None:
+    """A reader of vLLM's own MessageQueue (its tensor arena on); reader 0 replies through a rayfree queue."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue as VllmQueue
+
+    security.use(policy)  # (the reply queue's handle is signed with the bench's secret)
+
+    bq = VllmQueue.create_from_handle(handle, rank)
+    rq = None
+    if rank == 0:
+        rq = MessageQueue(1, 1, max_chunk_bytes=1 << 16, max_chunks=4, connect_ip="127.0.0.1")
+        reply_conn.send_bytes(rq.export_handle().to_bytes())
+    bq.wait_until_ready()
+    if rq is not None:
+        rq.wait_until_ready(timeout=60)
+    reply_conn.send_bytes(b"ready")
+    while True:
+        msg = bq.dequeue()
+        if type(msg) is tuple and msg == STOP:
+            break
+        if rq is not None:
+            rq.enqueue(b"ok")
+        del msg
+    if rq is not None:
+        rq.close(flush_timeout=0)
+
+
+class VllmArenaRig(MQRig):
+    """vLLM's MessageQueue with `enable_shm_tensor_arena` (readers get views of shared slots for big tensors),
+    to N local readers: the peer the shared path is held to."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue as VllmQueue
+
+        ctx = mp.get_context("spawn")
+        self.bq = VllmQueue(n, n, max_chunk_bytes=1 << 22, max_chunks=24, enable_shm_tensor_arena=True)
+        h = self.bq.export_handle()
+        self.procs, conns = [], []
+        for r in range(n):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=vllm_reader, args=(h, r, b, security.current()), daemon=True)
+            p.start()
+            self.procs.append(p)
+            conns.append(a)
+        ready = threading.Thread(target=self.bq.wait_until_ready, daemon=True)  # (collective with the readers)
+        ready.start()
+        if not conns[0].poll(120):
+            raise RuntimeError("vLLM reader 0 did not start")
+        self.rq = MessageQueue.create_from_handle(conns[0].recv_bytes(), 0)
+        self.rq.wait_until_ready(timeout=60)
+        ready.join(60)
+        for c in conns:
+            if not c.poll(60):
+                raise RuntimeError("a vLLM reader did not become ready")
+            c.recv_bytes()
+
+    def close(self) -> None:
+        self.bq.enqueue(STOP)
+        for p in self.procs:
+            p.join(30)
+        self.rq.close()
+
+
+def _has_vllm() -> bool:
+    try:
+        __import__("vllm.distributed.device_communicators.shm_tensor_arena")
+    except Exception:  # noqa: BLE001 - vLLM is optional here: no such column without it
+        return False
+    return True
+
+
+def shared_table(loads, readers: list[int], iters_of, rounds: int) -> None:
+    """Big payloads to N local readers: each reader's own copy (the default) against views of the ring
+    (`zero_copy`, what `shared_arguments` gives workers), in alternating rounds, beside one memcpy of the payload
+    (the floor of any path that puts it into shared memory once)."""
+    vllm = _has_vllm()
+    print(
+        f"shared reads: private copies vs views of the ring (zero_copy){' vs vLLM tensor arena' if vllm else ''}, "
+        f"{rounds} alternating round(s), p50 of the round medians; memcpy = one copy into warm memory"
+        + ("" if vllm else " (vLLM is not importable here: run with its venv for the arena column)")
+    )
+    hdr = (
+        f"{'N':>3} {'payload':>8} {'private us':>11} {'shared us':>10} {'shared/priv':>11} {'memcpy us':>10} "
+        f"{'shared/memcpy':>13}" + (f" {'vllm arena us':>13} {'shared/arena':>12}" if vllm else "")
+    )
+    print(hdr)
+    print("-" * len(hdr))
+    for n in readers:
+        for name, obj, _ in loads:
+            iters = iters_of(name)
+            kinds = ["private", "shared"] + (["arena"] if vllm else [])
+            med: dict[str, list[float]] = {k: [] for k in kinds}
+            for i in range(rounds):
+                for kind in kinds if i % 2 == 0 else kinds[::-1]:
+                    rig = VllmArenaRig(n) if kind == "arena" else MQRig(n, 0, zero_copy=kind == "shared")
+                    try:
+                        med[kind].append(statistics.median(measure(rig, obj, iters)))
+                    finally:
+                        rig.close()
+            priv, shared = statistics.median(med["private"]), statistics.median(med["shared"])
+            floor = memcpy_time(obj, 20)
+            arena = statistics.median(med["arena"]) if vllm else 0.0
+            print(
+                f"{n:>3} {name:>8} {priv * 1e6:>11.0f} {shared * 1e6:>10.0f} {shared / priv:>11.2f} "
+                f"{floor * 1e6:>10.0f} {shared / floor:>13.2f}"
+                + (f" {arena * 1e6:>13.0f} {shared / arena:>12.2f}" if vllm else ""),
+                flush=True,
+            )
+    print()
+
+
 def pct(ts: list[float], q: float) -> float:
     s = sorted(ts)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -572,12 +687,25 @@ def main() -> None:
     ap.add_argument(
         "--remote-readers", default="1,4", help="reader counts of the sealed/insecure/floor table ('' to skip it)"
     )
+    ap.add_argument(
+        "--shared",
+        default="",
+        help="only the shared-reads table, for these local reader counts (e.g. 1,2,4) and --payloads",
+    )
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(1)
     wanted = args.payloads.split(",")
     loads = [p for p in payloads(args.quick) if p[0] in wanted]
+    if args.shared:
+        shared_table(
+            [p for p in loads if p[0] != "tiny"],
+            [int(x) for x in args.shared.split(",")],
+            lambda name: 10 if args.quick else {"32MiB": 40}.get(name, 100),
+            max(1, args.rounds),
+        )
+        return
     floors = {name: memcpy_time(obj, 20 if name != "tiny" else 2000) for name, obj, _ in loads}
     fresh = {name: memcpy_fresh_time(obj, 10 if name != "tiny" else 200) for name, obj, _ in loads}
     print(

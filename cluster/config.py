@@ -243,6 +243,9 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     collective_methods: list[str] = msgspec.field(
         default_factory=lambda: ["execute_model", "sample_tokens", "compile_or_warm_up_model"]
     )
+    #: a worker gets big tensor arguments as views of its node's ring, not as its own copy: it must not change
+    #: them, and one it keeps holds the ring (docs/architecture.md, "Shared arguments")
+    shared_arguments: bool = False
     #: GPU nodes (devices.py, docs/gpu.md): which visible devices the workers use (None: all); CPU binding at
     #: spawn ("none", "auto": the GPU's NUMA node, or NUMA ids by worker); a CUDA_VISIBLE_DEVICES per worker;
     #: one NIC per device (NCCL_IB_HCA)
@@ -279,13 +282,8 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ConfigError(f"{name}={v!r}: must be a positive number of seconds")
         if self.spin_us is not None and (not isinstance(self.spin_us, (int, float)) or self.spin_us < 0):
             raise ConfigError(f"spin_us={self.spin_us!r}: must be >= 0 microseconds (0 never spins), or unset")
-        if self.stall_dump_s is not None and (
-            not isinstance(self.stall_dump_s, (int, float)) or self.stall_dump_s <= 0
-        ):
-            raise ConfigError(
-                f"stall_dump_s={self.stall_dump_s!r}: must be a positive number of seconds, or unset "
-                f"to never dump stacks"
-            )
+        if self.stall_dump_s is not None and self.stall_dump_s <= 0:  # (its type: _check_types)
+            raise ConfigError(f"stall_dump_s={self.stall_dump_s!r}: must be positive seconds, or unset (never dump)")
         if self.rpc_timeout_s is not None and self.rpc_timeout_s <= 0:
             raise ConfigError(f"rpc_timeout_s={self.rpc_timeout_s!r}: must be positive, or unset to wait forever")
         if self.heartbeat_port is not None and not 1 <= self.heartbeat_port <= 65535:

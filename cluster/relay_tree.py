@@ -57,9 +57,9 @@ def attach_broadcast(
     offers = [_dec.decode(raw) for raw in group.all_gather_bytes(_enc.encode(mine))]
     _agree([offers[k * par.local_ranks] for k in range(par.nnodes_within_dp)])
     leader = offers[0].handle
-    spin = config.spin_us
+    spin, shared = config.spin_us, config.shared_arguments
     if config.broadcast == "flat":
-        return MessageQueue.create_from_handle(leader, group.rank_in_group, spin_us=spin), None
+        return MessageQueue.create_from_handle(leader, group.rank_in_group, spin_us=spin, zero_copy=shared), None
     if node != 0:
         up = tree.parent(node, config.relay_fanout)
         endpoint = Handle.from_bytes(leader if up == 0 else offers[up * par.local_ranks].handle).remote_endpoint
@@ -70,7 +70,8 @@ def attach_broadcast(
             return MessageQueue.create_from_handle(direct, group.rank_in_group, spin_us=spin), None
     elif handle is None:
         raise GroupError(f"rank {group.rank}: started without the broadcast queue's handle")
-    mq = MessageQueue.create_from_handle(handle, group.rank_in_group if node == 0 else local_rank, spin_us=spin)
+    rank = group.rank_in_group if node == 0 else local_rank
+    mq = MessageQueue.create_from_handle(handle, rank, spin_us=spin, zero_copy=shared)
     return mq, (leader, endpoint) if node != 0 and local_rank == 0 else None
 
 

@@ -129,7 +129,9 @@ class WorkerProc:
                     f"worker rank {self.rank}: a one-node worker started without the broadcast queue's handle"
                 )
             self.rpc_broadcast_mq = self._watched(
-                MessageQueue.create_from_handle(input_shm_handle, self.rank, spin_us=self.config.spin_us)
+                MessageQueue.create_from_handle(
+                    input_shm_handle, self.rank, spin_us=self.config.spin_us, zero_copy=self.config.shared_arguments
+                )
             )
             local = 0 if self.config.force_remote else 1
             self.worker_response_mq = self._watched(

@@ -38,6 +38,18 @@ def assert_nothing_left(sim: SimulatedCluster, nodes) -> None:
         assert not left, f"node {n.node.index}: segments left in its /dev/shm: {left}\n{n.text()[-3000:]}"
 
 
+def run_to_the_end(sim: SimulatedCluster, entry: str, **env: str) -> dict:
+    """Node 0 runs multinode_entry's `entry` with node 1 serving; both exit 0 and leave nothing; its RESULT."""
+    nodes = Nodes(sim, **FAST, **env)
+    lead = nodes.start(0, RAYFREE_ENTRY=f"tests.support.multinode_entry:{entry}")
+    follow = nodes.start(1)
+    r = lead.result("RESULT", 180)
+    assert lead.wait(60) == 0, lead.text()[-3000:]
+    assert follow.wait(30) == 0, follow.text()[-3000:]
+    assert_nothing_left(sim, [lead, follow])
+    return r
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "use_netns,broadcast",
@@ -48,13 +60,7 @@ def test_two_nodes_full_executor_equals_the_single_process_model(use_netns, broa
     """One body over both broadcast paths: each follower rank subscribed to node 0 (flat), or node 1's relay
     writing its ring (relay)."""
     with SimulatedCluster(2, use_netns=use_netns) as sim:
-        nodes = Nodes(sim, **FAST, RAYFREE_BROADCAST=broadcast)
-        lead = nodes.start(0, RAYFREE_ENTRY="tests.support.multinode_entry:check")
-        follow = nodes.start(1)
-        r = lead.result("RESULT", 180)
-        assert lead.wait(60) == 0, lead.text()[-3000:]
-        assert follow.wait(30) == 0, follow.text()[-3000:]
-        assert_nothing_left(sim, [lead, follow])
+        r = run_to_the_end(sim, "check", RAYFREE_BROADCAST=broadcast)
     assert r["equal"] == r["steps"] == 20
     info = {x["rank"]: x for x in r["info"]}
     assert sorted(info) == [0, 1, 2, 3]
@@ -72,6 +78,16 @@ def test_two_nodes_full_executor_equals_the_single_process_model(use_netns, broa
         f"\ntiny RPC round trip p50 ({sim.mode}): local rank {r['rtt_local_us']:.0f} us, remote rank "
         f"{r['rtt_remote_us']:.0f} us"
     )
+
+
+@needs_root
+@pytest.mark.timeout(240)
+def test_shared_arguments_reach_every_node_s_ranks_as_views_of_their_node_s_ring() -> None:
+    """`shared_arguments` on two nodes: node 0's ranks read the executor's ring, node 1's the ring its relay
+    writes; a 32 MiB argument is a view of it on every rank, and each call's views die with the call."""
+    with SimulatedCluster(2) as sim:
+        r = run_to_the_end(sim, "shared_arguments", RAYFREE_SHARED_ARGUMENTS="1")
+    assert r["sums_ok"] and [(h["rank"], h["shared"]) for h in r["homes"]] == [(k, True) for k in range(4)], r
 
 
 @needs_root

@@ -361,3 +361,21 @@ def test_uniproc_executor_runs_the_worker_in_process() -> None:
             ex.collective_rpc("nope")
     with pytest.raises(ValueError, match="MultiprocExecutor"):
         UniProcExecutor(cfg(tp=2), "rayfree.cli.toy_engine:ToyWorker")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", ["shm", "tcp"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_big_argument_is_each_workers_own_copy_unless_arguments_are_shared(path: str, shared: bool) -> None:
+    """`shared_arguments`: a local worker gets a 32 MiB tensor as a view of its node's ring (no copy of its
+    own); the view dies with the call, so the ring serves the calls after it. Remote workers always copy."""
+    t = torch.arange(8 << 20, dtype=torch.float32)
+    want = float(t.double().sum())
+    ex = MultiprocExecutor(cfg(path, shared_arguments=shared), ECHO, {})
+    try:
+        for _ in range(8):  # 256 MiB through a 96 MiB ring: chunks a live view held would stop the writer
+            got = ex.collective_rpc("where", args=(t,), timeout=120)
+            assert [g["sum"] for g in got] == [want, want]
+            assert [g["shared"] for g in got] == [shared and path == "shm"] * 2, got
+    finally:
+        ex.shutdown()

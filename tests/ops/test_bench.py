@@ -110,3 +110,14 @@ def test_gpu_check_says_there_is_no_gpu_and_runs_its_plumbing_on_the_cpu(tmp_pat
     assert out.returncode == 0 and re.search(r"TP=2 per step p50 \d+ us", out.stdout), f"{out.stdout}\n{out.stderr}"
     if os.geteuid() == 0:
         assert "two simulated nodes, TP=2 across them" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_transport_bench_puts_shared_reads_beside_private_copies_and_memcpy() -> None:
+    bench = os.path.join(ROOT, "bench", "transport.py")
+    cmd = [sys.executable, bench, "--quick", "--shared", "1,2", "--payloads", "1MiB", "--rounds", "1"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, f"bench/transport.py failed:\n{out.stdout}\n{out.stderr}"
+    rows = re.findall(r"^\s+(\d)\s+1MiB\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)$", out.stdout, re.M)
+    assert [r[0] for r in rows] == ["1", "2"], out.stdout  # private, shared, ratio, memcpy, ratio per N
+    assert all(int(r[1]) > 0 and int(r[2]) > 0 and int(r[4]) >= 0 for r in rows), out.stdout

@@ -26,6 +26,23 @@ def where(worker: Any) -> dict:
     return worker_info(worker)
 
 
+def tensor_home(worker: Any, t: Any) -> dict:
+    """Where a received tensor's bytes live (a shared-memory mapping: the node's ring, or not), and their sum."""
+    from tests.support.memory import in_shared_memory
+
+    return {"rank": worker.rank, "shared": in_shared_memory(t.data_ptr()), "sum": float(t.double().sum())}
+
+
+def shared_arguments(ex) -> int:
+    """A 32 MiB argument, eight times, to every rank: where each rank found its bytes."""
+    import torch
+
+    t = torch.arange(8 << 20, dtype=torch.float32)
+    homes = [ex.collective_rpc(tensor_home, args=(t,), timeout=120) for _ in range(8)]
+    say("RESULT", homes=homes[-1], sums_ok=all(h["sum"] == float(t.double().sum()) for r in homes for h in r))
+    return 0
+
+
 def fail_on(worker: Any, rank: int) -> int:
     if worker.rank == rank:
         raise KeyError(f"raised on purpose by rank {rank}")

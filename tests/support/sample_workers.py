@@ -178,6 +178,13 @@ class EchoWorker(WorkerBase):
     def big(self, n: int):
         return bytes(n)
 
+    def where(self, t):
+        """Where a received tensor's bytes live (in a shared-memory mapping of this process: the ring, or not),
+        and their sum."""
+        from tests.support.memory import in_shared_memory
+
+        return {"shared": in_shared_memory(t.data_ptr()), "sum": float(t.double().sum())}
+
     def busy(self, seconds: float):
         """Busy in Python (not in a sleep): a signal or an interrupt lands at once."""
         end = time.monotonic() + seconds
