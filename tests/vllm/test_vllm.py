@@ -11,9 +11,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -38,6 +40,21 @@ FAST = {
     "RAYFREE_SHUTDOWN_GRACE_S": "2",
     "RAYFREE_SHUTDOWN_TERM_S": "2",
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_ipc_dir():
+    """vLLM makes its engine's ipc sockets in VLLM_RPC_BASE_PATH (default /tmp) and never removes them: here
+    they go into a directory of this module's own, removed after it (every engine inherits the variable)."""
+    d = tempfile.mkdtemp(prefix="rf-vllm-ipc-")
+    before = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = d
+    yield d
+    if before is None:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = before
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
