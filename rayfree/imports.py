@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import threading
 from typing import Any
 
 __all__ = ["load_object", "SpecError", "check_spec"]
@@ -60,6 +61,11 @@ def load_object(spec: str, what: str) -> Any:
     return obj
 
 
+#: CPython 3.11's AST conversion keeps its recursion depth in the interpreter, not the thread: two threads
+#: parsing at once (a node's DP replicas start side by side) fail with "AST constructor recursion depth mismatch"
+_PARSE_LOCK = threading.Lock()
+
+
 def check_spec(spec: str, what: str) -> bool | None:
     """Is `spec` ('pkg.mod:Name') right, judged without running its module (which may import torch: a node
     process that only starts workers has no use for it)? True: its module's source defines or imports the name
@@ -80,7 +86,8 @@ def check_spec(spec: str, what: str) -> bool | None:
     try:
         with open(found.origin, "rb") as f:
             source = f.read()
-        tree = ast.parse(source, found.origin)
+        with _PARSE_LOCK:
+            tree = ast.parse(source, found.origin)
     except (OSError, SyntaxError, ValueError):
         return None
     if any(w in source for w in (b"globals()", b"exec(", b"setattr(sys.modules", b"sys.modules[__name__]")):
