@@ -102,16 +102,34 @@ def two_nodes(n_gpus: int) -> None:
     print("  two simulated nodes, TP=2 across them, one GPU each: 20 steps, tokens equal the reference")
 
 
-def vllm_compare(tp: int) -> None:
+def _vllm(model: str, backend: str, mode: str, tp: int, gpu: bool) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.support.vllm_engine", model, backend, mode, "--tp", str(tp)]
+        + (["--gpu"] if gpu else []),
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, f"vLLM ({backend}, {mode}) failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out.stdout
+
+
+def _tagged(out: str, tag: str) -> dict:
+    import json
+
+    line = next((ln for ln in out.splitlines() if ln.startswith(tag + ":")), None)
+    assert line, f"no {tag} line:\n{out[-3000:]}"
+    return json.loads(line[len(tag) + 1 :])
+
+
+def vllm_compare(tp: int, gpu: bool = True) -> None:
     """With vLLM (CUDA build) installed: greedy tokens of a tiny local Llama through RayfreeExecutor and through
-    vLLM's own mp executor (tests/support/vllm_engine.py, as `make test-vllm` runs it on CPUs), equal, and the
-    wall time of each engine's two generate calls."""
+    vLLM's own mp executor (tests/support/vllm_engine.py, as `make test-vllm` runs it on CPUs), equal; then each
+    engine's step time outside its workers (engine + executor; the workers timed by tests/support/vllm_timed_gpu.py),
+    as `make bench-vllm` measures it on CPUs: medians of 5 rounds each."""
     probe = "import torch, vllm; print(torch.cuda.is_available())"
     has = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
-    if has.returncode != 0 or has.stdout.strip() != "True":
+    if has.returncode != 0 or has.stdout.strip() != str(gpu):
         print("  vLLM with CUDA is not installed here: its comparison skipped")
         return
-    import json
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="rayfree-gpu-check-") as d:
@@ -119,26 +137,26 @@ def vllm_compare(tp: int) -> None:
         subprocess.run(
             [sys.executable, "-m", "tests.support.vllm_tiny_model", model], cwd=ROOT, check=True, timeout=300
         )
-        tokens, walls = {}, {}
-        for backend in ("mp", "rayfree"):
-            t = time.perf_counter()
-            out = subprocess.run(
-                [sys.executable, "-m", "tests.support.vllm_engine", model, backend, "generate", "--tp", str(tp)],
-                cwd=ROOT, capture_output=True, text=True, timeout=600,
-            )  # fmt: skip
-            walls[backend] = time.perf_counter() - t
-            line = next((ln for ln in out.stdout.splitlines() if ln.startswith("TOKENS:")), None)
-            assert out.returncode == 0 and line, f"vLLM ({backend}) failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
-            tokens[backend] = json.loads(line[len("TOKENS:") :])["calls"]
-    assert tokens["mp"] == tokens["rayfree"], tokens
+        tokens = {b: _tagged(_vllm(model, b, "generate", tp, gpu), "TOKENS")["calls"] for b in ("mp", "rayfree")}
+        assert tokens["mp"] == tokens["rayfree"], tokens
+        print(f"  vLLM TP={tp}: RayfreeExecutor's tokens equal vLLM's mp executor's")
+        rounds: dict[str, list[dict]] = {"mp": [], "rayfree": []}
+        for backend in ("mp", "rayfree"):  # (five rounds each; a vLLM start costs more than the rounds)
+            rounds[backend] += _tagged(_vllm(model, backend, "bench", tp, gpu), "BENCH")["rounds"]
+    med = {b: {k: statistics.median(r[k] for r in rs) for k in ("step_us", "outside_us")} for b, rs in rounds.items()}
     print(
-        f"  vLLM TP={tp}: RayfreeExecutor's tokens equal vLLM's mp executor's; whole run (start, two generate "
-        f"calls, stop) {walls['rayfree']:.1f} s vs {walls['mp']:.1f} s"
+        f"  vLLM TP={tp}, per step (p50 of {len(rounds['mp'])} rounds): outside the workers "
+        f"{med['rayfree']['outside_us']:.0f} us with rayfree vs {med['mp']['outside_us']:.0f} us with mp "
+        f"({med['rayfree']['outside_us'] / med['mp']['outside_us']:.2f}x); whole step "
+        f"{med['rayfree']['step_us']:.0f} vs {med['mp']['step_us']:.0f} us"
     )
 
 
 def main() -> int:
     t0 = time.monotonic()
+    if "--vllm-on-cpu" in sys.argv:  # the vLLM comparison's plumbing, with vLLM's CPU build (by hand: minutes)
+        vllm_compare(2, gpu=False)
+        return 0
     if "--on-cpu" in sys.argv:  # the script's own plumbing, on the CPU path (its test runs this)
         global STEPS
         STEPS = 30

@@ -104,6 +104,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 TIMED_WORKER = "tests.support.vllm_timed.TimedCPUWorker"
+TIMED_GPU_WORKER = "tests.support.vllm_timed_gpu.TimedGPUWorker"
 ROUNDS = 5
 
 
@@ -165,8 +166,6 @@ def _add(llm, n: int) -> None:
 
 
 def main() -> int:
-    for k, v in ENV.items():
-        os.environ.setdefault(k, v)
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("backend", choices=["mp", "rayfree"])
@@ -179,11 +178,15 @@ def main() -> int:
     ap.add_argument("--nnodes", type=int, default=1, help="mp only: vLLM's own multi-node (node 0 here)")
     ap.add_argument("--master-addr", default="127.0.0.1")
     ap.add_argument("--master-port", type=int, default=29500)
+    ap.add_argument("--gpu", action="store_true", help="vLLM's CUDA build on GPUs (bench/gpu_check.py)")
     a = ap.parse_args()
+    for k, v in ENV.items():
+        if not a.gpu or k == "HF_HUB_OFFLINE":  # (the rest is for vLLM's CPU build)
+            os.environ.setdefault(k, v)
     t = time.monotonic()
     extra: dict[str, Any] = {}
     if a.mode == "bench":
-        extra.update(worker_cls=TIMED_WORKER, async_scheduling=False)
+        extra.update(worker_cls=TIMED_GPU_WORKER if a.gpu else TIMED_WORKER, async_scheduling=False)
     if a.async_scheduling:
         extra["async_scheduling"] = True
     if a.pp > 1:
