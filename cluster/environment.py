@@ -5,8 +5,10 @@ sets it: transformers' `tp_plan="auto"` and accelerate read `RANK`,
 `LOCAL_RANK` and `WORLD_SIZE`, torch's DeviceMesh helpers and env://
 rendezvous read `MASTER_ADDR` / `MASTER_PORT`. Without them every rank thinks
 it is alone and loads the whole model, silently. These are the values for the
-world rayfree's workers join (every DP replica's ranks), set in the worker
-before any engine code runs; docs/workers.md lists them.
+world rayfree's workers join (their DP replica's ranks, or every replica's
+when the replicas are coupled), set in the worker before any engine code
+runs; docs/workers.md lists them. `LOCAL_RANK` counts every rank of the node
+either way: it picks a device.
 """
 
 from __future__ import annotations
@@ -43,14 +45,16 @@ def launcher_environment(par: ParallelConfig, rank: int, local_rank: int, init_m
     """The variables of `LAUNCHER_VARIABLES` for rank `rank` of this executor's replica (`local_rank` its index
     among the replica's ranks on this node), whose world meets at `init_method` (tcp://host:port)."""
     where = urlparse(init_method)
+    whole = par.coupled  # (one replica: its world is the whole one)
+    node = par.node_rank if whole else par.node_rank_within_dp
     return {
-        "RANK": str(par.global_rank(rank)),
+        "RANK": str(par.global_rank(rank) if whole else rank),
         "LOCAL_RANK": str(node_local_rank(par, local_rank)),
-        "WORLD_SIZE": str(par.world_size_across_dp),
+        "WORLD_SIZE": str(par.world_size_across_dp if whole else par.world_size),
         "LOCAL_WORLD_SIZE": str(par.local_ranks * len(par.node_replicas)),
         "MASTER_ADDR": where.hostname or par.master_addr,
         "MASTER_PORT": str(where.port or par.master_port),
-        "GROUP_RANK": str(par.node_rank),
-        "GROUP_WORLD_SIZE": str(par.nnodes),
-        "NODE_RANK": str(par.node_rank),
+        "GROUP_RANK": str(node),
+        "GROUP_WORLD_SIZE": str(par.nnodes if whole else par.nnodes_within_dp),
+        "NODE_RANK": str(node),
     }

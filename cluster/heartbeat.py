@@ -36,9 +36,9 @@ from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
 from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
-from .heartbeat_messages import Beat, Bye, StatusQuery, Verdict, _decode, _encode
+from .heartbeat_messages import Beat, Bye, ReplicaDown, StatusQuery, Verdict, _decode, _encode
 
-__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "HeartbeatServer"]
+__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "HeartbeatServer"]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -122,8 +122,15 @@ class HeartbeatServer(Beater):
         self._verdict_at = 0.0
         #: after a failure, how long followers that have not beaten yet are waited for, to be told
         self.tell_late_s = TELL_LATE_S
+        #: what other threads asked this one to send: (to which nodes, what), sent at its next turn
+        self._to_send: list[tuple[list[int], bytes]] = []
         self._sock = ControlSocket.listen(self.endpoint)  # in the caller's thread: a busy port fails the start-up
         self._start()
+
+    def tell(self, nodes: list[int], msg: ReplicaDown) -> None:
+        """Send `msg` to these followers (any thread: the heartbeat thread owns the socket and sends it)."""
+        self._to_send.append((nodes, _encode(msg)))
+        self._sock.wake()
 
     def join(self, timeout: float) -> bool:
         """As `Beater.join`; after a failure the thread first tells late followers (`tell_late_s`)."""
@@ -150,6 +157,8 @@ class HeartbeatServer(Beater):
                     self._log_waiting(time.monotonic() - started)
                     next_log = time.monotonic() + JOIN_LOG_S
                 self._push_verdict(sock)
+                self._send_told(sock)
+            self._send_told(sock)
             self._await_goodbyes(sock, self._say_bye(sock))
             if self._bye is not None and not self._bye.clean:
                 self._tell_latecomers(sock, poll_ms)
@@ -169,8 +178,8 @@ class HeartbeatServer(Beater):
         if isinstance(msg, StatusQuery):
             self._answer_status(sock, identity)
             return
-        if isinstance(msg, Verdict):
-            self._dropped("a verdict sent to node 0 (only node 0 sends them)")
+        if isinstance(msg, (Verdict, ReplicaDown)):
+            self._dropped(f"a {type(msg).__name__} sent to node 0 (only node 0 sends them)")
             return
         peer = self.peers.get(msg.node_rank)
         if peer is None:
@@ -269,6 +278,14 @@ class HeartbeatServer(Beater):
         for peer in self.peers.values():
             if peer.identity is not None and not peer.gone:
                 sock.try_send([peer.identity, _encode(Verdict(verdict))])
+
+    def _send_told(self, sock: ControlSocket) -> None:
+        while self._to_send:
+            nodes, payload = self._to_send.pop(0)
+            for k in nodes:
+                peer = self.peers.get(k)
+                if peer is not None and peer.identity is not None and not peer.gone:
+                    sock.try_send([peer.identity, payload])
 
     def _answer_status(self, sock: ControlSocket, identity: bytes) -> None:
         try:

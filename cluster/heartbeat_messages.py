@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Beat", "Bye", "Verdict", "StatusQuery"]
+__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown"]
 
 
 class Beat(msgspec.Struct, tag="beat", array_like=True):
@@ -36,9 +36,19 @@ class Verdict(msgspec.Struct, tag="verdict", array_like=True):
     reason: str
 
 
+class ReplicaDown(msgspec.Struct, tag="replica-down", array_like=True):
+    """Node 0 to the other nodes of an independent DP replica that lost a node (or a worker, a link): the
+    replica stops; what it lost (its node and ranks) and why."""
+
+    dp_rank: int
+    node_rank: int
+    ranks: list[int]
+    reason: str
+
+
 class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
     """`rayfree status` asks node 0 for the cluster's status (it must hold the secret to get through)."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Beat | Bye | Verdict | StatusQuery).decode
+_decode = msgspec.msgpack.Decoder(Beat | Bye | Verdict | ReplicaDown | StatusQuery).decode

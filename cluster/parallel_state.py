@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 
 from rayfree.transport import get_ip
 
@@ -77,13 +78,16 @@ def init_distributed_environment(
     shape: str = "",
     node: int = -1,
     device_backend: str | None = None,
+    rendezvous: tuple[int, int, str] | None = None,
 ) -> Group:
     """Join the world (torch.distributed, gloo on CPU) and return the world group.
 
     `shape` (join.shape_of) and `node` let a rank that finds others with another shape say so. With
     `device_backend` ("nccl" on GPUs) every group is a pair, as vLLM's GroupCoordinator: `cpu_group` (gloo,
     the control plane's bytes) and `device_group` (that backend, the tensors on the device); without, the
-    device group is the gloo group itself.
+    device group is the gloo group itself. `rendezvous` (size, rank, name): the rendezvous spans more ranks
+    than this world (independent DP replicas meet there, rank 0 of all hosts it, and each forms a world of
+    its own under its name in the store).
     """
     global _WORLD, _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER, _DEVICE_BACKEND
     if _WORLD is not None:
@@ -93,9 +97,14 @@ def init_distributed_environment(
     if not 0 <= rank < world_size:
         raise GroupError(f"rank {rank} is out of range for world_size {world_size}")
     host, port = _parse_init_method(distributed_init_method)
-    store = join(host, port, world_size, rank, timeout_s, shape, node)
+    size, at, name = rendezvous or (world_size, rank, "")
+    store = join(host, port, size, at, timeout_s, shape, node)
     dist.init_process_group(
-        backend, store=store, world_size=world_size, rank=rank, timeout=datetime.timedelta(seconds=timeout_s)
+        backend,
+        store=PrefixStore(f"rayfree/world/{name}", store) if name else store,
+        world_size=world_size,
+        rank=rank,
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER = store, timeout_s, force_remote, host
     _WORLD = _make_group("world", list(range(world_size)), dist.group.WORLD)

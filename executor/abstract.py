@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from rayfree.cluster.config import ClusterConfig, require_config
 from rayfree.transport import get_open_port
@@ -16,10 +19,25 @@ from rayfree.worker.proc import resolve_worker_cls
 from .errors import ExecutorFailed, WorkerError
 from .futures import FutureWrapper
 
-__all__ = ["Executor", "UniProcExecutor", "FailureCallback"]
+__all__ = ["Executor", "UniProcExecutor", "FailureCallback", "ReplicaCallback", "ReplicaState"]
 
 #: Called once when the executor fails (a worker died): the engine stops or restarts.
+logger = logging.getLogger("rayfree.executor")
+
 FailureCallback = Callable[[], None]
+
+
+class ReplicaState(msgspec.Struct, frozen=True):
+    """A DP replica as this process knows it: "serving" or "lost" (an independent replica; `why` says what
+    it lost), and its epoch (what incarnation of it)."""
+
+    state: str
+    epoch: int = 0
+    why: str = ""
+
+
+#: called with a DP replica's rank and its new state (on the node's policy thread: return quickly)
+ReplicaCallback = Callable[[int, ReplicaState], None]
 
 
 class Executor(ABC):
@@ -42,6 +60,7 @@ class Executor(ABC):
         self.worker_kwargs = dict(worker_kwargs or {})
         self.is_failed = False
         self.failure_callback: FailureCallback | None = None
+        self._replica_callbacks: list[ReplicaCallback] = []
         #: set by an engine with a KV connector: execute_model's replies are then aggregated over every rank
         self.kv_output_aggregator: Any = None
         self._callback_lock = threading.Lock()
@@ -163,6 +182,32 @@ class Executor(ABC):
             callback, self.failure_callback = self.failure_callback, None
         if callback is not None:
             callback()
+
+    def replica_states(self) -> dict[int, ReplicaState]:
+        """Every DP replica's state, for an engine that routes requests around a lost one. With independent
+        replicas (`replica_coupling`) node 0 hears of every loss and tells every node; with coupled ones a loss
+        fails every replica, so this executor's own failure says it all."""
+        lost = self._lost_replicas()
+        return {
+            k: ReplicaState("lost", 0, lost[k].summary) if k in lost else ReplicaState("serving")
+            for k in range(self.parallel_config.data_parallel_size)
+        }
+
+    def register_replica_callback(self, callback: ReplicaCallback) -> None:
+        """Call `callback(dp_rank, state)` whenever a DP replica's state changes (a loss, here)."""
+        self._replica_callbacks.append(callback)
+
+    def fire_replica_callbacks(self, dp_rank: int, lost: Any) -> None:
+        """The node's policy: replica `dp_rank` was lost (`lost`: its ReplicaLost)."""
+        state = ReplicaState("lost", 0, lost.summary)
+        for callback in list(self._replica_callbacks):
+            try:
+                callback(dp_rank, state)
+            except Exception:  # noqa: BLE001 - the engine's callback must not stop the failure's handling
+                logger.exception("a replica callback raised")
+
+    def _lost_replicas(self) -> dict[int, Any]:
+        return {}
 
     def __enter__(self) -> Executor:
         return self

@@ -1,7 +1,7 @@
 """What `collective_rpc` and the executor raise; each names the rank(s) concerned.
 
 Why the executor failed has a class of its own (`WorkerDied`, `NodeLost`,
-`LeaderLost`, `ReplicaFailed`, `FatalWorkerError`), and each is also an
+`LeaderLost`, `ReplicaFailed`, `ReplicaLost`, `FatalWorkerError`), and each is also an
 `ExecutorFailed`: a caller may catch the cause by name, or every failure at
 once. `failed_as` is the one rule that turns the failure into what a pending
 or later call raises: the same class, with the call named in the message.
@@ -23,6 +23,7 @@ __all__ = [
     "NodeLost",
     "LeaderLost",
     "ReplicaFailed",
+    "ReplicaLost",
     "WorkerStartupError",
     "StartupTimeout",
     "FatalWorkerError",
@@ -96,6 +97,7 @@ class NodeLost(ExecutorFailed):
         self.node_rank = node_rank
         self.ranks = ranks
         self.replicas = replicas or []
+        self.why = why
 
 
 class LeaderLost(ExecutorFailed):
@@ -116,6 +118,24 @@ class ReplicaFailed(ExecutorFailed):
         )
         self.dp_rank = dp_rank
         self.why = why
+
+
+class ReplicaLost(ExecutorFailed):
+    """An independent DP replica lost a node, a worker or a link: it alone stopped, the other replicas serve on
+    (`replica_coupling`). Names the replica, the node, the ranks (across DP) and the cause; `cause` keeps the
+    failure itself when this process saw it (a NodeLost, a WorkerDied, ...)."""
+
+    def __init__(self, dp_rank: int, node_rank: int, ranks: list[int], why: str, cause: Exception | None = None):
+        self.summary = f"node {node_rank}, ranks {ranks}: {why}"
+        super().__init__(
+            f"DP replica {dp_rank} was lost: {self.summary}; the other replicas serve on. "
+            f"Route its requests to another replica; its nodes exit non-zero, for their launcher to replace them"
+        )
+        self.dp_rank = dp_rank
+        self.node_rank = node_rank
+        self.ranks = ranks
+        self.why = why
+        self.cause = cause
 
 
 class WorkerStartupError(ExecutorError):

@@ -11,6 +11,12 @@ interrupted mid-way, a start-up thread, the operator's signal, the engine's
   node (a node lost, node 0 gone) fails every executor of the node with that
   error; one of an executor (its worker, its relay) fails that executor with it
   and the node's other DP replicas with `ReplicaFailed` (they share collectives).
+- Independent DP replicas (`replica_coupling`): once the node's replicas run, a
+  failure of some replicas (a worker's, a relay's, a node lost with its
+  replicas, node 0's word that one was lost) fails those alone, with
+  `ReplicaLost`; node 0 tells the lost replica's other nodes (`ReplicaDown`).
+  A node left with no replica fails as a whole (below), and node 0 failing is
+  the cluster failing: it is the heartbeats' hub and the engine's entry.
 - A collective's error, or a broken relay, that reads like a lost peer waits
   for the heartbeats' verdict first (up to their suspect window): a node lost
   meanwhile is the cause to report.
@@ -36,7 +42,7 @@ from typing import Any
 
 from rayfree.supervisor import Failure, Severity, supervisor
 
-from .errors import FatalWorkerError, ReplicaFailed, WorkerDied
+from .errors import FatalWorkerError, NodeLost, ReplicaFailed, ReplicaLost, WorkerDied, WorkerError
 from .peers import peer_gone
 
 __all__ = ["NodePolicy", "FAST_TERM_S", "grace_of", "why_of"]
@@ -64,6 +70,35 @@ def grace_of(severity: Severity, grace: float, term: float) -> tuple[float, floa
     return grace, term
 
 
+def _replicas_hit(f: Failure, par: Any) -> list[int] | None:
+    """The DP replicas a failure belongs to (None: the node's, not one replica's)."""
+    if f.executor is not None:
+        return [f.executor.dp_rank]
+    if isinstance(f.cause, NodeLost):
+        return par.replicas_of_node(f.cause.node_rank)
+    if isinstance(f.cause, ReplicaLost):
+        return [f.cause.dp_rank]
+    return None
+
+
+def replica_lost(dp_rank: int, cause: BaseException | None, par: Any, here: int) -> ReplicaLost:
+    """Replica `dp_rank`'s loss, naming the node, the ranks (across DP) and the cause."""
+    if isinstance(cause, ReplicaLost):
+        return cause
+    if isinstance(cause, NodeLost):
+        return ReplicaLost(dp_rank, cause.node_rank, cause.ranks, cause.why, cause)
+    if isinstance(cause, (WorkerDied, WorkerError)):
+        rank = cause.rank
+        what = (
+            f"worker rank {rank} died ({cause.how})"
+            if isinstance(cause, WorkerDied)
+            else f"rank {rank} raised {cause.error_type}: {cause.message}"
+        )
+        return ReplicaLost(dp_rank, here, [par.global_rank(rank, dp_rank)], what, cause)
+    ranks = [r for r in par.node_ranks(here) if r // par.world_size == dp_rank]
+    return ReplicaLost(dp_rank, here, ranks, why_of(cause), cause if isinstance(cause, Exception) else None)
+
+
 class _Entry:
     """The entry point running on this node's main thread, for its deadline after a failure."""
 
@@ -87,6 +122,8 @@ class NodePolicy:
         self.record: Failure | None = None
         self._deferred: set[int] = set()
         self.entry: _Entry | None = None
+        #: the independent DP replicas this node knows are lost, each with its ReplicaLost
+        self.lost: dict[int, ReplicaLost] = {}
 
     # -- reports: from any thread --------------------------------------------------------------------
 
@@ -124,7 +161,7 @@ class NodePolicy:
             # the verdict it waited for was node 0's clean stop: its close reached this node's ranks first
             logger.info("%s: %s came with node 0's clean stop; not a failure", f.source, why_of(f.cause))
             return
-        if self._await_verdict(f):
+        if self._await_verdict(f) or self._replicas_only(f):
             return
         self.record = dataclasses.replace(f, domain=None, executor=None)  # (the record keeps no executor alive)
         self.lv.settled.set()
@@ -139,6 +176,34 @@ class NodePolicy:
                 self._shut(ex)
             else:
                 ex.abort_startup()  # its starting thread raises the failure and shuts down
+
+    def _replicas_only(self, f: Failure) -> bool:
+        """Independent replicas: fail the replicas `f` hit and no other; True if that was all (the node keeps a
+        replica that serves). A replica of this node that fails while it starts fails the node: its replicas
+        start together."""
+        par = self.lv.par
+        hit = None if par.coupled or par.data_parallel_size == 1 else _replicas_hit(f, par)
+        if hit is None or any(ex.starting and ex.dp_rank in hit for ex in self.lv.executors()):
+            return False
+        fresh = [k for k in hit if k not in self.lost]
+        if not fresh:
+            logger.info("%s: %s (DP replica %s: lost already)", f.source, why_of(f.cause), hit)
+            return True
+        for k in fresh:
+            self.lost[k] = err = replica_lost(k, f.cause, par, self.lv.node)
+            logger.error("%s", err)
+            self.lv.replica_lost(err)
+        mine = [ex for ex in self.lv.executors() if ex.dp_rank in fresh]
+        for ex in mine:
+            self._fail(ex, self.lost[ex.dp_rank], f.severity)
+        for ex in self.lv.executors():
+            for k in fresh:
+                ex.fire_replica_callbacks(k, self.lost[k])
+        if all(k in self.lost for k in par.node_replicas):
+            return False  # nothing left here: the node fails
+        for ex in mine:
+            self._shut(ex)
+        return True
 
     def _await_verdict(self, f: Failure) -> bool:
         """A collective's error or a broken relay that reads like a lost peer: wait (not here: the verdict comes

@@ -36,7 +36,7 @@ def _line(error: object) -> str:
 
 def _workers(lv: NodeLiveness, down: tuple[str, ...] = _DOWN) -> str:
     for ex in lv.executors():
-        if ex.stopped:
+        if ex.stopped or ex.dp_rank in lv.policy.lost:
             continue
         for w in ex.workers:
             pid = w.proc.pid
@@ -70,13 +70,16 @@ def _stalled(lv: NodeLiveness) -> str:
     return ""
 
 
-def followers_verdict(server: HeartbeatServer, grace: float | None = None) -> str:
+def followers_verdict(server: HeartbeatServer, grace: float | None = None, skip: set[int] | None = None) -> str:
     """Node 0's view of its followers' readiness ("" ready): lost, not joined, silent, a dropped connection not
-    beaten since (after `grace`, default a beat and a bit), a node or rank it reported down."""
+    beaten since (after `grace`, default a beat and a bit), a node or rank it reported down. The nodes in
+    `skip` (of independent DP replicas lost) no longer count."""
     now = time.monotonic()
     fresh = server.suspect_window + 2 * server.interval
     dropped = server.suspect_at
     for node, ip, _ranks, age, gone, raw in server.peer_views():
+        if skip and node in skip:
+            continue
         if gone:
             return f"node {node} ({ip}) is lost"
         if age is None:

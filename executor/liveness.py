@@ -25,13 +25,13 @@ from collections.abc import Iterator
 from typing import Any
 
 from rayfree.cluster.config import ClusterConfig
-from rayfree.cluster.heartbeat import Bye, HeartbeatServer
+from rayfree.cluster.heartbeat import Bye, HeartbeatServer, ReplicaDown
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.supervisor import Failure, Severity
 from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
 
-from .errors import LeaderLost, NodeLost, ReplicaFailed
+from .errors import LeaderLost, NodeLost, ReplicaFailed, ReplicaLost
 from .failure_policy import NodePolicy, why_of
 from .health import follower_verdict, followers_verdict
 from .status_messages import cluster_status, encode, node_status
@@ -139,6 +139,14 @@ class NodeLiveness:
         if arm and self.beater is not None:
             self.beater.arm()
 
+    def replica_lost(self, err: ReplicaLost) -> None:
+        """The policy found an independent DP replica lost (node 0 tells its other nodes)."""
+
+    def lost_nodes(self) -> set[int]:
+        """The nodes whose every replica is lost: no longer part of the cluster's readiness."""
+        lost = self.policy.lost
+        return {k for k in range(self.par.nnodes) if lost and all(r in lost for r in self.par.replicas_of_node(k))}
+
     def fail_all(self, error: Exception) -> None:
         """Report a failure of the whole node (any thread): its policy fails every executor with `error`."""
         self.policy.report("this node", error, Severity.FATAL)
@@ -159,6 +167,9 @@ class NodeLiveness:
         failure = ex.failure
         if self.stop_requested and not isinstance(failure, (NodeLost, LeaderLost)):
             failure, reason = None, ""  # stopped on purpose: the others stop cleanly too
+        lost = self.policy.lost
+        if ex.dp_rank in lost:
+            failure, reason = None, ""  # an independent replica lost: not the node's failure, and not running
         if failure is not None or reason:
             if self.policy.record is None:  # (an interrupted call, an entry that raised, a failed start-up)
                 why = reason or why_of(failure)
@@ -168,6 +179,8 @@ class NodeLiveness:
         with self._lock:
             self._stopped += 1
             last = self._stopped >= len(self._executors)
+        if ex.dp_rank in lost:
+            return  # (counted: once the node's other replicas stop cleanly, its goodbye is a clean one)
         if last:
             why = f"stopped on request ({self.stop_requested})" if self.stop_requested else "shut down"
             self._close(Bye(self.node, True, why))
@@ -243,12 +256,18 @@ class LeaderLiveness(NodeLiveness):
             cfg.join_timeout_s,
         )
 
+    def replica_lost(self, err: ReplicaLost) -> None:
+        # every follower hears it: the replica's own nodes stop it, the others know whom not to route to
+        others = [k for k in range(1, self.par.nnodes) if k != err.node_rank]  # (those gone are skipped)
+        if others and self.beater is not None:
+            self.beater.tell(others, ReplicaDown(err.dp_rank, err.node_rank, err.ranks, err.why[:300]))
+
     def _node_lost(self, node: int, ranks: list[int], ip: str, why: str) -> None:
         replicas = self.par.replicas_of_node(node) if self.par.data_parallel_size > 1 else None
         self.policy.report("the heartbeats", NodeLost(node, ranks, ip, why, replicas), Severity.FATAL)
 
     def peer_verdict(self, grace: float | None = None) -> str:
-        return followers_verdict(self.beater, grace) if self.beater is not None else ""
+        return followers_verdict(self.beater, grace, self.lost_nodes()) if self.beater is not None else ""
 
     def finish(self) -> bool:
         """Wait for every other replica leader's `done` (or a failure), then the cluster may stop."""
@@ -260,7 +279,7 @@ class LeaderLiveness(NodeLiveness):
                 "node 0: this node's replicas are done; waiting for the replica leader(s) on node(s) %s", leaders
             )
         while not self.settled.wait(_FINISH_POLL_S):
-            if self.beater.all_done(leaders):
+            if self.beater.all_done([k for k in leaders if k not in self.lost_nodes()]):
                 return True
         return self.failure is None
 
@@ -285,6 +304,8 @@ class FollowerLiveness(NodeLiveness):
             self._head_bye,
         )
         self.beater.status_fn = lambda: encode(node_status(self))
+        if par.data_parallel_size > 1 and not par.coupled:
+            self.beater.on_replica_down = self._replica_down
         logger.info(
             "node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
             self.node,
@@ -303,6 +324,10 @@ class FollowerLiveness(NodeLiveness):
         else:
             why = f"it stopped after a failure: {reason}"
             self.policy.report("node 0's goodbye", LeaderLost(self.node, why), Severity.FATAL)
+
+    def _replica_down(self, msg: ReplicaDown) -> None:
+        err = ReplicaLost(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)
+        self.policy.report("node 0", err, Severity.FATAL)
 
     def peer_verdict(self, grace: float | None = None) -> str:
         return follower_verdict(self.beater)

@@ -101,12 +101,23 @@ class NodeStatus(msgspec.Struct):
     threads: list[str] = []
 
 
+class ReplicaLine(msgspec.Struct):
+    """A DP replica's state as node 0 knows it (`Executor.replica_states`)."""
+
+    replica: int
+    state: str  # "serving", "lost"
+    epoch: int = 0
+    why: str = ""
+
+
 class ClusterStatus(msgspec.Struct):
     nnodes: int
     world_size: int  # of one replica
     data_parallel_size: int
     shape: str
     nodes: list[NodeStatus]
+    coupling: str = ""  # "independent" or "coupled" (DP > 1)
+    replicas: list[ReplicaLine] = []
 
 
 def worker_statuses(ex: ReplicaView) -> list[WorkerStatus]:
@@ -233,12 +244,18 @@ def cluster_status(lv: Any) -> ClusterStatus:
         ns.heartbeat_age_s = None if age is None else round(age, 3)
         ns.state = "lost" if gone else ("not joined" if age is None else ns.state)
         nodes.append(ns)
+    lost = lv.policy.lost
     return ClusterStatus(
         nnodes=par.nnodes,
         world_size=par.world_size,
         data_parallel_size=par.data_parallel_size,
         shape=shape_of(par),
         nodes=nodes,
+        coupling="" if par.data_parallel_size == 1 else "coupled" if par.coupled else "independent",
+        replicas=[
+            ReplicaLine(k, "lost", 0, lost[k].summary) if k in lost else ReplicaLine(k, "serving")
+            for k in range(par.data_parallel_size)
+        ],
     )
 
 

@@ -61,6 +61,9 @@ if TYPE_CHECKING:  # pragma: no cover - the list of public names
         FailureCallback as FailureCallback,
     )
     from rayfree.executor.abstract import (
+        ReplicaState as ReplicaState,
+    )
+    from rayfree.executor.abstract import (
         UniProcExecutor as UniProcExecutor,
     )
     from rayfree.executor.errors import (
@@ -83,6 +86,9 @@ if TYPE_CHECKING:  # pragma: no cover - the list of public names
     )
     from rayfree.executor.errors import (
         ReplicaFailed as ReplicaFailed,
+    )
+    from rayfree.executor.errors import (
+        ReplicaLost as ReplicaLost,
     )
     from rayfree.executor.errors import (
         RpcTimeout as RpcTimeout,

@@ -52,8 +52,9 @@ class WorkerBase:
 
     def init_device(self) -> None:
         """Select this worker's device (`cuda:{device_index}` when CUDA is present, else the CPU), join the
-        torch.distributed world (every DP replica's ranks) and build the parallel groups, each a pair: a gloo
-        `cpu_group` for the control plane and a `device_group` for tensors (NCCL on CUDA)."""
+        torch.distributed world (its DP replica's ranks; every replica's when they are coupled) and build the
+        parallel groups, each a pair: a gloo `cpu_group` for the control plane and a `device_group` for tensors
+        (NCCL on CUDA)."""
         import torch
 
         from rayfree.cluster.join import shape_of
@@ -73,10 +74,11 @@ class WorkerBase:
                 )
             self.device = torch.device("cpu")
         par = self.parallel_config
-        # `rank` is the rank within this DP replica (the executor's); the world spans every replica.
+        # `rank` is the rank within this DP replica (the executor's). Coupled replicas share one world; independent
+        # ones meet at one rendezvous (every rank named if one is missing) and each forms a world of its own.
+        whole = (par.world_size_across_dp, par.global_rank(self.rank))
         init_distributed_environment(
-            par.world_size_across_dp,
-            par.global_rank(self.rank),
+            *(whole if par.coupled or par.data_parallel_size == 1 else (par.world_size, self.rank)),
             self.distributed_init_method,
             self.local_rank,
             timeout_s=self.config.join_timeout_s,
@@ -84,6 +86,7 @@ class WorkerBase:
             shape=shape_of(par),
             node=par.node_rank if par.nnodes > 1 else -1,
             device_backend=backend,
+            rendezvous=None if par.coupled or par.data_parallel_size == 1 else (*whole, f"dp{par.dp_rank}"),
         )
         initialize_model_parallel(self.parallel_config)
 

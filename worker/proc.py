@@ -109,7 +109,8 @@ class WorkerProc:
             lifeline.leftovers = getattr(self.worker, "leftovers", None)
         set_title()
         self.worker.init_device()
-        set_title(config.parallel.enable_expert_parallel, title_for(config.parallel, rank))
+        par = config.parallel
+        set_title(par.enable_expert_parallel, title_for(par, rank), (par.data_parallel_size, par.dp_rank))
         self.worker.load_model()
         if config.async_scheduling:
             self.async_output_queue = queue.Queue()

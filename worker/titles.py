@@ -33,22 +33,24 @@ def title_for(par: ParallelConfig, rank: int) -> str:
     return process_name(dims)
 
 
-def set_title(enable_ep: bool = False, fallback: str = "Worker") -> str:
+def set_title(enable_ep: bool = False, fallback: str = "Worker", replica: tuple[int, int] = (1, 0)) -> str:
     """Title this process after its place in the parallel groups (once they exist; else `fallback`, say
-    `title_for`'s: an engine that builds its own groups) and name its log lines."""
+    `title_for`'s: an engine that builds its own groups) and name its log lines. `replica`: (DP size, this DP
+    rank), for independent replicas, whose DP group is the rank alone."""
     ps = sys.modules.get("rayfree.cluster.parallel_state")  # not imported: no groups (and no torch import here)
     name = fallback
     if ps is not None and ps.model_parallel_is_initialized():
-        dims = [
-            ("DP", ps.get_dp_group()),
+        dp = ps.get_dp_group()
+        size, at = (dp.world_size, dp.rank_in_group) if dp.world_size > 1 else replica
+        groups = [
             ("PP", ps.get_pp_group()),
             ("PCP", ps.get_pcp_group()),
             ("TP", ps.get_tp_group()),
             ("DCP", ps.get_dcp_group()),
         ]
         if enable_ep:
-            dims.append(("EP", ps.get_ep_group()))
-        name = process_name([(tag, g.world_size, g.rank_in_group) for tag, g in dims])
+            groups.append(("EP", ps.get_ep_group()))
+        name = process_name([("DP", size, at)] + [(tag, g.world_size, g.rank_in_group) for tag, g in groups])
     try:
         import setproctitle
 

@@ -160,7 +160,7 @@ def drive(ex, steps: int | None = None) -> int:
         lat.append(dt)
         over.append(max(0.0, dt - report["seconds"]))
         bad += not torch.equal(out, reference_forward(batch["x"]))
-        bad_dp += dp > 1 and report["dp_sum"] != dp_sum(step, dp)
+        bad_dp += par.coupled and report["dp_sum"] != dp_sum(step, dp)  # (independent replicas: no DP group)
         if tty:
             done = (step + 1) * 30 // steps
             print(f"\r  [{'#' * done}{'.' * (30 - done)}] step {step + 1}/{steps}", end="", flush=True)
@@ -179,6 +179,8 @@ def drive(ex, steps: int | None = None) -> int:
         ("outputs equal to 1-process model", steps - bad),
     ]
     if dp > 1:
+        rows.append(("replicas", "coupled" if par.coupled else "independent"))
+    if par.coupled:
         rows.append(("cross-replica all-reduce correct", steps - bad_dp))
     for name, value in rows:
         say(f"{name:<34}{value:>10}")

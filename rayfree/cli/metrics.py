@@ -121,6 +121,13 @@ class _Collector:
         failed = GaugeMetricFamily("rayfree_cluster_failed", "1 once this node's cluster has failed", labels=["node"])
         failed.add_metric([node], 1.0 if lv.failure is not None else 0.0)
         yield failed
+        if lv.par.data_parallel_size > 1:  # each DP replica as this node knows it (node 0 knows every loss)
+            serving = GaugeMetricFamily(
+                "rayfree_replica_serving", "1 while a DP replica serves, 0 once it is lost", labels=["node", "replica"]
+            )
+            for k in range(lv.par.data_parallel_size):
+                serving.add_metric([node, str(k)], 0.0 if k in lv.policy.lost else 1.0)
+            yield serving
         b = lv.beater
         if b is not None and lv.node != 0:  # a follower: its beats' round trips to node 0
             last = GaugeMetricFamily(

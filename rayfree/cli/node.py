@@ -230,9 +230,11 @@ class _Node:
         """Run the entry point for every replica this node leads; then wait until the whole cluster may stop.
 
         An entry that raises fails the cluster (every node stops, non-zero); one that returns a code ends its
-        replica cleanly, and the node exits with the first non-zero code once every replica is done.
+        replica cleanly, and the node exits with the first non-zero code once every replica is done. An
+        independent replica of this node that was lost (`ReplicaLost`) leaves the others running; the node
+        exits non-zero once they are done.
         """
-        from rayfree.executor.errors import ExecutorError
+        from rayfree.executor.errors import ExecutorError, ReplicaLost
 
         reps = self.reps
         assert self.entry is not None
@@ -240,7 +242,12 @@ class _Node:
             results = reps.run(self.entry)
         if self._asked_to_stop():
             return self._stopped_code()
-        raised = [(ex, r) for ex, r in zip(reps.leaders, results) if isinstance(r, BaseException)]
+        lost = sorted(set(reps.liveness.policy.lost) & set(self.par.node_replicas))
+        raised = [
+            (ex, r)
+            for ex, r in zip(reps.leaders, results)
+            if isinstance(r, BaseException) and not (isinstance(r, ReplicaLost) and ex.dp_rank in lost)
+        ]
         for ex, e in raised:
             if not isinstance(e, ExecutorError):  # the engine's own error: the other nodes must stop too
                 ex.note_stop_reason(f"DP replica {ex.dp_rank}'s entry point raised {type(e).__name__}: {e}")
@@ -250,6 +257,11 @@ class _Node:
             return EXIT_FAILED
         if not reps.finish():
             logger.error("node %d: the cluster failed: %s", self.par.node_rank, reps.failure)
+            return EXIT_FAILED
+        if lost:
+            logger.error(
+                "node %d: DP replica(s) %s of this node were lost; the others are done", self.par.node_rank, lost
+            )
             return EXIT_FAILED
         codes = [r if isinstance(r, int) else 0 for r in results]
         return next((c for c in codes if c), 0)

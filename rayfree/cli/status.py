@@ -61,6 +61,10 @@ def format_status(st: ClusterStatus) -> str:
         beat = "self" if n.node == 0 else _age(n.heartbeat_age_s)
         rtt = "-" if n.heartbeat_rtt_ms is None else f"{n.heartbeat_rtt_ms:.2f}ms"
         lines.append(f"{n.node:<5}{n.ip:<16}{n.state:<12}{beat:<11}{rtt:<9}{str(n.ranks):<18}{n.replicas}")
+    if st.coupling:
+        lines += ["", f"DP replicas ({st.coupling}):"]
+        lines += [f"  replica {r.replica}: {r.state}, epoch {r.epoch}" + (f" ({r.why})" if r.why else "")
+                  for r in st.replicas]  # fmt: skip
     lines.append("")
     width = max([len(w.title) for n in st.nodes for w in n.workers] + [12]) + 11
     placed = any(w.device is not None or w.cpus for n in st.nodes for w in n.workers)

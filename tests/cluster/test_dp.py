@@ -1,8 +1,10 @@
-"""Data-parallel replicas across simulated nodes: one world, a broadcast queue per replica, liveness for all.
+"""Data-parallel replicas across simulated nodes: a broadcast queue per replica, liveness for all; coupled
+replicas share one world (a lost node fails them all), independent ones a world each (it fails its own).
 
 Every node runs docker-compose.yml's invocation (head, leader or follower).
-The toy engine all-reduces over the DP group at every step, across replicas,
-so a replica missing its cross-replica group, or not stepping, fails these.
+Coupled, the toy engine all-reduces over the DP group at every step, across
+replicas, so a replica missing its cross-replica group, or not stepping, fails
+these; independent, each rank's world and DP group must be its replica's own.
 """
 
 from __future__ import annotations
@@ -40,8 +42,15 @@ def start(
     return procs
 
 
-def check_replica(r: dict, replica: int, tp: int, nodes_of: list[int], sim: SimulatedCluster) -> None:
+COUPLED = {"RAYFREE_REPLICA_COUPLING": "coupled"}
+
+
+def check_replica(
+    r: dict, replica: int, tp: int, nodes_of: list[int], sim: SimulatedCluster, dp: int, coupled: bool
+) -> None:
     assert r["replica"] == replica and r["steps"] == r["equal"] == r["dp_ok"] == 20, r
+    want = {"world": tp * dp, "dp": dp} if coupled else {"world": tp, "dp": 1}
+    assert [{k: g[k] for k in ("world", "dp")} for g in r["groups"]] == [want] * tp, r["groups"]
     info = sorted(r["info"], key=lambda x: x["rank"])
     assert [x["rank"] for x in info] == list(range(tp)), info
     assert [x["global_rank"] for x in info] == [replica * tp + i for i in range(tp)], info
@@ -53,21 +62,24 @@ def check_replica(r: dict, replica: int, tp: int, nodes_of: list[int], sim: Simu
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("order", ["leaders first", "followers first"])
-def test_four_nodes_two_replicas_of_tp2_each_over_two_nodes(order: str) -> None:
+@pytest.mark.parametrize(
+    "order,coupling", [("leaders first", "coupled"), ("followers first", "coupled"), ("leaders first", "independent")]
+)
+def test_four_nodes_two_replicas_of_tp2_each_over_two_nodes(order: str, coupling: str) -> None:
     with SimulatedCluster(4) as sim:
         nodes = Nodes(sim, **FAST)
-        procs = start(nodes, 4, 2, 2, "tests.support.multinode_entry:dp_check", order)
+        env = {"RAYFREE_REPLICA_COUPLING": coupling}
+        procs = start(nodes, 4, 2, 2, "tests.support.multinode_entry:dp_check", order, **env)
         results = {r: procs[lead].result("RESULT", 180) for r, lead in ((0, 0), (1, 2))}
         for k, p in procs.items():
             assert p.wait(60) == 0, f"node {k}:\n{p.text()[-3000:]}"
         assert_nothing_left(sim, procs.values())
-    check_replica(results[0], 0, 2, [0, 1], sim)
-    check_replica(results[1], 1, 2, [2, 3], sim)
+    check_replica(results[0], 0, 2, [0, 1], sim, 2, coupling == "coupled")
+    check_replica(results[1], 1, 2, [2, 3], sim, 2, coupling == "coupled")
 
 
 @pytest.mark.timeout(240)
-def test_two_nodes_one_replica_each() -> None:
+def test_two_nodes_one_replica_each_independent_by_default() -> None:
     with SimulatedCluster(2) as sim:
         nodes = Nodes(sim, **FAST)
         procs = start(nodes, 2, 2, 1, "tests.support.multinode_entry:dp_check", "followers first")
@@ -76,14 +88,14 @@ def test_two_nodes_one_replica_each() -> None:
             assert p.wait(60) == 0, f"node {k}:\n{p.text()[-3000:]}"
         assert_nothing_left(sim, procs.values())
     for r in (0, 1):
-        check_replica(results[r], r, 1, [r], sim)
+        check_replica(results[r], r, 1, [r], sim, 2, coupled=False)
 
 
 @pytest.mark.timeout(240)
-def test_one_node_two_replicas_in_one_process() -> None:
+def test_one_node_two_coupled_replicas_in_one_process() -> None:
     with SimulatedCluster(1) as sim:
         nodes = Nodes(sim, **FAST)
-        procs = start(nodes, 1, 2, 2, "tests.support.multinode_entry:dp_check")
+        procs = start(nodes, 1, 2, 2, "tests.support.multinode_entry:dp_check", **COUPLED)
         got = {}
         for _ in range(2):
             r = procs[0].result("RESULT", 180)
@@ -92,15 +104,15 @@ def test_one_node_two_replicas_in_one_process() -> None:
         assert_nothing_left(sim, procs.values())
     assert sorted(got) == [0, 1]
     for r in (0, 1):
-        check_replica(got[r], r, 2, [0], sim)
+        check_replica(got[r], r, 2, [0], sim, 2, coupled=True)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("victim", [3, 2], ids=["follower-of-replica-1", "leader-of-replica-1"])
-def test_a_lost_node_of_replica_1_fails_both_replicas_naming_it(victim: int) -> None:
+def test_a_lost_node_of_coupled_replica_1_fails_both_replicas_naming_it(victim: int) -> None:
     with SimulatedCluster(4) as sim:
         nodes = Nodes(sim, **FAST)
-        procs = start(nodes, 4, 2, 2, "tests.support.multinode_entry:hang")
+        procs = start(nodes, 4, 2, 2, "tests.support.multinode_entry:hang", **COUPLED)
         leaders = [k for k in (0, 2) if k != victim]
         for k in leaders:  # every replica that survives has a call pending on all its ranks
             procs[k].expect(r"^PENDING:", 180)
@@ -118,3 +130,38 @@ def test_a_lost_node_of_replica_1_fails_both_replicas_naming_it(victim: int) -> 
         assert "failed earlier" in r["later"] and r["callbacks"] == 1, r
         print(f"\nnode {victim} killed: replica leader node {k} failed after {took:.2f}s ({r['kind']})")
     assert all(c != 0 for k, c in codes.items() if k != victim), codes
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("victim", [3, 2], ids=["follower-of-replica-1", "leader-of-replica-1"])
+def test_a_lost_node_of_independent_replica_1_fails_it_alone(victim: int) -> None:
+    """Replica 0 (nodes 0, 1) serves on through the loss: no call of it fails, its processes stay, it hears of
+    replica 1's loss (callback and query) and takes 20 more correct steps; replica 1's surviving node ends its
+    calls with ReplicaLost naming the node, and leaves non-zero; replica 0's nodes exit 0 at the end."""
+    with SimulatedCluster(4) as sim:
+        nodes = Nodes(sim, **FAST)
+        procs = start(nodes, 4, 2, 2, "tests.support.multinode_entry:steps_while_a_replica_is_lost")
+        for k in (0, 2):
+            procs[k].expect(r"^STEPPING:", 180)
+        t_kill = time.monotonic()
+        sim.nodes[victim].kill()
+        served = procs[0].result("RESULT", 60)
+        lost = procs[2].result("RESULT", 60) if victim != 2 else None
+        codes = {k: p.wait(60) for k, p in procs.items()}
+        assert_nothing_left(sim, procs.values())
+    assert served["outcome"] == "served" and served["after"] == served["equal"] == 20, served
+    assert [k for k, *_ in served["seen"]] == [1] and served["seen"][0][1] == "lost", served["seen"]
+    assert f"node {victim}" in served["seen"][0][2], served["seen"]
+    assert served["states"]["0"][0] == "serving" and served["states"]["1"][0] == "lost", served["states"]
+    heard = served["seen"][0][3] - t_kill
+    assert heard < HB_TIMEOUT + SLACK, f"node 0 heard of replica 1's loss after {heard:.2f}s"
+    print(f"\nnode {victim} killed: node 0 knew replica 1 lost after {heard:.2f}s, and served on")
+    if lost is not None:
+        took = lost["t_fail"] - t_kill
+        why = f"{lost}\n{procs[2].text()[-6000:]}"
+        assert lost["outcome"] == "failed" and lost["replica_lost"] and lost["kind"] == "ReplicaLost", why
+        assert lost["lost_dp"] == 1 and lost["lost_node"] == victim and lost["lost_ranks"] == [3], lost
+        assert lost["later"] == "ReplicaLost" and took < HB_TIMEOUT + SLACK, (took, lost)
+        print(f"node 2 (replica 1's leader) failed its call with ReplicaLost after {took:.2f}s")
+    assert codes[0] == codes[1] == 0, codes
+    assert all(codes[k] != 0 for k in (2, 3)), codes

@@ -44,17 +44,23 @@ def test_every_worker_carries_torchruns_variables_for_the_world_it_joined() -> N
 
 
 @pytest.mark.timeout(180)
-def test_dp_replicas_on_one_node_get_disjoint_local_ranks_and_their_global_ranks() -> None:
+@pytest.mark.parametrize("coupling", ["coupled", "independent"])
+def test_dp_replicas_on_one_node_get_disjoint_local_ranks_and_their_worlds_ranks(coupling: str) -> None:
     """Two DP replicas of TP=2 on one node: LOCAL_RANK 0..3 over the node (not 0,1 twice, which would put both
-    replicas on the first two devices), RANK across the whole world."""
+    replicas on the first two devices); RANK and WORLD_SIZE those of the world each rank joined: the whole one
+    (coupled), or its replica's (independent)."""
     port = get_open_port("127.0.0.1")
-    par = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, master_port=port)
+    par = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, master_port=port, replica_coupling=coupling)
     reps = NodeReplicas(ClusterConfig(parallel=par, ready_timeout_s=120), ECHO, {"distributed": True})
     try:
         seen = {ex.dp_rank: ex.collective_rpc(launcher_variables, timeout=60) for ex in reps.leaders}
     finally:
         reps.shutdown()
-    rows = sorted((int(e["RANK"]), int(e["LOCAL_RANK"]), e["joined"]) for envs in seen.values() for e in envs)
-    assert rows == [(r, r, f"{r}/4") for r in range(4)], rows
-    assert {e["WORLD_SIZE"] for envs in seen.values() for e in envs} == {"4"}
+    rows = sorted(
+        (int(e["LOCAL_RANK"]), int(e["RANK"]), e["joined"], e["WORLD_SIZE"]) for v in seen.values() for e in v
+    )
+    if coupling == "coupled":
+        assert rows == [(r, r, f"{r}/4", "4") for r in range(4)], rows
+    else:
+        assert rows == [(r, r % 2, f"{r % 2}/2", "2") for r in range(4)], rows
     assert {e["LOCAL_WORLD_SIZE"] for envs in seen.values() for e in envs} == {"4"}

@@ -121,3 +121,19 @@ def test_transport_bench_puts_shared_reads_beside_private_copies_and_memcpy() ->
     rows = re.findall(r"^\s+(\d)\s+1MiB\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)$", out.stdout, re.M)
     assert [r[0] for r in rows] == ["1", "2"], out.stdout  # private, shared, ratio, memcpy, ratio per N
     assert all(int(r[1]) > 0 and int(r[2]) > 0 and int(r[4]) >= 0 for r in rows), out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_failover_bench_loses_one_independent_replica_and_no_call_of_the_other() -> None:
+    """DP=2 x TP=1 on two simulated nodes, replica 1's node (its leader) SIGKILLed mid-run: independent, replica 0
+    fails no call (a count, asserted; the times are not); coupled, its pending call ends with NodeLost."""
+    from rayfree.cluster.simulate import can_use_netns
+
+    if not can_use_netns():
+        pytest.skip("needs root for network namespaces")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "failover.py"), "--dp", "2", "--tp", "1", "--seconds", "2"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, f"bench/failover.py failed:\n{out.stdout}\n{out.stderr}"
+    independent, coupled = out.stdout.split("\ncoupled: ")
+    assert re.search(r"^  0 +served on +0 +\d+ +\S+ ", independent, re.M), out.stdout
+    assert re.search(r"^  0 +NodeLost after [\d.]+ s +1 ", coupled, re.M), out.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -72,7 +73,7 @@ def test_dp_demo_runs_two_replicas_on_four_simulated_nodes() -> None:
     ], table
     for replica in (0, 1):
         assert f"[replica {replica}] outputs equal to 1-process model          40" in r.stdout
-        assert f"[replica {replica}] cross-replica all-reduce correct          40" in r.stdout
+        assert re.search(rf"\[replica {replica}\] replicas +independent$", r.stdout, re.M), r.stdout
         assert f"[replica {replica}] step latency p99" in r.stdout
     assert "node exit codes                      0 0 0 0" in r.stdout
     assert "no process, shm segment or namespace left behind" in r.stdout

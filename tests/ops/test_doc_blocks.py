@@ -54,6 +54,7 @@ EXCERPTS = {
     "docs/workers.md: class TPLinearWorker(WorkerBase):": "examples/tp_layer.py",
     "docs/workers.md: config = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=tp))": "examples/tp_layer.py",
     "docs/workers.md: class HFLlamaWorker(WorkerBase):": "examples/hf_llama_tp.py",
+    "docs/engines.md: from itertools import count": "examples/dp_router.py",
 }
 #: shell blocks run here on simulated nodes: block -> (nodes, what node 0's output must show)
 CLUSTERS = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -83,3 +84,23 @@ def test_nothing_in_the_repository_points_outside_it() -> None:
         text=True,
     )
     assert out.stdout == "", out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_the_dp_router_example_routes_around_a_lost_replica() -> None:
+    """examples/dp_router.py (docs/engines.md): 200 requests over two independent replicas, one of which loses a
+    worker after 50; every request is answered once, the lost replica's are sent again to the other."""
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "dp_router.py")],
+        cwd=os.path.join(ROOT, "examples"),
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=160,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "200 requests answered, each once" in r.stdout, r.stdout
+    assert "replica changes heard: [(1, 'lost')]; states now: {0: 'serving', 1: 'lost'}" in r.stdout, r.stdout
+    # (rank 0 of replica 1 still answers until its peer's death is noticed, within a second: those count)
+    after = re.search(r"once its loss was heard of: replica 0 took [1-9]\d*, replica 1 took 0$", r.stdout, re.M)
+    assert after, r.stdout

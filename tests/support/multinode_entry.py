@@ -26,6 +26,13 @@ def where(worker: Any) -> dict:
     return worker_info(worker)
 
 
+def groups(worker: Any) -> dict:
+    """The size of the world a rank joined and of its DP group (independent replicas: its replica, and 1)."""
+    from rayfree.cluster.parallel_state import get_dp_group, get_world_group
+
+    return {"rank": worker.rank, "world": get_world_group().world_size, "dp": get_dp_group().world_size}
+
+
 def tensor_home(worker: Any, t: Any) -> dict:
     """Where a received tensor's bytes live (a shared-memory mapping: the node's ring, or not), and their sum."""
     from tests.support.memory import in_shared_memory
@@ -165,6 +172,49 @@ def _until_lost(ex, pending) -> int:
     return 0
 
 
+def steps_while_a_replica_is_lost(ex) -> int:
+    """Toy steps until this replica fails or another one is reported lost (the test takes a node of replica 1
+    away); a survivor then takes 20 more steps and says what it saw."""
+    from rayfree import ExecutorFailed, ReplicaLost
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+
+    seen: list = []
+    ex.register_replica_callback(lambda k, st: seen.append([k, st.state, st.why, time.monotonic()]))
+    steps = 0
+    say("STEPPING", replica=ex.dp_rank, t=time.monotonic())
+    try:
+        until = time.monotonic() + 120
+        while not seen and time.monotonic() < until:
+            ex.execute_model(make_batch(steps, replica=ex.dp_rank))
+            steps += 1
+        t_seen, after, equal = time.monotonic(), 0, 0
+        for s in range(20):
+            batch = make_batch(s, replica=ex.dp_rank)
+            equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
+            after += 1
+        states = {k: [v.state, v.why] for k, v in ex.replica_states().items()}
+        say("RESULT", replica=ex.dp_rank, outcome="served", steps=steps, after=after, equal=equal, seen=seen,
+            t_seen=t_seen, states=states)  # fmt: skip
+        return 0
+    except ExecutorFailed as e:
+        t_fail = time.monotonic()
+        try:
+            ex.collective_rpc("check_health", timeout=10)
+            later = "a later call succeeded"
+        except ExecutorFailed as e2:
+            later = type(e2).__name__
+        say("RESULT", replica=ex.dp_rank, outcome="failed", steps=steps, t_fail=t_fail, kind=type(e).__name__,
+            replica_lost=isinstance(e, ReplicaLost), error=str(e), lost_dp=getattr(e, "dp_rank", None),
+            lost_node=getattr(e, "node_rank", None), lost_ranks=getattr(e, "ranks", None), later=later)  # fmt: skip
+        return 1
+
+
+def torch_equal(a: Any, b: Any) -> int:
+    import torch
+
+    return int(torch.equal(a, b))
+
+
 def serve(ex) -> int:
     """Stay up until killed (the leader-loss test)."""
     say("SERVING", pids=[w.proc.pid for w in ex.workers])
@@ -234,14 +284,17 @@ def dp_check(ex) -> int:
     from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
 
     dp = ex.parallel_config.data_parallel_size
+    coupled = ex.parallel_config.coupled  # (independent replicas have no DP group across them: nothing summed)
     steps = equal = dp_ok = 0
     for s in range(20):
         batch = make_batch(s, replica=ex.dp_rank)
         equal += torch.equal(ex.execute_model(batch), reference_forward(batch["x"]))
-        dp_ok += ex.collective_rpc("step_report", unique_reply_rank=ex.output_rank)["dp_sum"] == dp_sum(s, dp)
+        got = ex.collective_rpc("step_report", unique_reply_rank=ex.output_rank)["dp_sum"]
+        dp_ok += got == (dp_sum(s, dp) if coupled else 0.0)
         steps += 1
     info = ex.collective_rpc(where, timeout=60)
-    say("RESULT", replica=ex.dp_rank, steps=steps, equal=int(equal), dp_ok=int(dp_ok), info=info)
+    sizes = ex.collective_rpc(groups, timeout=60)
+    say("RESULT", replica=ex.dp_rank, steps=steps, equal=int(equal), dp_ok=int(dp_ok), info=info, groups=sizes)
     return 0
 
 
