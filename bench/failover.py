@@ -9,8 +9,9 @@ replica 1 is SIGKILLed. Printed per coupling (`independent`, `coupled`):
 - replica 1 (it lost a node): how long after the kill its pending call ended, and with what error;
 - every other replica: its calls that failed (independent: none expected), its calls per second and p99 call
   latency in the 5 s before the kill and in the 5 s after it (the floor is the same replica before the loss);
-- the cluster's cold start (every node started until every leader steps), which is what a coupled cluster pays
-  again after a loss, and what a lost independent replica costs until it can rejoin (not yet: restart it).
+- the cluster's cold start (every node started until every leader calls), which is what a coupled cluster pays
+  again after a loss; independent, replica 1's nodes are then started again with the same command, and the
+  time until the rejoined replica's leader calls is put beside that cold start.
 
     python bench/failover.py [--dp 3] [--tp 2] [--couplings independent,coupled] [--seconds 8]
 """
@@ -59,9 +60,9 @@ def replica_loop(ex) -> int:
             break
         t0s.append(t)
         dts.append(time.monotonic() - t)
-    with open(f"{stop}.{ex.dp_rank}.json", "w") as f:  # (too long for one line in a pipe the workers log to)
+    with open(f"{stop}.{ex.dp_rank}.{os.getpid()}.json", "w") as f:  # (too long for a pipe the workers log to)
         json.dump({"replica": ex.dp_rank, "t0s": t0s, "dts": dts, "failed": failed, "kind": kind, "t_fail": t_fail}, f)
-    say("RESULT", replica=ex.dp_rank)
+    say("RESULT", replica=ex.dp_rank, pid=os.getpid())
     return 0 if not kind else 1
 
 
@@ -84,10 +85,10 @@ def run(dp: int, tp: int, coupling: str, seconds: float) -> dict:
     n = dp * tp
     victim = tp + 1 if tp > 1 else tp  # replica 1's first follower (its leader when TP=1)
     stop = os.path.join(os.path.dirname(secret()), f"stop-{coupling}")
+    lock = threading.Lock()
     with SimulatedCluster(n) as sim:
-        t_start = time.monotonic()
-        popen, outs, lock = [], [[] for _ in range(n)], threading.Lock()
-        for k in range(n):
+
+        def launch(k: int) -> tuple[subprocess.Popen, list[str]]:
             env = echo_node_env(
                 sim,
                 k,
@@ -102,42 +103,55 @@ def run(dp: int, tp: int, coupling: str, seconds: float) -> dict:
                 [sys.executable, "-m", "rayfree.cli", "node"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, text=True,
             )  # fmt: skip
-            popen.append(p)
+            sink: list[str] = []
 
-            def read(p=p, sink=outs[k]) -> None:
-                for line in p.stdout:
+            def read() -> None:
+                for line in p.stdout:  # type: ignore[union-attr]
                     with lock:
                         sink.append(line)
 
             threading.Thread(target=read, daemon=True).start()
+            return p, sink
+
+        def stepping(ks: list[int], since: float) -> float:
+            """When the last of these nodes' entries made its first call (seconds after `since`)."""
+            while not all(_json_after(outs[k], "STEPPING", lock) for k in ks):
+                if any(popen[k].poll() is not None for k in ks) or time.monotonic() > since + 300:
+                    raise RuntimeError("the nodes did not start:\n" + "".join(outs[ks[0]])[-4000:])
+                time.sleep(0.05)
+            return max(_json_after(outs[k], "STEPPING", lock)["t"] for k in ks) - since
+
+        t_start = time.monotonic()
+        started = [launch(k) for k in range(n)]
+        popen, outs = [p for p, _ in started], [o for _, o in started]
+        everyone = list(popen)
         leaders = list(range(0, n, tp))
-        while not all(_json_after(outs[k], "STEPPING", lock) for k in leaders):
-            if any(popen[k].poll() is not None for k in range(n)) or time.monotonic() > t_start + 300:
-                raise RuntimeError("the cluster did not start:\n" + "".join(outs[0])[-4000:])
-            time.sleep(0.05)
-        cold = max(_json_after(outs[k], "STEPPING", lock)["t"] for k in leaders) - t_start
+        cold = stepping(leaders, t_start)
         time.sleep(WINDOW_S + 1.0)  # (a bench, not a test: the window before the loss)
         t_kill = time.monotonic()
         sim.nodes[victim].kill()
         time.sleep(seconds)  # (the window after the loss, and more)
+        results, rejoin = {}, None
+        if coupling == "independent":  # replica 1's nodes, started again with the same command, rejoin
+            again = [k for k in range(n) if k // tp == 1]
+            for k in again:
+                popen[k].wait(60)  # (its survivors leave non-zero by themselves)
+            if victim % tp:
+                results[1] = _result(outs[again[0]], stop, lock) or {"replica": 1, "missing": "".join(outs[again[0]])}
+            t_again = time.monotonic()
+            for k in again:
+                popen[k], outs[k] = launch(k)
+                everyone.append(popen[k])
+            rejoin = stepping([again[0]], t_again)
+            time.sleep(1.0)
         with open(stop, "w"):
             pass
-        results = {}
         for k in leaders:
-            if k == victim:
+            if k == victim or k // tp in results:
                 continue
-            until = time.monotonic() + 60
-            while (r := _json_after(outs[k], "RESULT", lock)) is None and time.monotonic() < until:
-                if popen[k].poll() is not None and _json_after(outs[k], "RESULT", lock) is None:
-                    break
-                time.sleep(0.05)
-            if r is not None:
-                with open(f"{stop}.{r['replica']}.json") as f:
-                    results[r["replica"]] = json.load(f)
-                os.unlink(f"{stop}.{r['replica']}.json")
-            else:
-                results[k // tp] = {"replica": k // tp, "missing": "".join(outs[k])[-2000:]}
-        for p in popen:
+            r = _result(outs[k], stop, lock, popen[k])
+            results[k // tp] = r if r is not None else {"replica": k // tp, "missing": "".join(outs[k])[-2000:]}
+        for p in everyone:
             try:
                 p.wait(30)
             except subprocess.TimeoutExpired:
@@ -145,12 +159,31 @@ def run(dp: int, tp: int, coupling: str, seconds: float) -> dict:
                 p.wait(30)
         os.unlink(stop)
     return {"coupling": coupling, "dp": dp, "tp": tp, "victim": victim, "t_kill": t_kill, "cold_s": cold,
-            "results": results}  # fmt: skip
+            "rejoin_s": rejoin, "results": results}  # fmt: skip
+
+
+def _result(lines: list[str], stop: str, lock: threading.Lock, p: subprocess.Popen | None = None) -> dict | None:
+    """A leader's RESULT: the figures its entry wrote to a file of its own."""
+    until = time.monotonic() + 60
+    while (r := _json_after(lines, "RESULT", lock)) is None and time.monotonic() < until:
+        if p is not None and p.poll() is not None and _json_after(lines, "RESULT", lock) is None:
+            return None
+        time.sleep(0.05)
+    if r is None:
+        return None
+    path = f"{stop}.{r['replica']}.{r['pid']}.json"
+    with open(path) as f:
+        out: dict = json.load(f)
+    os.unlink(path)
+    return out
 
 
 def report(r: dict) -> None:
     print(f"\n{r['coupling']}: DP={r['dp']} x TP={r['tp']} on {r['dp'] * r['tp']} nodes; node {r['victim']} "
           f"(replica 1) SIGKILLed; cold start {r['cold_s']:.2f} s")  # fmt: skip
+    if r["rejoin_s"] is not None:
+        print(f"  replica 1's nodes started again: it served again after {r['rejoin_s']:.2f} s "
+              f"({r['rejoin_s'] / r['cold_s']:.2f}x the whole cluster's cold start)")  # fmt: skip
     t_kill = r["t_kill"]
     print(f"  {'replica':<9}{'outcome':<34}{'failed':>7}{'calls/s before':>16}{'after':>8}"
           f"{'p99 ms before':>15}{'after':>8}")  # fmt: skip

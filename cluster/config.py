@@ -46,10 +46,12 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     local_world_size: int | None = None
     #: The DP replica an executor runs; None: this node's first (set per executor when a node runs several).
     data_parallel_rank: int | None = None
-    #: how DP replicas are tied: "independent" (a world and a failure domain each: a lost replica fails alone),
-    #: "coupled" (one world, DP and EP groups across replicas: one failing stops all), "auto" (coupled with
-    #: expert parallelism, else independent); docs/architecture.md, "Failure domains"
+    #: how DP replicas are tied: "independent" (a world and a failure domain each: a lost replica fails alone and
+    #: rejoins), "coupled" (one world, DP and EP groups across replicas: one failing stops all), "auto" (coupled
+    #: with expert parallelism, else independent); docs/architecture.md, "Failure domains"
     replica_coupling: str = "auto"
+    #: which incarnation of its DP replica an executor runs: 0, then one more at each rejoin (node 0 says; not set)
+    replica_epoch: int = 0
 
     # -- derived ---------------------------------------------------------------
 
@@ -63,8 +65,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.world_size * self.data_parallel_size
 
     @property
-    def coupled(self) -> bool:
-        """Do the DP replicas share one world, and fail together (`replica_coupling`)?"""
+    def coupled(self) -> bool:  # do the DP replicas share one world, and fail together?
         c = self.replica_coupling
         return self.data_parallel_size > 1 and (c == "coupled" or (c == "auto" and self.enable_expert_parallel))
 

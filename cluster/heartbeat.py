@@ -36,9 +36,9 @@ from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
 from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
-from .heartbeat_messages import Beat, Bye, ReplicaDown, StatusQuery, Verdict, _decode, _encode
+from .heartbeat_messages import Beat, Bye, ReplicaDown, ReplicaUp, StatusQuery, Verdict, Welcome, _decode, _encode
 
-__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "HeartbeatServer"]
+__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "Welcome", "HeartbeatServer"]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -55,6 +55,8 @@ class _Peer:
         "status",
         "dropped_at",
         "bye_from",
+        "pid",
+        "epoch",
     )
 
     def __init__(self, node_rank: int, ranks: list[int]) -> None:
@@ -70,6 +72,16 @@ class _Peer:
         self.dropped_at: float | None = None
         #: the connection its goodbye came on: another than `identity` when two processes claim one node rank
         self.bye_from: bytes | None = None
+        #: its process, and its incarnation (0: the cluster's start; more once a replacement was admitted)
+        self.pid: int | None = None
+        self.epoch = 0
+
+    def reincarnate(self, pid: int, epoch: int) -> None:
+        """A replacement of this lost node was admitted: a node that has not beaten yet, in `epoch`."""
+        self.identity = self.last_seen = self.dropped_at = self.bye_from = None
+        self.gone = self.done = False
+        self.status = b""
+        self.pid, self.epoch = pid, epoch
 
 
 #: how often node 0 says which followers it still waits for at start-up
@@ -122,12 +134,16 @@ class HeartbeatServer(Beater):
         self._verdict_at = 0.0
         #: after a failure, how long followers that have not beaten yet are waited for, to be told
         self.tell_late_s = TELL_LATE_S
+        #: a lost node beats again from another process: its epoch if node 0 admits it, else None (the layer above)
+        self.admit: Callable[[int, int], int | None] | None = None
+        #: node 0's first answer to a follower (a Welcome, encoded; the layer above), or None
+        self.welcome_fn: Callable[[int], bytes] | None = None
         #: what other threads asked this one to send: (to which nodes, what), sent at its next turn
         self._to_send: list[tuple[list[int], bytes]] = []
         self._sock = ControlSocket.listen(self.endpoint)  # in the caller's thread: a busy port fails the start-up
         self._start()
 
-    def tell(self, nodes: list[int], msg: ReplicaDown) -> None:
+    def tell(self, nodes: list[int], msg: ReplicaDown | ReplicaUp) -> None:
         """Send `msg` to these followers (any thread: the heartbeat thread owns the socket and sends it)."""
         self._to_send.append((nodes, _encode(msg)))
         self._sock.wake()
@@ -189,6 +205,15 @@ class HeartbeatServer(Beater):
             )
             return
         if peer.gone:
+            epoch = self._admitted(peer, msg)
+            if epoch is None:
+                return
+            peer.reincarnate(msg.pid, epoch)  # type: ignore[union-attr]
+        elif peer.epoch and (identity != peer.identity if isinstance(msg, Bye) else msg.pid != peer.pid):
+            self._dropped(
+                f"a message from node {peer.node_rank}'s earlier incarnation (epoch {peer.epoch - 1} or before), "
+                f"after its replacement (pid {peer.pid}) joined in epoch {peer.epoch}"
+            )
             return
         if isinstance(msg, Bye):
             peer.gone, peer.bye_from = True, identity
@@ -197,13 +222,22 @@ class HeartbeatServer(Beater):
             return
         if peer.last_seen is None:
             logger.info("follower node %d (%s, ranks %s) is beating", msg.node_rank, msg.ip, msg.ranks)
+            if self.welcome_fn is not None:
+                sock.try_send([identity, self.welcome_fn(peer.node_rank)])
             sock.try_send([identity, _encode(Verdict(self.verdict))])
         peer.identity, peer.ip, peer.last_seen, peer.done = identity, msg.ip, time.monotonic(), msg.done
+        peer.pid = msg.pid
         peer.dropped_at = None
         if msg.status:
             peer.status = msg.status
         # False: its queue is full: it is not reading, and its own timeout will tell it
         sock.try_send([identity, _encode(Beat(0, [], "", me, seq))])
+
+    def _admitted(self, peer: _Peer, msg: Beat | Bye) -> int | None:
+        """A lost node beats again: from another process, a replacement node 0 may admit (its epoch)."""
+        if not isinstance(msg, Beat) or msg.pid == peer.pid or self.admit is None:
+            return None
+        return self.admit(peer.node_rank, msg.pid)
 
     def _next_due(self, next_log: float) -> float:
         """When the loop must look again if nothing arrives (a beat, a dropped connection and a stop wake it):

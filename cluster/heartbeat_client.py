@@ -15,7 +15,7 @@ from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
 from .heartbeat_beater import BYE_LINGER_MS, STATUS_MAX_BYTES, WAIT_LOG_S, Beater, ByeCallback, wait_ms
-from .heartbeat_messages import Beat, Bye, ReplicaDown, StatusQuery, Verdict, _decode, _encode
+from .heartbeat_messages import Beat, Bye, ReplicaDown, ReplicaUp, StatusQuery, Verdict, Welcome, _decode, _encode
 
 __all__ = ["HeartbeatClient", "query_status"]
 
@@ -44,8 +44,12 @@ class HeartbeatClient(Beater):
         self.ip = ip
         self.on_lost = on_lost
         self.on_bye = on_bye
-        #: node 0 says a DP replica this node runs was lost (set by the layer above; None: not expected)
+        #: node 0 says a DP replica was lost, or is back (set by the layer above; None: not expected)
         self.on_replica_down: Callable[[ReplicaDown], None] | None = None
+        self.on_replica_up: Callable[[ReplicaUp], None] | None = None
+        #: node 0's first answer (the epochs of this node's replicas), once it came
+        self.welcome: Welcome | None = None
+        self.welcomed = threading.Event()
         self.contact = threading.Event()
         self.last_reply: float | None = None
         #: node 0's last word on the cluster's readiness ("" ready; see Verdict)
@@ -142,11 +146,16 @@ class HeartbeatClient(Beater):
         if isinstance(msg, Verdict):
             self.leader_verdict = msg.reason
             return False
-        if isinstance(msg, ReplicaDown):
-            if self.on_replica_down is None:
-                self._dropped(f"node 0's word that DP replica {msg.dp_rank} was lost (replicas here are coupled)")
+        if isinstance(msg, Welcome):
+            self.welcome = msg
+            self.welcomed.set()
+            return False
+        if isinstance(msg, (ReplicaDown, ReplicaUp)):
+            react = self.on_replica_down if isinstance(msg, ReplicaDown) else self.on_replica_up
+            if react is None:
+                self._dropped(f"node 0's word on DP replica {msg.dp_rank} (replicas here are coupled)")
             else:
-                self.on_replica_down(msg)
+                react(msg)  # type: ignore[arg-type]
             return False
         self.last_reply = time.monotonic()
         if self._sent_at:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown"]
+__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "Welcome"]
 
 
 class Beat(msgspec.Struct, tag="beat", array_like=True):
@@ -46,9 +46,25 @@ class ReplicaDown(msgspec.Struct, tag="replica-down", array_like=True):
     reason: str
 
 
+class ReplicaUp(msgspec.Struct, tag="replica-up", array_like=True):
+    """Node 0 to every follower: an independent DP replica that was lost rejoined, in this epoch."""
+
+    dp_rank: int
+    epoch: int
+
+
+class Welcome(msgspec.Struct, tag="welcome", array_like=True):
+    """Node 0's first answer to a follower (or to the replacement of a lost one, which it admitted): the epoch
+    of each DP replica the follower runs (0 at the cluster's start, one more at each rejoin), and the replicas
+    lost now."""
+
+    epochs: dict[int, int]
+    lost: list[int]
+
+
 class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
     """`rayfree status` asks node 0 for the cluster's status (it must hold the secret to get through)."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Beat | Bye | Verdict | ReplicaDown | StatusQuery).decode
+_decode = msgspec.msgpack.Decoder(Beat | Bye | Verdict | ReplicaDown | ReplicaUp | Welcome | StatusQuery).decode

@@ -77,8 +77,18 @@ def _wait_for_port(host: str, port: int, deadline: float) -> bool:
             time.sleep(min(_PORT_POLL_S, max(0.0, deadline - time.monotonic())))
 
 
-def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, shape: str = "", node: int = -1):
-    """The TCPStore of the world at host:port, once every rank has registered; JoinError otherwise."""
+def join(
+    host: str,
+    port: int,
+    world_size: int,
+    rank: int,
+    timeout_s: float,
+    shape: str = "",
+    node: int = -1,
+    prefix: str = "",
+):
+    """The TCPStore of the world at host:port, once every rank has registered; JoinError otherwise. With
+    `prefix`, the ranks meet under it at a store another process hosts (a DP replica that rejoins)."""
     import torch.distributed as dist
 
     from rayfree.transport import get_ip
@@ -86,7 +96,8 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
 
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    if rank != 0 and not _wait_for_port(host, port, deadline):
+    hosts = rank == 0 and not prefix
+    if not hosts and not _wait_for_port(host, port, deadline):
         raise JoinError(
             f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s "
             f"(join_timeout_s; gave up after {time.monotonic() - t0:.1f}s): node 0 never started it, or "
@@ -98,12 +109,12 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
             host,
             port,
             world_size,
-            is_master=(rank == 0),
+            is_master=hosts,
             timeout=datetime.timedelta(seconds=left),
             wait_for_workers=False,
         )
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/DistNetworkError/...
-        if rank == 0:
+        if hosts:
             _second_rank_zero(host, port, world_size, node, shape)
             raise JoinError(
                 f"rank 0 could not host the rendezvous at {host}:{port}: {e}. Is the port free and "
@@ -114,7 +125,11 @@ def join(host: str, port: int, world_size: int, rank: int, timeout_s: float, sha
             f"(gave up after {time.monotonic() - t0:.1f}s): rank 0 never started it, or master_addr/master_port "
             f"is wrong or unreachable"
         ) from e
-    ip = host if rank == 0 else get_ip(peer=host)
+    if prefix:
+        from torch.distributed.distributed_c10d import PrefixStore
+
+        store = PrefixStore(prefix, store)
+    ip = host if hosts else get_ip(peer=host)
     me = f"{rank}|{world_size}|{node}|{ip}|{fingerprint()}|{shape}"
     keys = [f"rayfree/join/{r}" for r in range(world_size)]
     missing = [r for r in range(world_size) if r != rank]

@@ -28,8 +28,9 @@ FailureCallback = Callable[[], None]
 
 
 class ReplicaState(msgspec.Struct, frozen=True):
-    """A DP replica as this process knows it: "serving" or "lost" (an independent replica; `why` says what
-    it lost), and its epoch (what incarnation of it)."""
+    """A DP replica as this process knows it: "serving", "lost" (an independent replica; `why` says what it
+    lost) or "rejoining" (node 0 admitted its replacement nodes), and its epoch (0, then one more at each
+    rejoin)."""
 
     state: str
     epoch: int = 0
@@ -187,27 +188,26 @@ class Executor(ABC):
         """Every DP replica's state, for an engine that routes requests around a lost one. With independent
         replicas (`replica_coupling`) node 0 hears of every loss and tells every node; with coupled ones a loss
         fails every replica, so this executor's own failure says it all."""
-        lost = self._lost_replicas()
-        return {
-            k: ReplicaState("lost", 0, lost[k].summary) if k in lost else ReplicaState("serving")
-            for k in range(self.parallel_config.data_parallel_size)
-        }
+        lv = self._node_liveness()
+        if lv is not None:
+            states: dict[int, ReplicaState] = lv.replica_epochs.states()
+            return states
+        return {k: ReplicaState("serving") for k in range(self.parallel_config.data_parallel_size)}
 
     def register_replica_callback(self, callback: ReplicaCallback) -> None:
-        """Call `callback(dp_rank, state)` whenever a DP replica's state changes (a loss, here)."""
+        """Call `callback(dp_rank, state)` whenever a DP replica's state changes: lost, serving again."""
         self._replica_callbacks.append(callback)
 
-    def fire_replica_callbacks(self, dp_rank: int, lost: Any) -> None:
-        """The node's policy: replica `dp_rank` was lost (`lost`: its ReplicaLost)."""
-        state = ReplicaState("lost", 0, lost.summary)
+    def fire_replica_callbacks(self, dp_rank: int, state: ReplicaState) -> None:
+        """The node's policy thread: replica `dp_rank` is in `state` now."""
         for callback in list(self._replica_callbacks):
             try:
                 callback(dp_rank, state)
             except Exception:  # noqa: BLE001 - the engine's callback must not stop the failure's handling
                 logger.exception("a replica callback raised")
 
-    def _lost_replicas(self) -> dict[int, Any]:
-        return {}
+    def _node_liveness(self) -> Any:
+        return None
 
     def __enter__(self) -> Executor:
         return self

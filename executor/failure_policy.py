@@ -42,6 +42,7 @@ from typing import Any
 
 from rayfree.supervisor import Failure, Severity, supervisor
 
+from .abstract import ReplicaState
 from .errors import FatalWorkerError, NodeLost, ReplicaFailed, ReplicaLost, WorkerDied, WorkerError
 from .peers import peer_gone
 
@@ -196,9 +197,10 @@ class NodePolicy:
         mine = [ex for ex in self.lv.executors() if ex.dp_rank in fresh]
         for ex in mine:
             self._fail(ex, self.lost[ex.dp_rank], f.severity)
+        epochs = self.lv.replica_epochs.epochs
         for ex in self.lv.executors():
             for k in fresh:
-                ex.fire_replica_callbacks(k, self.lost[k])
+                ex.fire_replica_callbacks(k, ReplicaState("lost", epochs.get(k, 0), self.lost[k].summary))
         if all(k in self.lost for k in par.node_replicas):
             return False  # nothing left here: the node fails
         for ex in mine:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from rayfree.cluster.config import ClusterConfig
-from rayfree.cluster.heartbeat import Bye, HeartbeatServer, ReplicaDown
+from rayfree.cluster.heartbeat import Bye, HeartbeatServer, ReplicaDown, ReplicaUp
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.supervisor import Failure, Severity
 from rayfree.transport import get_ip
@@ -34,6 +35,7 @@ from rayfree.transport.net import bind_address
 from .errors import LeaderLost, NodeLost, ReplicaFailed, ReplicaLost
 from .failure_policy import NodePolicy, why_of
 from .health import follower_verdict, followers_verdict
+from .rejoin import Rejoins, ReplicaEpochs
 from .status_messages import cluster_status, encode, node_status
 from .view import ReplicaView
 
@@ -86,6 +88,9 @@ class NodeLiveness:
         self.stopped_cleanly = ""
         self.ip = get_ip(peer=par.master_addr) if par.nnodes > 1 else "127.0.0.1"
         self._refused = ""
+        #: every DP replica's epoch and state (node 0: and its admission of replacements)
+        self.replica_epochs = (Rejoins if self.node == 0 else ReplicaEpochs)(self)
+        self.independent = par.data_parallel_size > 1 and not par.coupled
 
     @property
     def owner(self) -> Any:
@@ -146,6 +151,10 @@ class NodeLiveness:
         """The nodes whose every replica is lost: no longer part of the cluster's readiness."""
         lost = self.policy.lost
         return {k for k in range(self.par.nnodes) if lost and all(r in lost for r in self.par.replicas_of_node(k))}
+
+    def welcome_epochs(self, timeout: float) -> dict[int, int]:
+        """(A follower's: node 0 says which epoch each of its replicas starts in.)"""
+        return {}
 
     def fail_all(self, error: Exception) -> None:
         """Report a failure of the whole node (any thread): its policy fails every executor with `error`."""
@@ -249,6 +258,11 @@ class LeaderLiveness(NodeLiveness):
         )
         self.beater.status_fn = lambda: encode(cluster_status(self))
         self.beater.verdict_fn = lambda: ready(self)
+        if self.independent:  # (a lost replica's nodes may rejoin)
+            rejoins, beater = self.replica_epochs, self.beater
+            assert isinstance(rejoins, Rejoins)
+            beater.admit, beater.welcome_fn = rejoins.admit, rejoins.welcome
+            beater.verdict_fn = lambda: (rejoins.look(beater), ready(self))[1]
         logger.info(
             "node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
             self.beater.endpoint,
@@ -304,8 +318,9 @@ class FollowerLiveness(NodeLiveness):
             self._head_bye,
         )
         self.beater.status_fn = lambda: encode(node_status(self))
-        if par.data_parallel_size > 1 and not par.coupled:
+        if self.independent:
             self.beater.on_replica_down = self._replica_down
+            self.beater.on_replica_up = self._replica_up
         logger.info(
             "node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
             self.node,
@@ -328,6 +343,21 @@ class FollowerLiveness(NodeLiveness):
     def _replica_down(self, msg: ReplicaDown) -> None:
         err = ReplicaLost(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)
         self.policy.report("node 0", err, Severity.FATAL)
+
+    def _replica_up(self, msg: ReplicaUp) -> None:
+        self.policy.sup.call_later(0.0, self.replica_epochs.back, msg.dp_rank, msg.epoch)
+
+    def welcome_epochs(self, timeout: float) -> dict[int, int]:
+        """Independent replicas: the epoch of each replica this node runs, from node 0's first answer (a node
+        that replaces a lost one rejoins in a later epoch); {} if node 0 fails or stays silent meanwhile."""
+        deadline = time.monotonic() + timeout
+        while not self.beater.welcomed.wait(_FINISH_POLL_S):
+            if self.settled.is_set() or time.monotonic() > deadline:
+                return {}
+        welcome = self.beater.welcome
+        assert welcome is not None
+        self.replica_epochs.epochs.update(welcome.epochs)
+        return dict(welcome.epochs)
 
     def peer_verdict(self, grace: float | None = None) -> str:
         return follower_verdict(self.beater)

@@ -238,8 +238,8 @@ class MultiprocExecutor(Executor):
     def relay_status(self) -> dict[str, Any]:
         return self.broadcast.status() if self.broadcast is not None and not self.shutting_down else {}
 
-    def _lost_replicas(self) -> dict[int, Any]:
-        return self.liveness.policy.lost if self.liveness is not None else {}
+    def _node_liveness(self) -> Any:
+        return self.liveness
 
     def relays_seen(self) -> dict[int, list[Any]]:
         return relays_seen(self.liveness) if self.liveness is not None else {}

@@ -57,8 +57,13 @@ class NodeReplicas:
         if on_liveness is not None:
             on_liveness(self.liveness)
         self.executors: list[MultiprocExecutor] = []
+        # a follower's independent replicas start in the epoch node 0 gives (a later one when they rejoin)
+        epochs = self.liveness.welcome_epochs(config.join_timeout_s) if self.liveness.independent else {}
         configs = [
-            msgspec.structs.replace(config, parallel=msgspec.structs.replace(par, data_parallel_rank=r))
+            msgspec.structs.replace(
+                config,
+                parallel=msgspec.structs.replace(par, data_parallel_rank=r, replica_epoch=epochs.get(r, 0)),
+            )
             for r in self.dp_ranks
         ]
         try:

@@ -244,7 +244,7 @@ def cluster_status(lv: Any) -> ClusterStatus:
         ns.heartbeat_age_s = None if age is None else round(age, 3)
         ns.state = "lost" if gone else ("not joined" if age is None else ns.state)
         nodes.append(ns)
-    lost = lv.policy.lost
+    states = lv.replica_epochs.states()
     return ClusterStatus(
         nnodes=par.nnodes,
         world_size=par.world_size,
@@ -252,10 +252,7 @@ def cluster_status(lv: Any) -> ClusterStatus:
         shape=shape_of(par),
         nodes=nodes,
         coupling="" if par.data_parallel_size == 1 else "coupled" if par.coupled else "independent",
-        replicas=[
-            ReplicaLine(k, "lost", 0, lost[k].summary) if k in lost else ReplicaLine(k, "serving")
-            for k in range(par.data_parallel_size)
-        ],
+        replicas=[ReplicaLine(k, st.state, st.epoch, st.why) for k, st in states.items()],
     )
 
 

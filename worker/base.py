@@ -86,7 +86,7 @@ class WorkerBase:
             shape=shape_of(par),
             node=par.node_rank if par.nnodes > 1 else -1,
             device_backend=backend,
-            rendezvous=None if par.coupled or par.data_parallel_size == 1 else (*whole, f"dp{par.dp_rank}"),
+            rendezvous=None if par.coupled or par.data_parallel_size == 1 else _rendezvous(par, self.rank),
         )
         initialize_model_parallel(self.parallel_config)
 
@@ -111,3 +111,11 @@ class WorkerBase:
 
     def shutdown(self) -> None:
         """Release what load_model took (the process groups are released by rayfree)."""
+
+
+def _rendezvous(par: Any, rank: int) -> tuple[int, int, str, bool]:
+    """Independent replicas: where this rank meets its world's. The first incarnations of every replica meet
+    together (a missing rank is named); a replica that rejoins (epoch > 0) meets alone, under its epoch's name."""
+    if par.replica_epoch == 0:
+        return par.world_size_across_dp, par.global_rank(rank), f"dp{par.dp_rank}", False
+    return par.world_size, rank, f"dp{par.dp_rank}.e{par.replica_epoch}", True

@@ -126,7 +126,8 @@ def test_transport_bench_puts_shared_reads_beside_private_copies_and_memcpy() ->
 @pytest.mark.timeout(300)
 def test_failover_bench_loses_one_independent_replica_and_no_call_of_the_other() -> None:
     """DP=2 x TP=1 on two simulated nodes, replica 1's node (its leader) SIGKILLed mid-run: independent, replica 0
-    fails no call (a count, asserted; the times are not); coupled, its pending call ends with NodeLost."""
+    fails no call (a count, asserted; the times are not) and replica 1's node, started again, rejoins; coupled,
+    replica 0's pending call ends with NodeLost."""
     from rayfree.cluster.simulate import can_use_netns
 
     if not can_use_netns():
@@ -136,4 +137,5 @@ def test_failover_bench_loses_one_independent_replica_and_no_call_of_the_other()
     assert out.returncode == 0, f"bench/failover.py failed:\n{out.stdout}\n{out.stderr}"
     independent, coupled = out.stdout.split("\ncoupled: ")
     assert re.search(r"^  0 +served on +0 +\d+ +\S+ ", independent, re.M), out.stdout
+    assert re.search(r"replica 1's nodes started again: it served again after [\d.]+ s", independent), out.stdout
     assert re.search(r"^  0 +NodeLost after [\d.]+ s +1 ", coupled, re.M), out.stdout

@@ -209,6 +209,41 @@ def steps_while_a_replica_is_lost(ex) -> int:
         return 1
 
 
+def steps_through_rejoins(ex) -> int:
+    """Replica 0's leader: toy steps until replica 1 has rejoined RF_REJOINS times, then 20 more (or until the file
+    RF_TAIL_UNTIL_FILE exists). Replica 1's
+    leader: steps until its replica is lost (epoch 0), or 20 steps once it rejoined (a later epoch)."""
+    from rayfree import ExecutorFailed
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+
+    epoch, want = ex.parallel_config.replica_epoch, int(os.environ.get("RF_REJOINS", "1"))
+    seen: list = []
+    ex.register_replica_callback(lambda k, st: seen.append([k, st.state, st.epoch, time.monotonic()]))
+    say("STEPPING", replica=ex.dp_rank, epoch=epoch, pid=os.getpid(), t=time.monotonic())
+    steps = equal = after = 0
+    try:
+        until = time.monotonic() + 300
+        while time.monotonic() < until:
+            if (ex.dp_rank != 0 and epoch > 0 and steps >= 20) or [x[1] for x in seen].count("serving") >= want:
+                break
+            batch = make_batch(steps, replica=ex.dp_rank)
+            equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
+            steps += 1
+        tail = os.environ.get("RF_TAIL_UNTIL_FILE", "")  # replica 0 steps on until the test makes it (bounded)
+        until = time.monotonic() + 120
+        while ex.dp_rank == 0 and (after < 20 or (tail and not os.path.exists(tail) and time.monotonic() < until)):
+            batch = make_batch(after, replica=0)
+            equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
+            after += 1
+        states = {k: [v.state, v.epoch] for k, v in ex.replica_states().items()}
+        say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome="served", steps=steps, after=after, equal=equal,
+            seen=seen, states=states)  # fmt: skip
+        return 0
+    except ExecutorFailed as e:
+        say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome="failed", kind=type(e).__name__, steps=steps)
+        return 1
+
+
 def torch_equal(a: Any, b: Any) -> int:
     import torch
 

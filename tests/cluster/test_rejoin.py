@@ -1,0 +1,120 @@
+"""A lost independent DP replica rejoins without a restart: its nodes, started again with the same command, are
+admitted by node 0 in a new epoch, form the replica's world again and serve, while replica 0 never stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rayfree.cluster.simulate import SimulatedCluster
+from rayfree.transport.secure.policy import write_secret
+from tests.cluster.test_dp import start
+from tests.cluster.test_multinode import FAST, assert_nothing_left, needs_root
+from tests.support.nodes import ROOT, NodeProc, Nodes
+
+pytestmark = needs_root
+
+ENTRY = "tests.support.multinode_entry:steps_through_rejoins"
+
+
+def restart(nodes: Nodes, k: int, **env: str) -> NodeProc:
+    """Node k of the 4-node DP=2 x TP=2 layout, as test_dp.start started it (replica 1: nodes 2 and 3)."""
+    shape = {
+        "RAYFREE_NNODES": "4",
+        "RAYFREE_DATA_PARALLEL_SIZE": "2",
+        "RAYFREE_TENSOR_PARALLEL_SIZE": "2",
+        "RAYFREE_PIPELINE_PARALLEL_SIZE": "1",
+        **env,
+    }
+    return nodes.start(k, "leader" if k == 2 else "follower", **shape, **({"RAYFREE_ENTRY": ENTRY} if k == 2 else {}))
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_replica_rejoins_twice_while_the_other_serves_on() -> None:
+    with SimulatedCluster(4) as sim:
+        nodes = Nodes(sim, **FAST)
+        procs = start(nodes, 4, 2, 2, ENTRY, RF_REJOINS="2")
+        first = {k: procs[k].result("STEPPING", 180) for k in (0, 2)}
+        everyone = list(procs.values())
+        rejoined = []
+        for epoch in (1, 2):
+            t_kill = time.monotonic()
+            sim.nodes[3].kill()
+            assert procs[2].wait(60) != 0, procs[2].text()[-3000:]  # the lost replica's node leaves non-zero
+            procs[2], procs[3] = restart(nodes, 2, RF_REJOINS="2"), restart(nodes, 3)
+            everyone += [procs[2], procs[3]]
+            back = procs[2].result("STEPPING", 180)
+            r = procs[2].result("RESULT", 180)
+            assert (back["epoch"], r["epoch"], r["outcome"], r["steps"], r["equal"]) == (
+                epoch,
+                epoch,
+                "served",
+                20,
+                20,
+            ), r
+            rejoined.append(back["t"] - t_kill)
+        r0 = procs[0].result("RESULT", 120)
+        codes = {k: p.wait(60) for k, p in procs.items()}
+        assert_nothing_left(sim, everyone)
+    assert r0["outcome"] == "served" and r0["after"] == 20 and r0["equal"] == r0["steps"] + 20, r0
+    assert [(k, state, e) for k, state, e, _t in r0["seen"]] == [
+        (1, "lost", 0), (1, "serving", 1), (1, "lost", 1), (1, "serving", 2)
+    ], r0["seen"]  # fmt: skip
+    assert r0["states"] == {"0": ["serving", 0], "1": ["serving", 2]}, r0["states"]
+    assert first[0]["pid"] and codes == {0: 0, 1: 0, 2: 0, 3: 0}, codes
+    print(f"\nreplica 1 lost and rejoined twice; its new leader stepped {rejoined[0]:.1f} s / {rejoined[1]:.1f} s "
+          f"after the kill; replica 0 served throughout")  # fmt: skip
+
+
+@pytest.mark.timeout(400)
+def test_a_replacement_with_another_secret_changes_nothing_and_the_lost_incarnation_is_refused(tmp_path) -> None:
+    """Node 3 stopped (SIGSTOP) is lost, and replica 1 with it. A replacement holding another secret cannot even
+    reach node 0's heartbeats (CURVE) and changes nothing; one with the cluster's secret rejoins. A beat of the
+    stopped incarnation (its old pid) is then refused, naming both epochs; resumed, the old process finds node 0
+    deaf to it and leaves non-zero."""
+    wrong, tail = str(tmp_path / "other.secret"), str(tmp_path / "tail-done")
+    write_secret(wrong)
+    with SimulatedCluster(4) as sim:
+        nodes = Nodes(sim, **FAST)
+        procs = start(nodes, 4, 2, 2, ENTRY, RF_TAIL_UNTIL_FILE=tail)
+        for k in (0, 2):
+            procs[k].expect(r"^STEPPING:", 180)
+        old3 = procs[3]
+        sim.nodes[3].kill(signal.SIGSTOP)
+        assert procs[2].wait(60) != 0, procs[2].text()[-3000:]
+        everyone = list(procs.values())
+        procs[2] = restart(nodes, 2)
+        stranger = restart(nodes, 3, RAYFREE_SECRET_FILE=wrong)
+        stranger.expect(r"still waiting for the leader \(node 0\) to answer", 60)  # (its CURVE handshake fails)
+        os.killpg(stranger.p.pid, signal.SIGKILL)
+        stranger.p.wait(30)
+        procs[3] = restart(nodes, 3)
+        everyone += [procs[2], stranger, procs[3]]
+        r2 = procs[2].result("RESULT", 180)
+        beat = sim.nodes[3].popen(
+            [sys.executable, "-m", "tests.support.stale_beat", sim.nodes[0].ip, nodes.env["RAYFREE_HEARTBEAT_PORT"],
+             "3", str(old3.p.pid)], env={"PYTHONPATH": ROOT}, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+        )  # fmt: skip
+        assert beat.wait(60) == 0
+        stale = procs[0].expect(r"dropped a message from node 3's earlier incarnation.*", 30).group(0)
+        for p in sim.nodes[3].procs:  # the stopped incarnation resumes (its workers too)
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGCONT)
+        assert old3.wait(60) != 0, old3.text()[-3000:]
+        with open(tail, "w"):
+            pass
+        r0 = procs[0].result("RESULT", 120)
+        codes = {k: p.wait(60) for k, p in procs.items()}
+        assert_nothing_left(sim, everyone)
+    assert (r2["epoch"], r2["outcome"], r2["equal"]) == (1, "served", 20), r2
+    assert "(epoch 0 or before), after its replacement" in stale and "joined in epoch 1" in stale, stale
+    assert [(k, state, e) for k, state, e, _t in r0["seen"]] == [(1, "lost", 0), (1, "serving", 1)], r0["seen"]
+    assert r0["equal"] == r0["steps"] + r0["after"] and codes == {0: 0, 1: 0, 2: 0, 3: 0}, (codes, r0)
+    text = procs[0].text()
+    assert f"(pid {stranger.p.pid})" not in text and f"(pid {procs[3].p.pid}) is admitted" in text, text[-4000:]
+    assert text.count("is admitted: DP replica 1 rejoins in epoch 1") == 2, text[-4000:]
