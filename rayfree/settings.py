@@ -178,6 +178,7 @@ TABLE: dict[str, Setting] = {
         ),
         Setting("RAYFREE_DEMO_STEPS", 200, int, "steps the demo's driver runs on a node"),
         Setting("RAYFREE_DEMO_T0", None, float, "when the demo started (time.time()), for its wall-time line"),
+        Setting("RAYFREE_DEMO_MARKS", None, str, "rayfree demo --lose-replica: where each leader marks that it steps"),
     )
 }
 

@@ -11,8 +11,10 @@ segment in either node's /dev/shm, no namespace.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from rayfree.cluster.config import ParallelConfig
@@ -87,11 +89,34 @@ def _group_members(pgid: int, wait_s: float = 5.0) -> list[str]:
         time.sleep(0.1)
 
 
-def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, timeout_s: float = 300.0) -> int:
+def _lose_replica_1(par: ParallelConfig, sim: SimulatedCluster, procs: list, launch, marks: str, deadline: float):
+    """Once every leader steps: SIGKILL replica 1's last node, wait for its other nodes to leave (non-zero, as a
+    lost replica's nodes do), and start them all again with the same command: they rejoin. Their exit codes."""
+    ours = par.nodes_of_replica(1)
+    while len(os.listdir(marks)) < par.data_parallel_size:
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            return {}
+        time.sleep(0.05)
+    victim = ours[-1]
+    print(f"  losing DP replica 1: SIGKILL to node {victim} (of its nodes {ours}) while all replicas step", flush=True)
+    sim.nodes[victim].kill()
+    codes = {k: procs[k].wait(max(1.0, deadline - time.monotonic())) for k in ours}
+    print(f"  replica 1's nodes left ({codes}); starting nodes {ours} again with the same command ...", flush=True)
+    for k in ours:
+        procs[k] = launch(k)
+    return codes
+
+
+def run_cluster_demo(
+    nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, timeout_s: float = 300.0, lose_replica: bool = False
+) -> int:
     from rayfree.cluster.config import ConfigError
 
     if steps < 1 or nnodes < 2:
         print("rayfree demo: --steps must be >= 1 and --nodes >= 2 here", file=sys.stderr)
+        return 2
+    if lose_replica and dp < 2:
+        print("rayfree demo: --lose-replica needs --dp 2 or more (replica 1 is lost, others serve)", file=sys.stderr)
         return 2
     try:
         par = ParallelConfig(
@@ -136,14 +161,20 @@ def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, tim
         }
         if sim.mode != "netns":
             extra["RAYFREE_HEARTBEAT_PORT"] = str(get_open_port("127.0.0.1"))
+        marks = tempfile.mkdtemp(prefix="rayfree-demo-") if lose_replica else ""
+        if marks:
+            extra["RAYFREE_DEMO_MARKS"] = marks
         procs = []
+
+        def launch(k: int) -> subprocess.Popen:
+            return sim.nodes[k].popen(node_command(), env=node_env(nnodes, k, master, port, tp, pp, dp=dp, **extra))
+
         # Followers first: start order does not matter, and this shows it.
         for k in reversed(range(nnodes)):
-            procs.insert(
-                0, sim.nodes[k].popen(node_command(), env=node_env(nnodes, k, master, port, tp, pp, dp=dp, **extra))
-            )
+            procs.insert(0, launch(k))
         codes: list[int | None] = []
         deadline = time.monotonic() + timeout_s
+        lost_codes = _lose_replica_1(par, sim, procs, launch, marks, deadline) if marks else {}
         try:
             for p in procs:  # the leader first: when it ends, the followers end
                 codes.append(p.wait(max(1.0, deadline - time.monotonic())))
@@ -151,11 +182,15 @@ def run_cluster_demo(nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, tim
             print(f"rayfree demo: the nodes did not finish within {timeout_s:.0f} s; stopping them", file=sys.stderr)
             codes = [p.poll() for p in procs]
         left = _leftovers(sim, t0)
+        if marks:
+            shutil.rmtree(marks, ignore_errors=True)
     listed = (
         subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if sim.mode == "netns" else ""
     )
     ns_left = sim.tag in listed
     print()
+    if lose_replica:
+        print(f"  {'lost incarnation exit codes':<34}{' '.join(f'{k}:{c}' for k, c in lost_codes.items()):>10}")
     print(f"  {'node exit codes':<34}{' '.join(str(c) for c in codes):>10}")
     print(f"  {'wall time (s)':<34}{time.time() - t0:>10.1f}")
     ok = all(c == 0 for c in codes) and not left and not ns_left

@@ -150,8 +150,10 @@ def drive(ex, steps: int | None = None) -> int:
     over: list[float] = []
     bad = bad_dp = 0
     tty = sys.stdout.isatty() and dp == 1  # replicas share the terminal: plain progress lines
+    heard = _lose_and_rejoin(ex, say)
     t_run = time.perf_counter()
-    for step in range(steps):
+    step, until = 0, time.monotonic() + 180
+    while step < steps or (heard is not None and "serving" not in heard and time.monotonic() < until):
         batch = make_batch(step, replica=replica)
         t = time.perf_counter()
         out = ex.execute_model(batch)
@@ -164,8 +166,12 @@ def drive(ex, steps: int | None = None) -> int:
         if tty:
             done = (step + 1) * 30 // steps
             print(f"\r  [{'#' * done}{'.' * (30 - done)}] step {step + 1}/{steps}", end="", flush=True)
-        elif (step + 1) % 50 == 0 or step == steps - 1:
+        elif step < steps and ((step + 1) % 50 == 0 or step == steps - 1):
             say(f"step {step + 1}/{steps}")
+        elif step >= steps and (step + 1) % 500 == 0:
+            say(f"step {step + 1} (stepping on until DP replica 1 serves again)")
+        step += 1
+    steps = step
     if tty:
         print()
     run_s = time.perf_counter() - t_run
@@ -185,6 +191,28 @@ def drive(ex, steps: int | None = None) -> int:
     for name, value in rows:
         say(f"{name:<34}{value:>10}")
     return 0 if bad == 0 and bad_dp == 0 else 1
+
+
+def _lose_and_rejoin(ex, say) -> list[str] | None:
+    """`rayfree demo --lose-replica`: each leader marks that it steps (RAYFREE_DEMO_MARKS, for the demo to take
+    a node of replica 1 away and start it again); replica 0 says what it hears of replica 1 and steps on until
+    replica 1 serves again. None when not asked."""
+    marks = settings.get("RAYFREE_DEMO_MARKS")
+    if not marks:
+        return None
+    with open(os.path.join(marks, f"stepping-{ex.dp_rank}-{ex.parallel_config.replica_epoch}"), "w"):
+        pass
+    if ex.dp_rank != 0:
+        return None
+    heard: list[str] = []
+
+    def changed(k: int, st) -> None:
+        what = f"is {st.state} again (epoch {st.epoch})" if st.state == "serving" else f"was lost ({st.why})"
+        say(f"DP replica {k} {what}; this replica serves on, with the same processes")
+        heard.append(st.state)
+
+    ex.register_replica_callback(changed)
+    return heard
 
 
 def run_engine_demo(tp: int, pp: int, steps: int, dp: int = 1) -> int:

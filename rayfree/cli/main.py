@@ -38,9 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--dp",
         type=int,
         default=1,
-        help="data-parallel replicas (default 1); --dp 2: two replicas of TP=2, each over two nodes, in one world",
+        help="data-parallel replicas (default 1); --dp 2: two replicas of TP=2, each over two nodes",
     )
     d.add_argument("--steps", type=int, default=200, help="engine steps (default 200)")
+    d.add_argument(
+        "--lose-replica",
+        action="store_true",
+        help="with --dp 2 or more: a node of replica 1 is killed mid-run and rejoins while the others serve on",
+    )
     d.add_argument("--transport", action="store_true", help="the transport demo: one writer, shm and TCP readers")
     d.add_argument("--readers", type=int, default=3, help="--transport: local readers (default 3)")
     d.add_argument("--remote", type=int, default=1, help="--transport: remote readers over TCP (default 1)")
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_engine_demo(args.tp, pp, args.steps, args.dp)
         from .cluster_demo import run_cluster_demo
 
-        return run_cluster_demo(nodes, args.tp, pp, args.steps, args.dp)
+        return run_cluster_demo(nodes, args.tp, pp, args.steps, args.dp, lose_replica=args.lose_replica)
     if args.command in ("doctor", "status"):  # `rayfree node` applies them inside its own error handling
         from rayfree.transport.secure.policy import SecretError
 

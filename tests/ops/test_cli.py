@@ -78,3 +78,18 @@ def test_dp_demo_runs_two_replicas_on_four_simulated_nodes() -> None:
     assert "node exit codes                      0 0 0 0" in r.stdout
     assert "no process, shm segment or namespace left behind" in r.stdout
     print(f"\nrayfree demo --dp 2 --steps 40: {wall:.1f} s")
+
+
+@pytest.mark.timeout(200)
+def test_the_dp_demo_loses_replica_1_and_it_rejoins_while_replica_0_serves_on() -> None:
+    r = run("demo", "--dp", "2", "--steps", "40", "--lose-replica", timeout=190)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "losing DP replica 1: SIGKILL to node 3" in r.stdout, r.stdout
+    assert re.search(r"\[replica 0\] DP replica 1 was lost \(node 3, ranks \[3\]: ", r.stdout), r.stdout
+    assert "[replica 0] DP replica 1 is serving again (epoch 1)" in r.stdout, r.stdout
+    steps0 = int(re.search(r"\[replica 0\] steps +(\d+)$", r.stdout, re.M).group(1))
+    assert re.search(rf"\[replica 0\] outputs equal to 1-process model +{steps0}$", r.stdout, re.M), r.stdout
+    assert re.search(r"\[replica 1\] outputs equal to 1-process model +40$", r.stdout, re.M), r.stdout
+    assert re.search(r"lost incarnation exit codes +2:1 3:-9$", r.stdout, re.M), r.stdout
+    assert "node exit codes                      0 0 0 0" in r.stdout, r.stdout
+    assert "no process, shm segment or namespace left behind" in r.stdout, r.stdout
