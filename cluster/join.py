@@ -58,9 +58,10 @@ class ForeignEntry(JoinError):
 
 def shape_of(par: ParallelConfig) -> str:
     """What a rank believes the cluster is, in the words of the flags that set it."""
+    replicas = f" replicas={'coupled' if par.coupled else 'independent'}" if par.data_parallel_size > 1 else ""
     return (
         f"tp={par.tensor_parallel_size} pp={par.pipeline_parallel_size} pcp={par.prefill_context_parallel_size} "
-        f"dp={par.data_parallel_size} nnodes={par.nnodes}"
+        f"dp={par.data_parallel_size} nnodes={par.nnodes}{replicas}"
     )
 
 

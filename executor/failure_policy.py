@@ -192,6 +192,7 @@ class NodePolicy:
             return True
         for k in fresh:
             self.lost[k] = err = replica_lost(k, f.cause, par, self.lv.node)
+            self.lv.replica_epochs.lost(k)
             logger.error("%s", err)
             self.lv.replica_lost(err)
         mine = [ex for ex in self.lv.executors() if ex.dp_rank in fresh]

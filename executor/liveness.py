@@ -258,10 +258,12 @@ class LeaderLiveness(NodeLiveness):
         )
         self.beater.status_fn = lambda: encode(cluster_status(self))
         self.beater.verdict_fn = lambda: ready(self)
+        rejoins, beater = self.replica_epochs, self.beater
+        assert isinstance(rejoins, Rejoins)
+        beater.welcome_fn = rejoins.welcome  # (always: a follower that disagrees on the coupling then joins, and
+        # the join names the disagreement, instead of waiting for a welcome that would never come)
         if self.independent:  # (a lost replica's nodes may rejoin)
-            rejoins, beater = self.replica_epochs, self.beater
-            assert isinstance(rejoins, Rejoins)
-            beater.admit, beater.welcome_fn = rejoins.admit, rejoins.welcome
+            beater.admit = rejoins.admit
             beater.verdict_fn = lambda: (rejoins.look(beater), ready(self))[1]
         logger.info(
             "node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",

@@ -34,6 +34,13 @@ class ReplicaEpochs:
         self.epochs = {k: 0 for k in range(lv.par.data_parallel_size)}
         #: the lost replicas node 0 admitted replacements for: dp rank -> the epoch they rejoin in
         self.rejoining: dict[int, int] = {}
+        #: how often each replica was lost, and rejoined, as this node heard (for /metrics)
+        self.losses = dict.fromkeys(self.epochs, 0)
+        self.rejoins = dict.fromkeys(self.epochs, 0)
+
+    def lost(self, dp_rank: int) -> None:
+        """Replica `dp_rank` was lost (the policy thread)."""
+        self.losses[dp_rank] = self.losses.get(dp_rank, 0) + 1
 
     def states(self) -> dict[int, ReplicaState]:
         lost = self.lv.policy.lost
@@ -50,6 +57,7 @@ class ReplicaEpochs:
         self.lv.policy.lost.pop(dp_rank, None)
         self.rejoining.pop(dp_rank, None)
         self.epochs[dp_rank] = epoch
+        self.rejoins[dp_rank] = self.rejoins.get(dp_rank, 0) + 1
         logger.warning("DP replica %d rejoined (epoch %d) and serves again", dp_rank, epoch)
         for ex in self.lv.executors():
             ex.fire_replica_callbacks(dp_rank, ReplicaState("serving", epoch))

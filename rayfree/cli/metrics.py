@@ -114,6 +114,24 @@ class _Collector:
         yield from (lat, inflight, oldest, failures, sent, relayed, occupied, chunks, behind, workers)
         yield from self._heartbeats(node)
 
+    def _replicas(self, node: str) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        r = self.liveness.replica_epochs
+        labels = ["node", "replica"]
+        serving = GaugeMetricFamily("rayfree_replica_serving", "1 while a DP replica serves, else 0", labels=labels)
+        epoch = GaugeMetricFamily(
+            "rayfree_replica_epoch", "a DP replica's incarnation: 0, then +1 per rejoin", labels=labels
+        )
+        losses = CounterMetricFamily("rayfree_replica_losses", "times a DP replica was lost", labels=labels)
+        rejoins = CounterMetricFamily("rayfree_replica_rejoins", "times a lost DP replica rejoined", labels=labels)
+        for k, st in r.states().items():
+            serving.add_metric([node, str(k)], 1.0 if st.state == "serving" else 0.0)
+            epoch.add_metric([node, str(k)], st.epoch)
+            losses.add_metric([node, str(k)], r.losses.get(k, 0))
+            rejoins.add_metric([node, str(k)], r.rejoins.get(k, 0))
+        yield from (serving, epoch, losses, rejoins)
+
     def _heartbeats(self, node: str) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 
@@ -122,12 +140,7 @@ class _Collector:
         failed.add_metric([node], 1.0 if lv.failure is not None else 0.0)
         yield failed
         if lv.par.data_parallel_size > 1:  # each DP replica as this node knows it (node 0 knows every loss)
-            serving = GaugeMetricFamily(
-                "rayfree_replica_serving", "1 while a DP replica serves, 0 once it is lost", labels=["node", "replica"]
-            )
-            for k in range(lv.par.data_parallel_size):
-                serving.add_metric([node, str(k)], 0.0 if k in lv.policy.lost else 1.0)
-            yield serving
+            yield from self._replicas(node)
         b = lv.beater
         if b is not None and lv.node != 0:  # a follower: its beats' round trips to node 0
             last = GaugeMetricFamily(

@@ -165,3 +165,32 @@ def test_a_lost_node_of_independent_replica_1_fails_it_alone(victim: int) -> Non
         print(f"node 2 (replica 1's leader) failed its call with ReplicaLost after {took:.2f}s")
     assert codes[0] == codes[1] == 0, codes
     assert all(codes[k] != 0 for k in (2, 3)), codes
+
+
+@pytest.mark.timeout(240)
+def test_nodes_that_disagree_on_how_replicas_are_tied_are_told_so() -> None:
+    """Node 0 coupled, node 1 independent (one variable set on one node only): both are told, by the join, in
+    one line naming both settings; neither waits for its join timeout."""
+    shape = {
+        "RAYFREE_NNODES": "2",
+        "RAYFREE_DATA_PARALLEL_SIZE": "2",
+        "RAYFREE_TENSOR_PARALLEL_SIZE": "1",
+        "RAYFREE_PIPELINE_PARALLEL_SIZE": "1",
+        "RAYFREE_ENTRY": "tests.support.multinode_entry:dp_check",
+    }
+    with SimulatedCluster(2) as sim:
+        nodes = Nodes(sim, **FAST)
+        t0 = time.monotonic()
+        procs = {
+            1: nodes.start(1, "leader", **shape, RAYFREE_REPLICA_COUPLING="independent"),
+            0: nodes.start(0, "head", **shape, RAYFREE_REPLICA_COUPLING="coupled"),
+        }
+        codes = {k: p.wait(120) for k, p in procs.items()}
+        took = time.monotonic() - t0
+        assert_nothing_left(sim, procs.values())
+    assert all(c != 0 for c in codes.values()), codes
+    for k, p in procs.items():
+        text = p.text()
+        assert "disagree on the cluster's shape" in text, f"node {k}:\n{text[-3000:]}"
+        assert "replicas=coupled" in text and "replicas=independent" in text, f"node {k}:\n{text[-3000:]}"
+    assert took < 60, took

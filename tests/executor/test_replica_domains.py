@@ -72,9 +72,39 @@ def test_an_independent_replica_that_loses_a_worker_fails_alone_and_the_other_se
         states = ex0.replica_states()
         assert (states[0].state, states[1].state) == ("serving", "lost"), states
         assert ex1.wait_done(30)
+        samples = scrape(reps.liveness)
     finally:
         reps.shutdown()
     assert reps.failure is not None and not reps.liveness.failure  # a replica's, not the node's
+    for k, serving, losses in ((0, 1, 0), (1, 0, 1)):
+        labels = (("node", "0"), ("replica", str(k)))
+        assert samples[("rayfree_replica_serving", labels)] == serving, samples
+        assert samples[("rayfree_replica_losses_total", labels)] == losses, samples
+        assert (
+            samples[("rayfree_replica_rejoins_total", labels)] == 0 and samples[("rayfree_replica_epoch", labels)] == 0
+        )
+
+
+def scrape(liveness) -> dict:
+    """This node's /metrics, served and read over HTTP as Prometheus would."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rayfree.cli.metrics import serve_metrics
+
+    port = get_open_port("127.0.0.1")
+    server = serve_metrics(port, liveness, "127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    finally:
+        server.shutdown()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 @pytest.mark.timeout(180)

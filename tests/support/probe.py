@@ -4,6 +4,7 @@ resolution, as a kubelet's is."""
 
 from __future__ import annotations
 
+import http.client
 import sys
 import time
 import urllib.error
@@ -18,8 +19,11 @@ def main() -> None:
             with urllib.request.urlopen(url, timeout=2) as r:
                 code, body = r.status, r.read().decode().strip()
         except urllib.error.HTTPError as e:
-            code, body = e.code, e.read().decode().strip()
-        except OSError as e:
+            try:
+                code, body = e.code, e.read().decode().strip()
+            except (OSError, http.client.HTTPException) as gone:  # the process left in the middle of the answer
+                code, body = 0, f"{type(gone).__name__}: {gone}"
+        except (OSError, http.client.HTTPException) as e:  # (IncompleteRead: it left while it answered)
             code, body = 0, f"{type(e).__name__}: {e}"
         if code != last:
             print(f"PROBE {code} {time.monotonic():.3f} {body}", flush=True)
