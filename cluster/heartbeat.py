@@ -194,7 +194,7 @@ class HeartbeatServer(Beater):
         if isinstance(msg, StatusQuery):
             self._answer_status(sock, identity)
             return
-        if isinstance(msg, (Verdict, ReplicaDown)):
+        if not isinstance(msg, (Beat, Bye)):  # a verdict, a welcome, word on a replica: only node 0 sends them
             self._dropped(f"a {type(msg).__name__} sent to node 0 (only node 0 sends them)")
             return
         peer = self.peers.get(msg.node_rank)

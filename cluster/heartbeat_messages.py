@@ -55,11 +55,9 @@ class ReplicaUp(msgspec.Struct, tag="replica-up", array_like=True):
 
 class Welcome(msgspec.Struct, tag="welcome", array_like=True):
     """Node 0's first answer to a follower (or to the replacement of a lost one, which it admitted): the epoch
-    of each DP replica the follower runs (0 at the cluster's start, one more at each rejoin), and the replicas
-    lost now."""
+    of each DP replica the follower runs (0 at the cluster's start, one more at each rejoin)."""
 
     epochs: dict[int, int]
-    lost: list[int]
 
 
 class StatusQuery(msgspec.Struct, tag="status?", array_like=True):

@@ -21,9 +21,9 @@ from .futures import FutureWrapper
 
 __all__ = ["Executor", "UniProcExecutor", "FailureCallback", "ReplicaCallback", "ReplicaState"]
 
-#: Called once when the executor fails (a worker died): the engine stops or restarts.
 logger = logging.getLogger("rayfree.executor")
 
+#: Called once when the executor fails (a worker died): the engine stops or restarts.
 FailureCallback = Callable[[], None]
 
 

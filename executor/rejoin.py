@@ -98,7 +98,7 @@ class Rejoins(ReplicaEpochs):
 
     def welcome(self, node: int) -> bytes:
         replicas = self.lv.par.replicas_of_node(node)
-        return _encode(Welcome({k: self.epochs[k] for k in replicas}, sorted(self.lv.policy.lost)))
+        return _encode(Welcome({k: self.epochs[k] for k in replicas}))
 
     def look(self, server: Any) -> None:
         """The heartbeat thread, at each verdict: a rejoining replica whose nodes all beat and report themselves

@@ -76,9 +76,9 @@ class WorkerBase:
         par = self.parallel_config
         # `rank` is the rank within this DP replica (the executor's). Coupled replicas share one world; independent
         # ones meet at one rendezvous (every rank named if one is missing) and each forms a world of its own.
-        whole = (par.world_size_across_dp, par.global_rank(self.rank))
+        independent = par.data_parallel_size > 1 and not par.coupled
         init_distributed_environment(
-            *(whole if par.coupled or par.data_parallel_size == 1 else (par.world_size, self.rank)),
+            *((par.world_size, self.rank) if independent else (par.world_size_across_dp, par.global_rank(self.rank))),
             self.distributed_init_method,
             self.local_rank,
             timeout_s=self.config.join_timeout_s,
@@ -86,7 +86,7 @@ class WorkerBase:
             shape=shape_of(par),
             node=par.node_rank if par.nnodes > 1 else -1,
             device_backend=backend,
-            rendezvous=None if par.coupled or par.data_parallel_size == 1 else _rendezvous(par, self.rank),
+            rendezvous=_rendezvous(par, self.rank) if independent else None,
         )
         initialize_model_parallel(self.parallel_config)
 

@@ -21,20 +21,23 @@ class TimedSteps:
     _steps = 0
     rank: int
 
+    def _clock(self) -> float:
+        return time.perf_counter()
+
     def execute_model(self, scheduler_output: Any) -> Any:
-        t = time.perf_counter()
+        t = self._clock()
         try:
             return super().execute_model(scheduler_output)  # type: ignore[misc]
         finally:
-            self._model_s += time.perf_counter() - t
+            self._model_s += self._clock() - t
             self._steps += 1
 
     def sample_tokens(self, grammar_output: Any) -> Any:
-        t = time.perf_counter()
+        t = self._clock()
         try:
             return super().sample_tokens(grammar_output)  # type: ignore[misc]
         finally:
-            self._model_s += time.perf_counter() - t
+            self._model_s += self._clock() - t
 
     def bench_reset(self) -> None:
         self._model_s, self._steps = 0.0, 0

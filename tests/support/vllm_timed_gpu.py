@@ -12,25 +12,8 @@ from tests.support.vllm_timed import TimedSteps
 class TimedGPUWorker(TimedSteps, Worker):
     """A step's time is the GPU's too: synchronise before reading the clock, or a launch looks free."""
 
-    def execute_model(self, scheduler_output):  # type: ignore[no-untyped-def]
+    def _clock(self) -> float:
         import torch
 
         torch.cuda.synchronize()
-        t = time.perf_counter()
-        try:
-            return Worker.execute_model(self, scheduler_output)
-        finally:
-            torch.cuda.synchronize()
-            self._model_s += time.perf_counter() - t
-            self._steps += 1
-
-    def sample_tokens(self, grammar_output):  # type: ignore[no-untyped-def]
-        import torch
-
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        try:
-            return Worker.sample_tokens(self, grammar_output)
-        finally:
-            torch.cuda.synchronize()
-            self._model_s += time.perf_counter() - t
+        return time.perf_counter()
