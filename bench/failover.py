@@ -3,17 +3,20 @@
 DP=D replicas of TP=T over D x T simulated nodes (one rank each; network namespaces, a /dev/shm each; root),
 started as `rayfree node` starts them, with the lightest worker that still runs the real executor, queues,
 gloo worlds and heartbeats (examples/echo_worker.py, distributed=True). Every replica's leader (this file's
-`replica_loop`) sends a 1 KiB `echo` to its ranks in a loop and records each call. Mid-run a follower node of
-replica 1 is SIGKILLed. Printed per coupling (`independent`, `coupled`):
+`replica_loop`) sends a 1 KiB `echo` to its ranks without pause (`--pace N`: N times a second, as an engine
+that waits for requests, which leaves this machine's two cores to a replacement as a real cluster's own nodes
+would) and records each call. Mid-run a follower node of replica 1 is SIGKILLed. Printed per coupling
+(`independent`, `one-world`):
 
 - replica 1 (it lost a node): how long after the kill its pending call ended, and with what error;
 - every other replica: its calls that failed (independent: none expected), its calls per second and p99 call
-  latency in the 5 s before the kill and in the 5 s after it (the floor is the same replica before the loss);
-- the cluster's cold start (every node started until every leader calls), which is what a coupled cluster pays
-  again after a loss; independent, replica 1's nodes are then started again with the same command, and the
+  latency in the 5 s before the kill and in the 5 s after it (the floor is the same replica before the loss),
+  and, from sequence numbers, its calls answered wrong, lost by a rank, or run twice by one (none expected);
+- the cluster's cold start (every node started until every leader calls), which is what a cluster in one
+  world pays again after a loss; independent, replica 1's nodes are then started again with the same command, and the
   time until the rejoined replica's leader calls is put beside that cold start.
 
-    python bench/failover.py [--dp 3] [--tp 2] [--couplings independent,coupled] [--seconds 8]
+    python bench/failover.py [--dp 3] [--tp 2] [--couplings independent,one-world] [--seconds 8] [--pace 0]
 """
 
 from __future__ import annotations
@@ -21,14 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from simnodes import echo_node_env, secret  # noqa: E402
+from simnodes import NodeRuns, echo_node_env, has_netns, secret, write_json  # noqa: E402
 
 WINDOW_S = 5.0
 
@@ -39,29 +40,51 @@ def say(tag: str, **kw) -> None:
 
 
 def replica_loop(ex) -> int:
-    """A replica leader's entry: calls until the bench makes the file FAILOVER_STOP, or its replica fails."""
+    """A replica leader's entry: calls until the bench makes the file FAILOVER_STOP, or its replica fails. Each
+    call carries its sequence number, every rank's reply is checked against it, and each rank counts the calls it
+    ran, so a call answered wrong, lost or run twice shows (`wrong`, `lost`, `twice`)."""
     from rayfree import ExecutorFailed
 
     stop, end = os.environ["FAILOVER_STOP"], time.monotonic() + 600
-    payload = b"x" * 1024
+    pace = float(os.environ.get("FAILOVER_PACE", "0"))  # calls per second (0: without pause)
+
+    def count(worker) -> None:  # (in every rank: a closure, so it goes by value)
+        ran, echo = worker.__dict__.setdefault("ran", []), worker.echo
+        worker.echo = lambda x: (ran.append(int.from_bytes(x[:8], "big")), echo(x))[1]
+
+    def counted(worker) -> list:
+        return worker.__dict__.get("ran", [])
+
     t0s: list[float] = []
     dts: list[float] = []
     failed: list[float] = []
-    kind, t_fail = "", None
-    ex.collective_rpc("echo", args=(payload,), timeout=120)
+    kind, t_fail, wrong, seq = "", None, 0, 0
+    ex.collective_rpc(count, timeout=120)
+    ex.collective_rpc("echo", args=(b"\0" * 8,), timeout=120)
     say("STEPPING", replica=ex.dp_rank, t=time.monotonic())
     while time.monotonic() < end and not os.path.exists(stop):
         t = time.monotonic()
+        if pace and t0s:
+            time.sleep(max(0.0, t0s[-1] + 1.0 / pace - t))  # (the bench's pace: an engine that waits for requests)
+            t = time.monotonic()
+        seq += 1
+        payload = seq.to_bytes(8, "big") + b"x" * 1016
         try:
-            ex.collective_rpc("echo", args=(payload,), timeout=30)
+            replies = ex.collective_rpc("echo", args=(payload,), timeout=30)
         except ExecutorFailed as e:
             kind, t_fail = type(e).__name__, time.monotonic()
             failed.append(t)
             break
+        wrong += any(r != payload for r in replies)
         t0s.append(t)
         dts.append(time.monotonic() - t)
+    ran = [] if kind else ex.collective_rpc(counted, timeout=60)  # (a lost replica's ranks are gone)
+    want = list(range(seq + 1))  # (0: the first call)
+    twice = sum(len(r) - len(set(r)) for r in ran)
+    lost = sum(len(set(want) - set(r)) for r in ran)
     with open(f"{stop}.{ex.dp_rank}.{os.getpid()}.json", "w") as f:  # (too long for a pipe the workers log to)
-        json.dump({"replica": ex.dp_rank, "t0s": t0s, "dts": dts, "failed": failed, "kind": kind, "t_fail": t_fail}, f)
+        json.dump({"replica": ex.dp_rank, "t0s": t0s, "dts": dts, "failed": failed, "kind": kind, "t_fail": t_fail,
+                   "wrong": wrong, "twice": twice, "lost": lost, "counted": bool(ran)}, f)  # fmt: skip
     say("RESULT", replica=ex.dp_rank, pid=os.getpid())
     return 0 if not kind else 1
 
@@ -71,24 +94,16 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def _json_after(lines: list[str], tag: str, lock: threading.Lock) -> dict | None:
-    with lock:
-        for line in lines:
-            if line.startswith(tag + ":"):
-                return json.loads(line[len(tag) + 1 :])
-    return None
-
-
-def run(dp: int, tp: int, coupling: str, seconds: float) -> dict:
+def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0) -> dict:
     from rayfree.cluster.simulate import SimulatedCluster
 
     n = dp * tp
     victim = tp + 1 if tp > 1 else tp  # replica 1's first follower (its leader when TP=1)
     stop = os.path.join(os.path.dirname(secret()), f"stop-{coupling}")
-    lock = threading.Lock()
     with SimulatedCluster(n) as sim:
+        nodes = NodeRuns(sim)
 
-        def launch(k: int) -> tuple[subprocess.Popen, list[str]]:
+        def launch(k: int) -> None:
             env = echo_node_env(
                 sim,
                 k,
@@ -96,37 +111,17 @@ def run(dp: int, tp: int, coupling: str, seconds: float) -> dict:
                 RAYFREE_DATA_PARALLEL_SIZE=str(dp),
                 RAYFREE_REPLICA_COUPLING=coupling,
                 FAILOVER_STOP=stop,
+                FAILOVER_PACE=str(pace),
             )
             if k % tp == 0:
                 env["RAYFREE_ENTRY"] = "bench.failover:replica_loop"
-            p = sim.nodes[k].popen(
-                [sys.executable, "-m", "rayfree.cli", "node"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True,
-            )  # fmt: skip
-            sink: list[str] = []
-
-            def read() -> None:
-                for line in p.stdout:  # type: ignore[union-attr]
-                    with lock:
-                        sink.append(line)
-
-            threading.Thread(target=read, daemon=True).start()
-            return p, sink
-
-        def stepping(ks: list[int], since: float) -> float:
-            """When the last of these nodes' entries made its first call (seconds after `since`)."""
-            while not all(_json_after(outs[k], "STEPPING", lock) for k in ks):
-                if any(popen[k].poll() is not None for k in ks) or time.monotonic() > since + 300:
-                    raise RuntimeError("the nodes did not start:\n" + "".join(outs[ks[0]])[-4000:])
-                time.sleep(0.05)
-            return max(_json_after(outs[k], "STEPPING", lock)["t"] for k in ks) - since
+            nodes.launch(k, env)
 
         t_start = time.monotonic()
-        started = [launch(k) for k in range(n)]
-        popen, outs = [p for p, _ in started], [o for _, o in started]
-        everyone = list(popen)
+        for k in range(n):
+            launch(k)
         leaders = list(range(0, n, tp))
-        cold = stepping(leaders, t_start)
+        cold = nodes.stepping(leaders, t_start)
         time.sleep(WINDOW_S + 1.0)  # (a bench, not a test: the window before the loss)
         t_kill = time.monotonic()
         sim.nodes[victim].kill()
@@ -135,39 +130,34 @@ def run(dp: int, tp: int, coupling: str, seconds: float) -> dict:
         if coupling == "independent":  # replica 1's nodes, started again with the same command, rejoin
             again = [k for k in range(n) if k // tp == 1]
             for k in again:
-                popen[k].wait(60)  # (its survivors leave non-zero by themselves)
+                nodes.popen[k].wait(60)  # (its survivors leave non-zero by themselves)
             if victim % tp:
-                results[1] = _result(outs[again[0]], stop, lock) or {"replica": 1, "missing": "".join(outs[again[0]])}
+                results[1] = _result(nodes, again[0], stop) or {"replica": 1, "missing": "".join(nodes.outs[again[0]])}
             t_again = time.monotonic()
             for k in again:
-                popen[k], outs[k] = launch(k)
-                everyone.append(popen[k])
-            rejoin = stepping([again[0]], t_again)
+                launch(k)
+            rejoin = nodes.stepping([again[0]], t_again)
             time.sleep(1.0)
         with open(stop, "w"):
             pass
         for k in leaders:
             if k == victim or k // tp in results:
                 continue
-            r = _result(outs[k], stop, lock, popen[k])
-            results[k // tp] = r if r is not None else {"replica": k // tp, "missing": "".join(outs[k])[-2000:]}
-        for p in everyone:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(30)
+            r = _result(nodes, k, stop)
+            results[k // tp] = r if r is not None else {"replica": k // tp, "missing": "".join(nodes.outs[k])[-2000:]}
+        nodes.reap()
         os.unlink(stop)
     return {"coupling": coupling, "dp": dp, "tp": tp, "victim": victim, "t_kill": t_kill, "cold_s": cold,
-            "rejoin_s": rejoin, "results": results}  # fmt: skip
+            "rejoin_s": rejoin, "results": results, "pace": pace}  # fmt: skip
 
 
-def _result(lines: list[str], stop: str, lock: threading.Lock, p: subprocess.Popen | None = None) -> dict | None:
-    """A leader's RESULT: the figures its entry wrote to a file of its own."""
+def _result(nodes: NodeRuns, k: int, stop: str) -> dict | None:
+    """Node k's leader's RESULT: the figures its entry wrote to a file of its own (None: it gave none, within
+    60 s, or within 2 s of leaving: its last lines are read by then)."""
     until = time.monotonic() + 60
-    while (r := _json_after(lines, "RESULT", lock)) is None and time.monotonic() < until:
-        if p is not None and p.poll() is not None and _json_after(lines, "RESULT", lock) is None:
-            return None
+    while (r := nodes.said(k, "RESULT")) is None and time.monotonic() < until:
+        if nodes.popen[k].poll() is not None:
+            until = min(until, time.monotonic() + 2.0)
         time.sleep(0.05)
     if r is None:
         return None
@@ -179,14 +169,15 @@ def _result(lines: list[str], stop: str, lock: threading.Lock, p: subprocess.Pop
 
 
 def report(r: dict) -> None:
+    pace = f"{r['pace']:.0f} calls/s a replica" if r["pace"] else "calls without pause"
     print(f"\n{r['coupling']}: DP={r['dp']} x TP={r['tp']} on {r['dp'] * r['tp']} nodes; node {r['victim']} "
-          f"(replica 1) SIGKILLed; cold start {r['cold_s']:.2f} s")  # fmt: skip
+          f"(replica 1) SIGKILLed; cold start {r['cold_s']:.2f} s; {pace}")  # fmt: skip
     if r["rejoin_s"] is not None:
         print(f"  replica 1's nodes started again: it served again after {r['rejoin_s']:.2f} s "
               f"({r['rejoin_s'] / r['cold_s']:.2f}x the whole cluster's cold start)")  # fmt: skip
     t_kill = r["t_kill"]
     print(f"  {'replica':<9}{'outcome':<34}{'failed':>7}{'calls/s before':>16}{'after':>8}"
-          f"{'p99 ms before':>15}{'after':>8}")  # fmt: skip
+          f"{'p99 ms before':>15}{'after':>8}{'wrong':>7}{'lost':>6}{'twice':>7}")  # fmt: skip
     for k in sorted(r["results"]):
         x = r["results"][k]
         if "missing" in x:
@@ -198,9 +189,10 @@ def report(r: dict) -> None:
         full = bool(x["t0s"]) and x["t0s"][-1] >= t_kill + WINDOW_S  # (a whole window after the kill)
         late = f"{len(after) / WINDOW_S:.0f}" if full else "-"
         p99 = f"{_pct(after, 0.99) * 1e3:.2f}" if full else "-"
+        checked = [str(x["wrong"]), *((str(x["lost"]), str(x["twice"])) if x["counted"] else ("-", "-"))]
         print(
             f"  {k:<9}{out:<34}{len(x['failed']):>7}{len(before) / WINDOW_S:>16.0f}{late:>8}"
-            f"{_pct(before, 0.99) * 1e3:>15.2f}{p99:>8}"
+            f"{_pct(before, 0.99) * 1e3:>15.2f}{p99:>8}{checked[0]:>7}{checked[1]:>6}{checked[2]:>7}"
         )
 
 
@@ -208,23 +200,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dp", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--couplings", default="independent,coupled")
+    ap.add_argument("--couplings", default="independent,one-world")
     ap.add_argument("--seconds", type=float, default=8.0, help="how long the replicas call after the kill")
+    ap.add_argument("--pace", type=float, default=0.0, help="calls per second a replica (0: without pause)")
     ap.add_argument("--json", help="also write the figures to this file")
     a = ap.parse_args()
-    from rayfree.cluster.simulate import can_use_netns
-
-    if not can_use_netns():
-        print("bench/failover.py: needs root (network namespaces)")
+    if not has_netns("failover.py"):
         return 2
     out = []
     for coupling in a.couplings.split(","):
-        r = run(a.dp, a.tp, coupling, a.seconds)
+        r = run(a.dp, a.tp, coupling, a.seconds, a.pace)
         report(r)
         out.append(r)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f)
+    write_json(a.json, out)
     return 0
 
 

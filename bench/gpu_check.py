@@ -4,7 +4,8 @@ says so and exits 0 having run nothing.
 What it runs (docs/gpu.md): the toy engine through MultiprocExecutor at TP=1 and, with two or more GPUs, TP=2,
 on CUDA (its tensors over NCCL device groups, its control plane over gloo), checked against the one-process
 reference; an NCCL all-reduce on the world's device group; per-step latency against the same run on the CPU;
-and, as root, two simulated nodes (network namespaces) sharing the GPUs, one GPU each.
+with two GPUs, DP=2 coupled replicas whose all-reduce across them runs on NCCL groups made on the store, as at
+every shrink and grow; and, as root, two simulated nodes (network namespaces) sharing the GPUs, one GPU each.
 """
 
 from __future__ import annotations
@@ -76,6 +77,65 @@ def run(tp: int, gpu: bool) -> list[float]:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def across_halves(worker) -> str:
+    """The kind of the device half of this rank's DP group across coupled replicas (NCCL's on a GPU)."""
+    from rayfree.cluster.parallel_state import get_dp_group
+
+    return type(get_dp_group().device_group).__name__
+
+
+def coupled(gpu: bool) -> None:
+    """DP=2 coupled replicas of TP=1 on this node (one GPU each): the toy's all-reduce across replicas runs on their
+    groups across replicas' device half, made on the rendezvous store as at every shrink and grow; both replicas
+    step side by side (the all-reduce needs both), every output and every sum across replicas checked."""
+    import threading
+
+    from rayfree import ClusterConfig, NodeReplicas, ParallelConfig
+    from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
+    from rayfree.transport import get_open_port
+
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not gpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    par = ParallelConfig(data_parallel_size=2, replica_coupling="coupled", master_port=get_open_port("127.0.0.1"))
+    reps = NodeReplicas(
+        ClusterConfig(parallel=par, numa_bind="auto" if gpu else "none"), "rayfree.cli.toy_engine:ToyWorker"
+    )
+    wrong: list = []
+    try:
+        kinds = {ex.dp_rank: ex.collective_rpc(across_halves, timeout=120)[0] for ex in reps.leaders}
+
+        def steps(ex) -> None:
+            for step in range(20):
+                batch = make_batch(step, replica=ex.dp_rank)
+                out = ex.execute_model(batch)
+                total = ex.collective_rpc("step_report", unique_reply_rank=0, timeout=120)["dp_sum"]
+                if not (torch_equal(out, reference_forward(batch["x"])) and total == dp_sum(step, 2)):
+                    wrong.append((ex.dp_rank, step))
+
+        threads = [threading.Thread(target=steps, args=(ex,)) for ex in reps.leaders]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    finally:
+        reps.shutdown()
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    assert not wrong and not any(t.is_alive() for t in threads), wrong
+    if gpu:
+        assert set(kinds.values()) == {"ProcessGroupNCCL"}, kinds
+    print(f"  DP=2 coupled replicas: 20 steps each, the all-reduce across them on {kinds[0]}, every sum right")
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return a is not None and torch.equal(a, b)
 
 
 def drive(executor) -> None:
@@ -161,6 +221,7 @@ def main() -> int:
         global STEPS
         STEPS = 30
         print(f"gpu-check --on-cpu: TP=2 per step p50 {statistics.median(run(2, False)) * 1e6:.0f} us")
+        coupled(False)
         if os.geteuid() == 0:
             two_nodes(1)
         return 0
@@ -173,6 +234,8 @@ def main() -> int:
         gpu, cpu = run(tp, True), run(tp, False)
         g, c = statistics.median(gpu[20:]) * 1e6, statistics.median(cpu[20:]) * 1e6
         print(f"  TP={tp}: per step (execute + sample, p50) {g:.0f} us on CUDA, {c:.0f} us on the CPU path")
+    if n >= 2:
+        coupled(True)
     if os.geteuid() == 0:
         two_nodes(n)
     else:

@@ -1,16 +1,20 @@
-"""What bench/scale.py and bench/soak.py share: a cluster secret for the run, and `rayfree node` started on
-each simulated node with the lightest worker that still runs the real executor, queues, gloo and heartbeats.
+"""What the benches on simulated nodes share: a cluster secret for the run, `rayfree node` started on each
+simulated node with the lightest worker that still runs the real executor, queues, gloo and heartbeats, and
+(`NodeRuns`) nodes started, started again and read while they run.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +31,22 @@ def secret() -> str:
         write_secret(os.path.join(d, "secret"))
         _SECRET.append(os.path.join(d, "secret"))
     return _SECRET[0]
+
+
+def has_netns(bench: str) -> bool:
+    """Root (network namespaces), or a line saying this bench needs it."""
+    from rayfree.cluster.simulate import can_use_netns
+
+    if not can_use_netns():
+        print(f"bench/{bench}: needs root (network namespaces)")
+    return can_use_netns()
+
+
+def write_json(path: str | None, figures: Any) -> None:
+    """The figures into `path` too (--json), if given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(figures, f)
 
 
 def echo_node_env(sim: Any, k: int, **extra: str) -> dict[str, str]:
@@ -89,3 +109,68 @@ def pair_env(sim: Any, k: int, entry: str, entry_dir: str, base: dict[str, str])
         "RAYFREE_WORKER": "rayfree.worker.base:WorkerBase",
         **({"RAYFREE_ENTRY": entry} if k == 0 else {"RAYFREE_HEADLESS": "1"}),
     }
+
+
+class NodeRuns:
+    """`rayfree node` processes on simulated nodes, each one's output lines gathered by a reader thread (the
+    failover benches: they start nodes again, and read what each entry says)."""
+
+    def __init__(self, sim: Any) -> None:
+        self.sim = sim
+        self.lock = threading.Lock()
+        self.popen: dict[int, subprocess.Popen] = {}
+        self.outs: dict[int, list[str]] = {}
+        self.everyone: list[subprocess.Popen] = []
+
+    def launch(self, k: int, env: dict[str, str]) -> None:
+        """Start (or start again) node k with `env`."""
+        p = self.sim.nodes[k].popen(
+            [sys.executable, "-m", "rayfree.cli", "node"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        sink: list[str] = []
+
+        def read() -> None:
+            for line in p.stdout:  # type: ignore[union-attr]
+                with self.lock:
+                    sink.append(line)
+
+        threading.Thread(target=read, daemon=True).start()
+        self.popen[k], self.outs[k] = p, sink
+        self.everyone.append(p)
+
+    def said(self, k: int, tag: str) -> dict | None:
+        """The JSON node k's output gave after `tag:`, first time; None if not yet."""
+        with self.lock:
+            for line in self.outs[k]:
+                if line.startswith(tag + ":"):
+                    return json.loads(line[len(tag) + 1 :])
+        return None
+
+    def waiting(self, k: int, tag: str, match: Callable[[dict], bool], timeout: float) -> bool:
+        """Until node k's output gives a `tag:` JSON that `match`es (True), it exits, or `timeout` passes."""
+        until = time.monotonic() + timeout
+        while time.monotonic() < until and self.popen[k].poll() is None:
+            with self.lock:
+                said = [json.loads(x[len(tag) + 1 :]) for x in self.outs[k] if x.startswith(tag + ":")]
+            if any(match(x) for x in said):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def stepping(self, ks: list[int], since: float) -> float:
+        """When the last of these nodes' entries said STEPPING (seconds after `since`)."""
+        while not all(self.said(k, "STEPPING") for k in ks):
+            if any(self.popen[k].poll() is not None for k in ks) or time.monotonic() > since + 300:
+                raise RuntimeError("the nodes did not start:\n" + "".join(self.outs[ks[0]])[-4000:])
+            time.sleep(0.05)
+        return max(self.said(k, "STEPPING")["t"] for k in ks) - since  # type: ignore[index]
+
+    def reap(self) -> None:
+        """Every process started, ended (killed after 30 s)."""
+        for p in self.everyone:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(30)

@@ -1,13 +1,9 @@
 """The cluster's shape and timeouts: `ParallelConfig` inside `ClusterConfig`.
 
-Field names are the ones engines know from vLLM. Ranks are laid out
-[DP][PP][PCP][TP] (TP fastest), as vLLM does, so inside one DP replica the
-TP ranks of a stage are consecutive and node k holds ranks
-k*local_world_size .. (k+1)*local_world_size-1.
-
-Every validation error names the field and says how to fix it. Values come
-from defaults, then a TOML/JSON file, then RAYFREE_* environment variables,
-then command-line flags, later ones winning (loading.py's `load_config`).
+Field names are the ones engines know from vLLM. Ranks are laid out [DP][PP][PCP][TP] (TP fastest), as vLLM
+does: in one DP replica a stage's TP ranks are consecutive, node k holds ranks k*local_world_size onward. Every
+validation error names the field and says how to fix it. Values come from defaults, then a TOML/JSON file, then
+RAYFREE_* environment variables, then command-line flags, later ones winning (loading.py's `load_config`).
 """
 
 from __future__ import annotations
@@ -22,7 +18,9 @@ from rayfree.transport.net import is_local_address, local_addresses
 
 from .devices import DeviceError, check_settings
 
-__all__ = ["ParallelConfig", "ClusterConfig", "ConfigError", "require_config", "ENV_PREFIX"]
+__all__ = ["ParallelConfig", "ClusterConfig", "ConfigError", "require_config", "ENV_PREFIX", "COUPLINGS"]
+#: how DP replicas can be tied (`replica_coupling`)
+COUPLINGS = ("independent", "coupled", "one-world", "auto")
 
 
 class ConfigError(ValueError):
@@ -46,13 +44,12 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     local_world_size: int | None = None
     #: The DP replica an executor runs; None: this node's first (set per executor when a node runs several).
     data_parallel_rank: int | None = None
-    #: how DP replicas are tied: "independent" (a world and a failure domain each: a lost replica fails alone and
-    #: rejoins), "coupled" (one world, DP and EP groups across replicas: one failing stops all), "auto" (coupled
-    #: with expert parallelism, else independent); docs/architecture.md, "Failure domains"
+    #: "independent" (a world and failure domain each: a lost replica fails alone, rejoins), "coupled" (as independent,
+    #: plus DP/EP groups across the replicas that serve: they shrink at a loss, grow at a rejoin), "one-world" (one
+    #: world: one failing stops all), "auto" (coupled with expert parallelism, else independent); operations.md
     replica_coupling: str = "auto"
     #: which incarnation of its DP replica an executor runs: 0, then one more at each rejoin (node 0 says; not set)
     replica_epoch: int = 0
-
     # -- derived ---------------------------------------------------------------
 
     @property
@@ -65,9 +62,13 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.world_size * self.data_parallel_size
 
     @property
-    def coupled(self) -> bool:  # do the DP replicas share one world, and fail together?
+    def coupled(self) -> bool:  # replicas of their own, with DP/EP groups across those that serve (shrink, grow)?
         c = self.replica_coupling
         return self.data_parallel_size > 1 and (c == "coupled" or (c == "auto" and self.enable_expert_parallel))
+
+    @property
+    def one_world(self) -> bool:  # do the DP replicas share one world, and fail together?
+        return self.data_parallel_size > 1 and self.replica_coupling == "one-world"
 
     @property
     def nnodes_within_dp(self) -> int:
@@ -204,8 +205,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"with nnodes={self.nnodes} and data_parallel_size={self.data_parallel_size} this "
                 f"node runs replica(s) {self.node_replicas}; leave it unset"
             )
-        if self.replica_coupling not in ("auto", "independent", "coupled"):
-            raise ConfigError(f"replica_coupling={self.replica_coupling!r}: use independent, coupled or auto")
+        if self.replica_coupling not in COUPLINGS:
+            raise ConfigError(f"replica_coupling={self.replica_coupling!r}: use {', '.join(COUPLINGS[:-1])} or auto")
         if not 0 <= self.master_port <= 65535:
             raise ConfigError(f"master_port={self.master_port} is not a TCP port: use 1..65535 (0 picks a free one)")
         if not self.master_addr:

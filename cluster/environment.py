@@ -6,7 +6,7 @@ sets it: transformers' `tp_plan="auto"` and accelerate read `RANK`,
 rendezvous read `MASTER_ADDR` / `MASTER_PORT`. Without them every rank thinks
 it is alone and loads the whole model, silently. These are the values for the
 world rayfree's workers join (their DP replica's ranks, or every replica's
-when the replicas are coupled), set in the worker before any engine code
+when the replicas share one world), set in the worker before any engine code
 runs; docs/workers.md lists them. `LOCAL_RANK` counts every rank of the node
 either way: it picks a device.
 """
@@ -45,7 +45,7 @@ def launcher_environment(par: ParallelConfig, rank: int, local_rank: int, init_m
     """The variables of `LAUNCHER_VARIABLES` for rank `rank` of this executor's replica (`local_rank` its index
     among the replica's ranks on this node), whose world meets at `init_method` (tcp://host:port)."""
     where = urlparse(init_method)
-    whole = par.coupled  # (one replica: its world is the whole one)
+    whole = par.one_world  # (one replica: its world is the whole one)
     node = par.node_rank if whole else par.node_rank_within_dp
     return {
         "RANK": str(par.global_rank(rank) if whole else rank),

@@ -35,29 +35,18 @@ import msgspec
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
+from . import heartbeat_messages as msgs
 from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
-from .heartbeat_messages import Beat, Bye, ReplicaDown, ReplicaUp, StatusQuery, Verdict, Welcome, _decode, _encode
+from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
 
-__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "Welcome", "HeartbeatServer"]
+__all__ = ["Beat", "Bye", "Verdict", "HeartbeatServer"]
 
 logger = logging.getLogger("rayfree.cluster")
 
 
 class _Peer:
-    __slots__ = (
-        "node_rank",
-        "ranks",
-        "ip",
-        "identity",
-        "last_seen",
-        "gone",
-        "done",
-        "status",
-        "dropped_at",
-        "bye_from",
-        "pid",
-        "epoch",
-    )
+    __slots__ = ("node_rank", "ranks", "ip", "identity", "last_seen", "gone", "done", "status", "dropped_at",
+                 "bye_from", "pid", "epoch", "verdict")  # fmt: skip
 
     def __init__(self, node_rank: int, ranks: list[int]) -> None:
         self.node_rank = node_rank
@@ -75,13 +64,15 @@ class _Peer:
         #: its process, and its incarnation (0: the cluster's start; more once a replacement was admitted)
         self.pid: int | None = None
         self.epoch = 0
+        #: the readiness verdict it was last sent
+        self.verdict = "starting"
 
     def reincarnate(self, pid: int, epoch: int) -> None:
         """A replacement of this lost node was admitted: a node that has not beaten yet, in `epoch`."""
         self.identity = self.last_seen = self.dropped_at = self.bye_from = None
         self.gone = self.done = False
         self.status = b""
-        self.pid, self.epoch = pid, epoch
+        self.pid, self.epoch, self.verdict = pid, epoch, "starting"
 
 
 #: how often node 0 says which followers it still waits for at start-up
@@ -128,9 +119,12 @@ class HeartbeatServer(Beater):
         self.on_lost = on_lost
         #: answers a StatusQuery (set by the layer above); None: the query gets an empty reply
         self.status_fn: Callable[[], bytes] | None = None
-        #: the cluster's readiness ("" ready, else why not; set by the layer above), pushed to followers
-        self.verdict_fn: Callable[[], str] | None = None
+        #: each follower's readiness verdict by node ("" ready, else why not; set by the layer above), pushed
+        self.verdict_fn: Callable[[], dict[int, str]] | None = None
+        #: "" once every follower was last told it is ready
         self.verdict = "starting"
+        #: `rayfree drain`: drain this DP replica, and the line to answer (the layer above); None: refused
+        self.drain_fn: Callable[[int], str] | None = None
         self._verdict_at = 0.0
         #: after a failure, how long followers that have not beaten yet are waited for, to be told
         self.tell_late_s = TELL_LATE_S
@@ -140,10 +134,13 @@ class HeartbeatServer(Beater):
         self.welcome_fn: Callable[[int], bytes] | None = None
         #: what other threads asked this one to send: (to which nodes, what), sent at its next turn
         self._to_send: list[tuple[list[int], bytes]] = []
+        #: no follower falls silent before this (the earliest deadline at the last look: a beat only puts one
+        #: later); 0: look now. A look per deadline, not per message: a large cluster beats hundreds a second
+        self._look_at = self._probed_at = 0.0
         self._sock = ControlSocket.listen(self.endpoint)  # in the caller's thread: a busy port fails the start-up
         self._start()
 
-    def tell(self, nodes: list[int], msg: ReplicaDown | ReplicaUp) -> None:
+    def tell(self, nodes: list[int], msg: msgs.ReplicaDown | msgs.ReplicaUp | msgs.DrainReplica | msgs.Regroup) -> None:
         """Send `msg` to these followers (any thread: the heartbeat thread owns the socket and sends it)."""
         self._to_send.append((nodes, _encode(msg)))
         self._sock.wake()
@@ -191,8 +188,8 @@ class HeartbeatServer(Beater):
         except msgspec.DecodeError as e:
             self._dropped(f"an unreadable message ({e})")
             return
-        if isinstance(msg, StatusQuery):
-            self._answer_status(sock, identity)
+        if isinstance(msg, (msgs.StatusQuery, msgs.DrainReplica)):
+            self._answer(sock, identity, msg)
             return
         if not isinstance(msg, (Beat, Bye)):  # a verdict, a welcome, word on a replica: only node 0 sends them
             self._dropped(f"a {type(msg).__name__} sent to node 0 (only node 0 sends them)")
@@ -209,6 +206,7 @@ class HeartbeatServer(Beater):
             if epoch is None:
                 return
             peer.reincarnate(msg.pid, epoch)  # type: ignore[union-attr]
+            self._look_at = 0.0  # (its deadline counts again)
         elif peer.epoch and (identity != peer.identity if isinstance(msg, Bye) else msg.pid != peer.pid):
             self._dropped(
                 f"a message from node {peer.node_rank}'s earlier incarnation (epoch {peer.epoch - 1} or before), "
@@ -224,7 +222,7 @@ class HeartbeatServer(Beater):
             logger.info("follower node %d (%s, ranks %s) is beating", msg.node_rank, msg.ip, msg.ranks)
             if self.welcome_fn is not None:
                 sock.try_send([identity, self.welcome_fn(peer.node_rank)])
-            sock.try_send([identity, _encode(Verdict(self.verdict))])
+            sock.try_send([identity, _encode(Verdict(peer.verdict))])
         peer.identity, peer.ip, peer.last_seen, peer.done = identity, msg.ip, time.monotonic(), msg.done
         peer.pid = msg.pid
         peer.dropped_at = None
@@ -250,32 +248,43 @@ class HeartbeatServer(Beater):
             due = min(due, now + FIND_DROPPED_S)  # whose connection dropped (ZeroMQ drops the pipe a little later)
         if self.armed_at is None:
             return min(due, next_log)
-        for peer in self.peers.values():
-            if not peer.gone:
-                due = min(due, self._silence_due(peer.last_seen, peer.dropped_at))
-        return due
+        return min(due, self._look_at)
+
+    def corroborate(self) -> None:
+        self._look_at = 0.0  # (a suspect's deadline is now)
+        super().corroborate()
 
     def _find_dropped(self, sock: ControlSocket, at: float) -> None:
-        """A connection dropped: whose? ZeroMQ refuses a message (the verdict) to a peer with no connection."""
+        """A connection dropped: whose? ZeroMQ refuses a message (the verdict) to a peer with no connection.
+        (Every FIND_DROPPED_S at most: one message to every follower each time.)"""
+        now = time.monotonic()
+        if now - self._probed_at < FIND_DROPPED_S:
+            return
+        self._probed_at = now
         for peer in self.peers.values():
             if peer.identity is not None and not peer.gone and peer.dropped_at is None:
-                if not sock.reachable([peer.identity, _encode(Verdict(self.verdict))]):
+                if not sock.reachable([peer.identity, _encode(Verdict(peer.verdict))]):
                     peer.dropped_at = at
+                    self._look_at = 0.0
 
     def _check(self) -> None:
-        if self.armed_at is None:
-            return
         now = time.monotonic()
+        if self.armed_at is None or now < self._look_at:
+            return
+        look_at = now + IDLE_LOOK_S
         for peer in self.peers.values():
             if peer.gone:
                 continue
             why = self._silent(peer.last_seen, now, peer.dropped_at)
-            if why is not None:
+            if why is None:
+                look_at = min(look_at, self._silence_due(peer.last_seen, peer.dropped_at))
+            else:
                 peer.gone = True
                 if peer.last_seen is None:
                     why = f"it never sent a heartbeat to {self.endpoint} (is that port reachable from it?)"
                 logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, why)
                 self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
+        self._look_at = look_at
 
     def _log_waiting(self, waited: float) -> None:
         """While followers are missing at start-up: which, for how long, out of how long."""
@@ -285,32 +294,26 @@ class HeartbeatServer(Beater):
         total = len(self.peers) + 1
         bound = f" of {self.join_timeout:.0f}s (join_timeout_s)" if self.join_timeout else ""
         for p in missing:
-            logger.info(
-                "node 0: waiting for node %d of %d (ranks %s) for %.0fs%s; a node still starting (pulling its "
-                "image, say) is fine until then",
-                p.node_rank,
-                total,
-                _span(p.ranks),
-                waited,
-                bound,
-            )
+            logger.info("node 0: waiting for node %d of %d (ranks %s) for %.0fs%s; a node still starting (pulling "
+                        "its image, say) is fine until then", p.node_rank, total, _span(p.ranks), waited,
+                        bound)  # fmt: skip
 
     def _push_verdict(self, sock: ControlSocket) -> None:
-        """Every VERDICT_S, the cluster's readiness; sent to every follower when it changed."""
+        """Every VERDICT_S, each follower's readiness; sent to it when it changed."""
         now = time.monotonic()
         if self.verdict_fn is None or now - self._verdict_at < (VERDICT_S if self.verdict else VERDICT_READY_S):
             return
         self._verdict_at = now
         try:
-            verdict = self.verdict_fn()
+            verdicts = self.verdict_fn()
         except Exception:  # noqa: BLE001 - a readiness check must never stop the heartbeats
             logger.exception("heartbeat: could not judge the cluster's readiness")
             return
-        if verdict == self.verdict:
-            return
-        self.verdict = verdict
-        for peer in self.peers.values():
-            if peer.identity is not None and not peer.gone:
+        self.verdict = next((v for v in verdicts.values() if v), "")
+        for k, peer in self.peers.items():
+            verdict = verdicts.get(k, "")
+            if peer.identity is not None and not peer.gone and verdict != peer.verdict:
+                peer.verdict = verdict
                 sock.try_send([peer.identity, _encode(Verdict(verdict))])
 
     def _send_told(self, sock: ControlSocket) -> None:
@@ -321,12 +324,16 @@ class HeartbeatServer(Beater):
                 if peer is not None and peer.identity is not None and not peer.gone:
                     sock.try_send([peer.identity, payload])
 
-    def _answer_status(self, sock: ControlSocket, identity: bytes) -> None:
+    def _answer(self, sock: ControlSocket, identity: bytes, msg: msgs.StatusQuery | msgs.DrainReplica) -> None:
+        """`rayfree status` (the cluster's status, encoded) and `rayfree drain` (one line) get their answer."""
         try:
-            reply = self.status_fn() if self.status_fn is not None else b""
-        except Exception:  # noqa: BLE001 - a status query must never stop the heartbeats
-            logger.exception("heartbeat: could not build the status reply")
-            reply = b""
+            if isinstance(msg, msgs.DrainReplica):
+                reply = (self.drain_fn(msg.dp_rank) if self.drain_fn else "refused: nothing here drains").encode()
+            else:
+                reply = self.status_fn() if self.status_fn is not None else b""
+        except Exception as e:  # noqa: BLE001 - a query must never stop the heartbeats
+            logger.exception("heartbeat: could not answer a %s", type(msg).__name__)
+            reply = f"refused: {type(e).__name__}: {e}".encode() if isinstance(msg, msgs.DrainReplica) else b""
         sock.try_send([identity, reply])
 
     def peer_views(self) -> list[tuple[int, str, list[int], float | None, bool, bytes]]:
@@ -376,9 +383,8 @@ class HeartbeatServer(Beater):
         read the goodbye. ZeroMQ refuses a message (a verdict, harmless if it comes after the goodbye) to a peer
         with no connection."""
         until = time.monotonic() + BYE_CONFIRM_S
-        probe = _encode(Verdict(self.verdict))
         while told:
-            told = {k: i for k, i in told.items() if sock.reachable([i, probe])}
+            told = {k: i for k, i in told.items() if sock.reachable([i, _encode(Verdict(self.peers[k].verdict))])}
             if not told or time.monotonic() >= until:
                 break
             sock.receive(_BYE_POLL_MS)

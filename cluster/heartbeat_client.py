@@ -15,9 +15,21 @@ from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
 from .heartbeat_beater import BYE_LINGER_MS, STATUS_MAX_BYTES, WAIT_LOG_S, Beater, ByeCallback, wait_ms
-from .heartbeat_messages import Beat, Bye, ReplicaDown, ReplicaUp, StatusQuery, Verdict, Welcome, _decode, _encode
+from .heartbeat_messages import (
+    Beat,
+    Bye,
+    DrainReplica,
+    Regroup,
+    ReplicaDown,
+    ReplicaUp,
+    StatusQuery,
+    Verdict,
+    Welcome,
+    _decode,
+    _encode,
+)  # fmt: skip
 
-__all__ = ["HeartbeatClient", "query_status"]
+__all__ = ["HeartbeatClient", "query_status", "ask_node0"]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -44,9 +56,11 @@ class HeartbeatClient(Beater):
         self.ip = ip
         self.on_lost = on_lost
         self.on_bye = on_bye
-        #: node 0 says a DP replica was lost, or is back (set by the layer above; None: not expected)
+        #: node 0 says a DP replica was lost, is back, or drains (set by the layer above; None: not expected)
         self.on_replica_down: Callable[[ReplicaDown], None] | None = None
         self.on_replica_up: Callable[[ReplicaUp], None] | None = None
+        self.on_replica_drain: Callable[[DrainReplica], None] | None = None
+        self.on_regroup: Callable[[Regroup], None] | None = None
         #: node 0's first answer (the epochs of this node's replicas), once it came
         self.welcome: Welcome | None = None
         self.welcomed = threading.Event()
@@ -150,10 +164,12 @@ class HeartbeatClient(Beater):
             self.welcome = msg
             self.welcomed.set()
             return False
-        if isinstance(msg, (ReplicaDown, ReplicaUp)):
-            react = self.on_replica_down if isinstance(msg, ReplicaDown) else self.on_replica_up
+        if isinstance(msg, (ReplicaDown, ReplicaUp, DrainReplica, Regroup)):
+            react = {
+                ReplicaDown: self.on_replica_down, ReplicaUp: self.on_replica_up, Regroup: self.on_regroup
+            }.get(type(msg), self.on_replica_drain)  # fmt: skip
             if react is None:
-                self._dropped(f"node 0's word on DP replica {msg.dp_rank} (replicas here are coupled)")
+                self._dropped(f"node 0's word on DP replica {msg.dp_rank} (replicas here share one world)")
             else:
                 react(msg)  # type: ignore[arg-type]
             return False
@@ -172,9 +188,14 @@ class HeartbeatClient(Beater):
 def query_status(master_addr: str, port: int, timeout: float) -> bytes:
     """Node 0's answer to a StatusQuery at master_addr:port (authenticated like every heartbeat); TimeoutError
     if none comes within `timeout` seconds."""
+    return ask_node0(master_addr, port, StatusQuery(), timeout)
+
+
+def ask_node0(master_addr: str, port: int, msg: StatusQuery | DrainReplica, timeout: float) -> bytes:
+    """Node 0's answer to `msg` (`rayfree status`, `rayfree drain`), as query_status."""
     sock = ControlSocket.connect(tcp_endpoint(master_addr, port), maxmsgsize=64 << 20)
     try:
-        reply = sock.request(_encode(StatusQuery()), timeout)
+        reply = sock.request(_encode(msg), timeout)
         if reply is None:
             raise TimeoutError(
                 f"node 0 did not answer at {tcp_endpoint(master_addr, port)} within {timeout:.0f}s: "

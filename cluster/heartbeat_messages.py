@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "Welcome"]
+__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "DrainReplica", "Regroup", "Welcome"]
 
 
 class Beat(msgspec.Struct, tag="beat", array_like=True):
@@ -30,8 +30,9 @@ class Bye(msgspec.Struct, tag="bye", array_like=True):
 
 
 class Verdict(msgspec.Struct, tag="verdict", array_like=True):
-    """Node 0's view of the whole cluster's readiness, pushed to every follower when it changes (each
-    follower's /readyz answers with it): "" ready, else why not."""
+    """Node 0's view of the cluster's readiness for one follower, pushed to it when it changes (its /readyz
+    answers with it): "" ready, else why not. With independent DP replicas it is the readiness of the
+    follower's own replicas."""
 
     reason: str
 
@@ -53,11 +54,28 @@ class ReplicaUp(msgspec.Struct, tag="replica-up", array_like=True):
     epoch: int
 
 
+class DrainReplica(msgspec.Struct, tag="drain", array_like=True):
+    """`rayfree drain` to node 0 (which answers with one line of text), and node 0 to every follower: an
+    independent DP replica drains (its calls in flight finish, then its nodes stop cleanly)."""
+
+    dp_rank: int
+
+
+class Regroup(msgspec.Struct, tag="regroup", array_like=True):
+    """Node 0 to every follower, coupled DP replicas: membership epoch `epoch` is `members` (the replicas that
+    serve); the groups across replicas are formed again over them."""
+
+    epoch: int
+    members: list[int]
+
+
 class Welcome(msgspec.Struct, tag="welcome", array_like=True):
     """Node 0's first answer to a follower (or to the replacement of a lost one, which it admitted): the epoch
-    of each DP replica the follower runs (0 at the cluster's start, one more at each rejoin)."""
+    of every DP replica (0 at the cluster's start, one more at each rejoin), and the replicas lost meanwhile
+    (a replacement starts knowing them, as the nodes that heard it did)."""
 
     epochs: dict[int, int]
+    lost: list[ReplicaDown] = []
 
 
 class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
@@ -65,4 +83,6 @@ class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Beat | Bye | Verdict | ReplicaDown | ReplicaUp | Welcome | StatusQuery).decode
+_decode = msgspec.msgpack.Decoder(
+    Beat | Bye | Verdict | ReplicaDown | ReplicaUp | DrainReplica | Regroup | Welcome | StatusQuery
+).decode

@@ -11,8 +11,9 @@ that, by address, on both sides. The whole join, store connection included,
 ends within `timeout_s`: TCPStore's own connect retries past the timeout it
 is given, so a rank first waits, in its own loop, until the store's port
 accepts a connection. Rank 0 hosts the store, so when it sees a disagreement it
-keeps the store open a little longer (`TELL_S`) for ranks still on their way,
-who would otherwise only learn that the rendezvous is gone.
+keeps the store open until every rank that came has said it read the arrivals
+(or `TELL_S`): a rank descheduled between two reads would otherwise only learn
+that the rendezvous is gone.
 
 The store is torch.distributed's TCPStore: no secret guards it. Anyone who reaches node 0's master port can
 read and write its keys while the cluster forms; an entry rayfree did not write (one that does not parse, a
@@ -32,12 +33,18 @@ from .config import ParallelConfig
 from .group import GroupError
 from .peers import RENDEZVOUS_GONE
 
-__all__ = ["JoinError", "ForeignEntry", "join", "shape_of"]
+__all__ = ["JoinError", "ForeignEntry", "join", "shape_of", "coupling_of"]
 
 _SCAN_S = 0.5
 #: how often a rank that came before rank 0 tries the store's port (a refused connect costs microseconds)
 _PORT_POLL_S = 0.02
-TELL_S = 5.0  # how long rank 0 keeps the store open after a disagreement, for late ranks to hear of it
+#: set by the last rank to come (or by a second claim of a rank): what the others wait for
+_ALL = "rayfree/all"
+#: counted by each rank (not rank 0) that gives up on the join: rank 0 keeps the store until all have
+_TOLD = "rayfree/told"
+#: how long rank 0 keeps the store open after a disagreement, at most, for ranks still on their way or not yet
+#: done reading it (they say so: it leaves as soon as they have; CI starved a rank for seconds)
+TELL_S = 15.0
 
 log = logging.getLogger("rayfree.cluster.join")
 
@@ -56,9 +63,16 @@ class ForeignEntry(JoinError):
         )
 
 
+def coupling_of(par: ParallelConfig) -> str:
+    """How the DP replicas are tied, resolved ("" with one replica)."""
+    if par.data_parallel_size == 1:
+        return ""
+    return "one-world" if par.one_world else "coupled" if par.coupled else "independent"
+
+
 def shape_of(par: ParallelConfig) -> str:
     """What a rank believes the cluster is, in the words of the flags that set it."""
-    replicas = f" replicas={'coupled' if par.coupled else 'independent'}" if par.data_parallel_size > 1 else ""
+    replicas = f" replicas={coupling_of(par)}" if par.data_parallel_size > 1 else ""
     return (
         f"tp={par.tensor_parallel_size} pp={par.pipeline_parallel_size} pcp={par.prefill_context_parallel_size} "
         f"dp={par.data_parallel_size} nnodes={par.nnodes}{replicas}"
@@ -93,7 +107,6 @@ def join(
     import torch.distributed as dist
 
     from rayfree.transport import get_ip
-    from rayfree.transport.secure.policy import fingerprint
 
     t0 = time.monotonic()
     deadline = t0 + timeout_s
@@ -131,35 +144,38 @@ def join(
 
         store = PrefixStore(prefix, store)
     ip = host if hosts else get_ip(peer=host)
-    me = f"{rank}|{world_size}|{node}|{ip}|{fingerprint()}|{shape}"
+    me = _entry(rank, world_size, node, ip, shape)
     keys = [f"rayfree/join/{r}" for r in range(world_size)]
+    came = {rank}  # (the ranks whose arrival this rank has read: who is missing, without asking the store)
     missing = [r for r in range(world_size) if r != rank]
+    where = f"{host}:{port}"
     try:
-        _claim(store, rank, me, deadline)
-        store.set(f"rayfree/join/{rank}", me)
-        n = store.add("rayfree/arrivals", 1)
-        store.set(f"rayfree/arrival/{n}", me)
+        _arrive(store, rank, me, world_size, deadline)
         seen = 0
-        next_scan = 0.0
-        while not store.check(keys):
+        next_scan = time.monotonic() + _SCAN_S
+        while not store.check([_ALL]):  # (a duplicate claim sets it too: every rank hears of it at once)
             now = time.monotonic()
-            # who is missing, and does anyone disagree? A second claim of a rank is looked for at every turn:
-            # the first claimant must see it before rank 0's node, failing, takes the rendezvous down
-            if now >= next_scan or now >= deadline or store.check(["rayfree/duplicate"]):
-                missing = [r for r in range(world_size) if not store.check([keys[r]])]
-                if rank in missing:
-                    raise ForeignEntry(rank, f"{host}:{port}", f"lost rank {rank}'s own entry (someone deleted it)")
-                seen = _check_agreement(store, seen, me, rank, deadline, f"{host}:{port}")
+            if now >= next_scan or now >= deadline:  # does anyone disagree? (only the arrivals not read yet)
+                if not store.check([keys[rank]]):
+                    raise ForeignEntry(rank, where, f"lost rank {rank}'s own entry (someone deleted it)")
+                seen = _check_agreement(store, seen, me, rank, deadline, where, came=came)
+                missing = sorted(set(range(world_size)) - came)
                 next_scan = now + _SCAN_S
             if now >= deadline:
+                missing = [r for r in range(world_size) if not store.check([keys[r]])]
                 raise JoinError(
                     f"rank {rank}: rank(s) {missing} of {world_size} never joined the world at "
-                    f"{host}:{port} within {timeout_s:.0f}s (join_timeout_s; gave up after "
+                    f"{where} within {timeout_s:.0f}s (join_timeout_s; gave up after "
                     f"{time.monotonic() - t0:.1f}s); check that their node started and can reach {host}"
                 )
             time.sleep(0.02)
-        _check_agreement(store, seen, me, rank, deadline, f"{host}:{port}", final=True)
+        _check_agreement(store, seen, me, rank, deadline, where, final=True)
+        if not store.check(keys):
+            gone = [r for r in range(world_size) if not store.check([keys[r]])]
+            raise ForeignEntry(rank, where, f"says every rank came, but rank(s) {gone} have no entry")
     except JoinError:
+        if not hosts:
+            _heard(store)
         raise
     except Exception as e:  # noqa: BLE001 - the store went away: rank 0 gave up or died
         raise JoinError(
@@ -169,12 +185,35 @@ def join(
     return store
 
 
+def _entry(rank: int, world_size: int, node: int, ip: str, shape: str) -> str:
+    """What a rank registers: rank|world|node|address|secret fingerprint|shape (one line, every field read)."""
+    from rayfree.transport.secure.policy import fingerprint
+
+    return f"{rank}|{world_size}|{node}|{ip}|{fingerprint()}|{shape}"
+
+
+def _arrive(store, rank: int, me: str, world_size: int, deadline: float) -> None:
+    """Claim `rank`, write this rank's entry and its arrival; the last to come sets the key the others wait on."""
+    _claim(store, rank, me, deadline)
+    store.set(f"rayfree/join/{rank}", me)
+    n = store.add("rayfree/arrivals", 1)
+    store.set(f"rayfree/arrival/{n}", me)
+    if n >= world_size:  # the last to come says so: the others look at that one key, not at every entry
+        store.set(_ALL, b"1")
+
+
+def _heard(store) -> None:
+    """This rank has read what made it give up: rank 0 need not keep the store open for it any longer."""
+    try:
+        store.add(_TOLD, 1)
+    except Exception:  # noqa: BLE001 - the store is gone already: nobody waits for this
+        pass
+
+
 def _second_rank_zero(host: str, port: int, world_size: int, node: int, shape: str) -> None:
     """Rank 0 could not host the store: if another rank 0 hosts it already, claim rank 0 there, so both are
     told (JoinError) that two nodes are node 0; else return (the port is taken by something else)."""
     import torch.distributed as dist
-
-    from rayfree.transport.secure.policy import fingerprint
 
     try:
         store = dist.TCPStore(
@@ -182,7 +221,7 @@ def _second_rank_zero(host: str, port: int, world_size: int, node: int, shape: s
         )
     except Exception:  # noqa: BLE001 - no store there: not a second rank 0
         return
-    _claim(store, 0, f"0|{world_size}|{node}|{host}|{fingerprint()}|{shape}", time.monotonic() + 3)
+    _claim(store, 0, _entry(0, world_size, node, host, shape), time.monotonic() + 3)
 
 
 def _claim(store, rank: int, me: str, deadline: float) -> None:
@@ -199,6 +238,7 @@ def _claim(store, rank: int, me: str, deadline: float) -> None:
         f"expanded in the batch script)"
     )
     store.set("rayfree/duplicate", text)
+    store.set(_ALL, b"1")  # (the ranks waiting for the last one read it now)
     raise JoinError(text)
 
 
@@ -208,12 +248,19 @@ def _where(entry: str) -> str:
 
 
 def _check_agreement(
-    store, seen: int, me: str, rank: int, deadline: float, where: str = "", final: bool = False
+    store,
+    seen: int,
+    me: str,
+    rank: int,
+    deadline: float,
+    where: str = "",
+    final: bool = False,
+    came: set[int] | None = None,
 ) -> int:
-    """Read the arrivals after the first `seen`; JoinError if one's world or shape is not this rank's, or two
-    nodes claimed one rank; ForeignEntry for what no rank wrote. Returns how many were read. (An arrival is
-    counted before its entry is written: one not there yet is read at the next scan; at the `final` check,
-    when every rank has joined, one still missing after TELL_S was never a rank's.)"""
+    """Read the arrivals after the first `seen` (their ranks into `came`); JoinError if one's world or shape is
+    not this rank's, or two nodes claimed one rank; ForeignEntry for what no rank wrote. Returns how many were
+    read. (An arrival is counted before its entry is written: one not there yet is read at the next scan; at the
+    `final` check, when every rank has joined, one still missing after TELL_S was never a rank's.)"""
     if store.check(["rayfree/duplicate"]):
         text = store.get("rayfree/duplicate").decode(errors="replace")
         err = JoinError(text) if _DUPLICATE.match(text) else ForeignEntry(rank, where, f"holds {text[:60]!r}")
@@ -221,9 +268,10 @@ def _check_agreement(
             _tell_late_ranks(store, err, deadline)
         raise err
     count = int(store.add("rayfree/arrivals", 0))
-    for i in range(seen + 1, count + 1):
-        key = f"rayfree/arrival/{i}"
-        if not store.check([key]):
+    keys = [f"rayfree/arrival/{i}" for i in range(seen + 1, count + 1)]
+    ready = dict(zip(keys, store.multi_get(keys))) if keys and store.check(keys) else {}  # (one ask: the rule)
+    for i, key in enumerate(keys, seen + 1):
+        if key not in ready and not store.check([key]):
             if not final:
                 return i - 1
             until = min(deadline, time.monotonic() + TELL_S)  # (its rank may be descheduled between the two)
@@ -231,7 +279,7 @@ def _check_agreement(
                 time.sleep(_PORT_POLL_S)
             if not store.check([key]):
                 raise ForeignEntry(rank, where, f"counts {count} arrivals but has no entry for arrival {i}")
-        other = store.get(key).decode(errors="replace")
+        other = bytes(ready[key] if key in ready else store.get(key)).decode(errors="replace")
         if not _ENTRY.match(other):
             raise ForeignEntry(rank, where, f"holds an arrival no rank wrote ({other[:60]!r})")
         if _fields(other)[4] != _fields(me)[4]:
@@ -248,11 +296,14 @@ def _check_agreement(
             if rank == 0:
                 _tell_late_ranks(store, err, deadline)
             raise err
+        if came is not None:
+            came.add(int(_fields(other)[0]))
     return count
 
 
 def _tell_late_ranks(store, err: JoinError, deadline: float) -> None:
-    """Rank 0 (the store's host) stays until every rank any arrival expects has registered, or TELL_S."""
+    """Rank 0 (the store's host) stays until every rank any arrival expects has registered and every one that
+    came has read the arrivals (`_heard`), or TELL_S: not a fixed wait a descheduled rank may outlast."""
     log.error("%s; keeping the rendezvous open up to %.0fs for ranks still on their way", err, TELL_S)
     until = min(time.monotonic() + TELL_S, deadline)
     try:
@@ -261,8 +312,8 @@ def _tell_late_ranks(store, err: JoinError, deadline: float) -> None:
             keys = [f"rayfree/arrival/{i}" for i in range(1, count + 1)]
             entries = [store.get(k).decode(errors="replace") for k in keys if store.check([k])]  # (get blocks)
             worlds = [int(_world_and_shape(e)[0]) for e in entries if _ENTRY.match(e)] or [0]
-            if all(store.check([f"rayfree/join/{r}"]) for r in range(max(worlds))):
-                time.sleep(2 * _SCAN_S)  # the last to come reads the arrivals at its next scan
+            registered = all(store.check([f"rayfree/join/{r}"]) for r in range(max(worlds)))
+            if registered and int(store.add(_TOLD, 0)) >= count - 1:
                 return
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - telling them is best effort; the error stands

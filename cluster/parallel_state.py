@@ -153,11 +153,12 @@ def adopt_distributed_environment(
     return _WORLD
 
 
-def _make_group(name: str, ranks: list[int], pg: Any) -> Group:
-    # Publishers bind to the address that routes toward the master: the cluster network.
+def _make_group(name: str, ranks: list[int], pg: Any, rank: int | None = None) -> Group:
+    # Publishers bind to the address that routes toward the master: the cluster network. `rank`: this rank's
+    # place in `ranks` when those are not the world's (the groups across coupled replicas: global ranks).
     return Group(
         ranks,
-        dist.get_rank(),
+        dist.get_rank() if rank is None else rank,
         pg,
         name=name,
         advertise_ip=get_ip(peer=_MASTER),
@@ -228,7 +229,8 @@ def _get(kind: str, what: str) -> Group:
     if g is None:
         raise GroupError(
             f"the {what} group is not initialized: call init_distributed_environment() and then "
-            f"initialize_model_parallel(parallel_config) first"
+            f"initialize_model_parallel(parallel_config) first (coupled DP replicas: or a replica was lost, and the "
+            f"groups across replicas are formed again before the next call)"
         )
     return g
 

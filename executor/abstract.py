@@ -28,9 +28,10 @@ FailureCallback = Callable[[], None]
 
 
 class ReplicaState(msgspec.Struct, frozen=True):
-    """A DP replica as this process knows it: "serving", "lost" (an independent replica; `why` says what it
-    lost) or "rejoining" (node 0 admitted its replacement nodes), and its epoch (0, then one more at each
-    rejoin)."""
+    """A DP replica as this process knows it: "serving"; "lost" (an independent replica; `why` says what it
+    lost); "draining" (`rayfree drain`: route no new calls to it, its calls in flight finish) then "drained"
+    (stopped; its nodes exited 0); or "rejoining" (node 0 admitted its replacement nodes). And its epoch (0,
+    then one more at each rejoin)."""
 
     state: str
     epoch: int = 0
@@ -185,9 +186,9 @@ class Executor(ABC):
             callback()
 
     def replica_states(self) -> dict[int, ReplicaState]:
-        """Every DP replica's state, for an engine that routes requests around a lost one. With independent
-        replicas (`replica_coupling`) node 0 hears of every loss and tells every node; with coupled ones a loss
-        fails every replica, so this executor's own failure says it all."""
+        """Every DP replica's state, for an engine that routes requests around a lost one. With independent or
+        coupled replicas (`replica_coupling`) node 0 hears of every loss and tells every node; with one world a
+        loss fails every replica, so this executor's own failure says it all."""
         lv = self._node_liveness()
         if lv is not None:
             states: dict[int, ReplicaState] = lv.replica_epochs.states()
@@ -207,7 +208,7 @@ class Executor(ABC):
                 logger.exception("a replica callback raised")
 
     def _node_liveness(self) -> Any:
-        return None
+        return getattr(self, "liveness", None)  # (the node's NodeLiveness, where there is one)
 
     def __enter__(self) -> Executor:
         return self

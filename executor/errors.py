@@ -24,6 +24,8 @@ __all__ = [
     "LeaderLost",
     "ReplicaFailed",
     "ReplicaLost",
+    "ReplicaDrained",
+    "ReplicasChanged",
     "WorkerStartupError",
     "StartupTimeout",
     "FatalWorkerError",
@@ -109,12 +111,13 @@ class LeaderLost(ExecutorFailed):
 
 
 class ReplicaFailed(ExecutorFailed):
-    """Another DP replica on this node failed: the replicas share collectives, so this one stops too."""
+    """Another DP replica on this node failed: the replicas share one world (`replica_coupling="one-world"`), so
+    this one stops too."""
 
     def __init__(self, dp_rank: int, why: str) -> None:
         super().__init__(
             f"DP replica {dp_rank} on this node failed ({why}); every replica stops with it, since "
-            f"their ranks share collectives (DP, expert parallel)"
+            f"their ranks share one world (replica_coupling=one-world; with 'coupled' the others would serve on)"
         )
         self.dp_rank = dp_rank
         self.why = why
@@ -136,6 +139,33 @@ class ReplicaLost(ExecutorFailed):
         self.ranks = ranks
         self.why = why
         self.cause = cause
+
+
+class ReplicaDrained(ReplicaLost):
+    """An independent DP replica the operator drained (`rayfree drain`): its calls in flight finished, later ones
+    are refused with this, and its nodes stopped cleanly (exit 0). A `ReplicaLost`, so an engine that routes
+    around a lost replica routes around this one too; starting its nodes again brings it back (a rejoin)."""
+
+    def __init__(self, dp_rank: int, node_rank: int, ranks: list[int], why: str = "drained by the operator"):
+        super().__init__(dp_rank, node_rank, ranks, why)
+        self.args = (
+            f"DP replica {dp_rank} was drained ({why}); route its requests to another replica. Start its nodes "
+            f"again with the same command to bring it back",
+        )
+
+
+class ReplicasChanged(ExecutorError):
+    """Coupled DP replicas (`replica_coupling="coupled"`): the call met a change of the replicas that serve (one
+    lost, drained or back) in a collective across replicas. The executor has not failed: the groups across
+    replicas are formed again over `members` (membership `epoch`) before the next call goes out. Run it again."""
+
+    def __init__(self, epoch: int, members: list[int], why: str) -> None:
+        super().__init__(
+            f"the DP replicas changed ({why}): the groups across replicas now span replicas {members} (membership "
+            f"epoch {epoch}); run the call again"
+        )
+        self.epoch = epoch
+        self.members = members
 
 
 class WorkerStartupError(ExecutorError):

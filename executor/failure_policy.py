@@ -42,8 +42,7 @@ from typing import Any
 
 from rayfree.supervisor import Failure, Severity, supervisor
 
-from .abstract import ReplicaState
-from .errors import FatalWorkerError, NodeLost, ReplicaFailed, ReplicaLost, WorkerDied, WorkerError
+from .errors import FatalWorkerError, NodeLost, ReplicaDrained, ReplicaFailed, ReplicaLost, WorkerDied, WorkerError
 from .peers import peer_gone
 
 __all__ = ["NodePolicy", "FAST_TERM_S", "grace_of", "why_of"]
@@ -162,7 +161,7 @@ class NodePolicy:
             # the verdict it waited for was node 0's clean stop: its close reached this node's ranks first
             logger.info("%s: %s came with node 0's clean stop; not a failure", f.source, why_of(f.cause))
             return
-        if self._await_verdict(f) or self._replicas_only(f):
+        if self._drained(f) or self._await_verdict(f) or self._replicas_only(f):
             return
         self.record = dataclasses.replace(f, domain=None, executor=None)  # (the record keeps no executor alive)
         self.lv.settled.set()
@@ -178,32 +177,52 @@ class NodePolicy:
             else:
                 ex.abort_startup()  # its starting thread raises the failure and shuts down
 
+    def _drained(self, f: Failure) -> bool:
+        """A failure of replicas that all drain (drain.py: its leader's stop, its workers leaving, its nodes'
+        goodbyes): their planned stop, with no wait for a verdict. True if handled."""
+        par, draining = self.lv.par, self.lv.replica_epochs.draining
+        hit = _replicas_hit(f, par) if draining and not par.one_world else None
+        return bool(hit) and all(k in draining for k in hit) and self._replicas_only(f)  # type: ignore[union-attr]
+
+    def drained_only(self) -> bool:
+        """Every replica of this node was drained (none lost): the node stops cleanly."""
+        mine = self.lv.par.node_replicas
+        return all(isinstance(self.lost.get(k), ReplicaDrained) for k in mine)
+
     def _replicas_only(self, f: Failure) -> bool:
         """Independent replicas: fail the replicas `f` hit and no other; True if that was all (the node keeps a
         replica that serves). A replica of this node that fails while it starts fails the node: its replicas
         start together."""
         par = self.lv.par
-        hit = None if par.coupled or par.data_parallel_size == 1 else _replicas_hit(f, par)
+        hit = None if par.one_world or par.data_parallel_size == 1 else _replicas_hit(f, par)
         if hit is None or any(ex.starting and ex.dp_rank in hit for ex in self.lv.executors()):
             return False
         fresh = [k for k in hit if k not in self.lost]
         if not fresh:
             logger.info("%s: %s (DP replica %s: lost already)", f.source, why_of(f.cause), hit)
             return True
+        epochs = self.lv.replica_epochs
         for k in fresh:
-            self.lost[k] = err = replica_lost(k, f.cause, par, self.lv.node)
-            self.lv.replica_epochs.lost(k)
-            logger.error("%s", err)
+            err = replica_lost(k, f.cause, par, self.lv.node)
+            if k in epochs.draining and not isinstance(err, ReplicaDrained):
+                err = ReplicaDrained(k, err.node_rank, err.ranks)
+            self.lost[k] = err
+            if not isinstance(err, ReplicaDrained):
+                epochs.lost(k)  # (a drain is no loss: /metrics counts losses)
+            (logger.warning if isinstance(err, ReplicaDrained) else logger.error)("%s", err)
             self.lv.replica_lost(err)
         mine = [ex for ex in self.lv.executors() if ex.dp_rank in fresh]
         for ex in mine:
             self._fail(ex, self.lost[ex.dp_rank], f.severity)
-        epochs = self.lv.replica_epochs.epochs
+        states = epochs.states()
         for ex in self.lv.executors():
             for k in fresh:
-                ex.fire_replica_callbacks(k, ReplicaState("lost", epochs.get(k, 0), self.lost[k].summary))
+                ex.fire_replica_callbacks(k, states[k])
         if all(k in self.lost for k in par.node_replicas):
-            return False  # nothing left here: the node fails
+            if not self.drained_only():
+                return False  # nothing left here: the node fails
+            self.lv.stopped_cleanly = f"its DP replica(s) {par.node_replicas} were drained"
+            self.lv.settled.set()  # (a leader's `finish` returns: its cluster, for it, stopped cleanly)
         for ex in mine:
             self._shut(ex)
         return True

@@ -5,9 +5,12 @@ the node, rank or call at fault. Node 0 judges the cluster from what it has
 anyway: its own workers' process states, every follower's heartbeat age and
 last status, the calls in flight; a follower answers with its own workers,
 its last answer from node 0, and node 0's verdict, which node 0 pushes to it
-over the heartbeat channel the moment it changes. A follower whose
-connection dropped counts as not ready at once (a killed node's kernel closes
-it), well before the heartbeats declare it lost.
+over the heartbeat channel the moment it changes. With independent DP
+replicas each replica is judged alone: node 0 is ready while
+RAYFREE_MIN_SERVING_REPLICAS of them serve, and a follower hears the verdict
+on its own replicas. A follower whose connection dropped counts as not ready
+at once (a killed node's kernel closes it), well before the heartbeats
+declare it lost.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rayfree import settings
 from rayfree.cluster.heartbeat import HeartbeatServer
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.procs import proc_state
@@ -24,7 +28,7 @@ from .status_messages import decode_node
 #: a NodeLiveness (liveness.py imports this module, so it is not imported back)
 NodeLiveness = Any
 
-__all__ = ["alive", "ready", "suspect", "followers_verdict", "follower_verdict"]
+__all__ = ["alive", "ready", "suspect", "followers_verdict", "follower_verdict", "verdicts", "replica_verdicts"]
 
 #: process states that mean a rank cannot answer
 _DOWN = ("gone", "a zombie", "stopped")
@@ -34,9 +38,9 @@ def _line(error: object) -> str:
     return str(error).split("\n")[0][:300]
 
 
-def _workers(lv: NodeLiveness, down: tuple[str, ...] = _DOWN) -> str:
+def _workers(lv: NodeLiveness, down: tuple[str, ...] = _DOWN, only: int | None = None) -> str:
     for ex in lv.executors():
-        if ex.stopped or ex.dp_rank in lv.policy.lost:
+        if ex.stopped or ex.dp_rank in lv.policy.lost or only not in (None, ex.dp_rank):
             continue
         for w in ex.workers:
             pid = w.proc.pid
@@ -58,9 +62,11 @@ def alive(lv: NodeLiveness | None) -> str:
     return _workers(lv, down=("stopped",))
 
 
-def _stalled(lv: NodeLiveness) -> str:
+def _stalled(lv: NodeLiveness, only: int | None = None) -> str:
     bound = lv.config.stall_report_s
     for ex in lv.executors():
+        if only not in (None, ex.dp_rank):
+            continue
         snap = None if ex.stopped else ex.rpc_snapshot()
         for method, age, waiting, _start in snap.calls if snap is not None else []:
             if age > bound:
@@ -102,8 +108,7 @@ def followers_verdict(server: HeartbeatServer, grace: float | None = None, skip:
     return ""
 
 
-def ready(lv: NodeLiveness | None) -> str:
-    """The whole cluster can serve ("" yes): every rank alive, every heartbeat fresh, no call stalled."""
+def _node_state(lv: NodeLiveness | None) -> str:
     if lv is None:
         return "starting: the node's workers are not started yet"
     if lv.failure is not None:
@@ -112,10 +117,55 @@ def ready(lv: NodeLiveness | None) -> str:
         return "the cluster is stopping" + (f" ({lv.stop_requested})" if lv.stop_requested else "")
     if lv.ready_count < lv.replicas:
         return f"starting: {lv.ready_count} of {lv.replicas} replica(s) on node {lv.node} ready"
-    why = _workers(lv) or _stalled(lv)
+    return ""
+
+
+def ready(lv: NodeLiveness | None) -> str:
+    """The cluster can serve ("" yes): every rank alive, every heartbeat fresh, no call stalled; with independent
+    DP replicas, on node 0, at least RAYFREE_MIN_SERVING_REPLICAS replicas so."""
+    why = _node_state(lv)
     if why:
         return why
-    return lv.peer_verdict()
+    if lv.node == 0 and lv.independent:
+        return _enough(replica_verdicts(lv))
+    return _workers(lv) or _stalled(lv) or lv.peer_verdict()
+
+
+def replica_verdicts(lv: NodeLiveness) -> dict[int, str]:
+    """Node 0, independent DP replicas: each one's readiness ("" it serves: its ranks alive, its nodes' heartbeats
+    fresh, none of its calls stalled), by replica."""
+    par, out = lv.par, {}
+    gone = lv.lost_nodes()
+    for k, st in lv.replica_epochs.states().items():
+        if st.state != "serving":
+            out[k] = f"DP replica {k} is {st.state}" + (f" ({st.why})" if st.why else "")
+            continue
+        others = set(range(par.nnodes)) - set(par.nodes_of_replica(k)) | gone
+        why = _workers(lv, only=k) or _stalled(lv, only=k)
+        if not why and lv.beater is not None:
+            why = followers_verdict(lv.beater, skip=others)
+        out[k] = f"DP replica {k}: {why}" if why else ""
+    return out
+
+
+def _enough(per: dict[int, str]) -> str:
+    need = max(1, int(settings.get("RAYFREE_MIN_SERVING_REPLICAS")))
+    serving = [k for k, why in per.items() if not why]
+    if len(serving) >= need:
+        return ""
+    whys = "; ".join(why for why in per.values() if why)
+    return f"{len(serving)} of {len(per)} DP replicas serve, fewer than {need} (RAYFREE_MIN_SERVING_REPLICAS): {whys}"
+
+
+def verdicts(lv: NodeLiveness) -> dict[int, str]:
+    """Node 0: what each follower's /readyz says, by node: the cluster's readiness, or with independent DP
+    replicas that of the follower's own replicas."""
+    nodes = range(1, lv.par.nnodes)
+    if not lv.independent:
+        return dict.fromkeys(nodes, ready(lv))
+    base = _node_state(lv)
+    per = {} if base else replica_verdicts(lv)
+    return {n: base or "; ".join(per[k] for k in lv.par.replicas_of_node(n) if per[k]) for n in nodes}
 
 
 def follower_verdict(client: HeartbeatClient) -> str:

@@ -26,15 +26,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from rayfree.cluster.config import ClusterConfig
-from rayfree.cluster.heartbeat import Bye, HeartbeatServer, ReplicaDown, ReplicaUp
+from rayfree.cluster.heartbeat import Bye, HeartbeatServer
 from rayfree.cluster.heartbeat_client import HeartbeatClient
+from rayfree.cluster.heartbeat_messages import ReplicaDown, ReplicaUp
 from rayfree.supervisor import Failure, Severity
 from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
 
+from . import drain, membership
 from .errors import LeaderLost, NodeLost, ReplicaFailed, ReplicaLost
 from .failure_policy import NodePolicy, why_of
-from .health import follower_verdict, followers_verdict
+from .health import follower_verdict, followers_verdict, verdicts
 from .rejoin import Rejoins, ReplicaEpochs
 from .status_messages import cluster_status, encode, node_status
 from .view import ReplicaView
@@ -47,6 +49,8 @@ logger = logging.getLogger("rayfree.executor")
 _FINISH_POLL_S = 0.05
 #: How long node 0 that refuses to start waits for followers to beat, to tell them why (`refuse`).
 REFUSE_TELL_S = 5.0
+#: how much of a failure a goodbye carries (a join's disagreement names both sides: about 500 characters)
+WHY_CHARS = 1000
 #: How often the policy looks whether the heartbeat thread has ended (`close_steps`), and for how long at most.
 _CLOSE_POLL_S = 0.02
 _CLOSE_WAIT_S = 10.0
@@ -90,7 +94,9 @@ class NodeLiveness:
         self._refused = ""
         #: every DP replica's epoch and state (node 0: and its admission of replacements)
         self.replica_epochs = (Rejoins if self.node == 0 else ReplicaEpochs)(self)
-        self.independent = par.data_parallel_size > 1 and not par.coupled
+        self.independent = par.data_parallel_size > 1 and not par.one_world
+        #: coupled DP replicas: the membership epoch and the replicas in it (membership.py; node 0 declares each)
+        self.membership: tuple[int, list[int]] = (0, list(range(par.data_parallel_size)))
 
     @property
     def owner(self) -> Any:
@@ -167,15 +173,15 @@ class NodeLiveness:
         if isinstance(f.cause, LeaderLost):
             self._close(None)  # node 0 is gone or said goodbye: nobody to tell
             return
-        self._close(Bye(self.node, False, why_of(f.cause)[:300]))
+        self._close(Bye(self.node, False, why_of(f.cause)[:WHY_CHARS]))
 
     def stopping(self, ex: Any) -> None:
         """Executor `ex` begins its shutdown. A clean one counts toward the node's clean goodbye; one with a
         reason to stop (its entry point raised) fails the node's other replicas and the cluster."""
         reason = ex.stop_reason or ""
         failure = ex.failure
-        if self.stop_requested and not isinstance(failure, (NodeLost, LeaderLost)):
-            failure, reason = None, ""  # stopped on purpose: the others stop cleanly too
+        if (self.stop_requested or self.stopped_cleanly) and not isinstance(failure, (NodeLost, LeaderLost)):
+            failure, reason = None, ""  # stopped on purpose (here, or by node 0): the others stop cleanly too
         lost = self.policy.lost
         if ex.dp_rank in lost:
             failure, reason = None, ""  # an independent replica lost: not the node's failure, and not running
@@ -188,10 +194,13 @@ class NodeLiveness:
         with self._lock:
             self._stopped += 1
             last = self._stopped >= len(self._executors)
-        if ex.dp_rank in lost:
+        drained = last and self.policy.drained_only()
+        if ex.dp_rank in lost and not drained:
             return  # (counted: once the node's other replicas stop cleanly, its goodbye is a clean one)
         if last:
-            why = f"stopped on request ({self.stop_requested})" if self.stop_requested else "shut down"
+            why = f"stopped on request ({self.stop_requested})" if self.stop_requested else (
+                f"its DP replica(s) {self.par.node_replicas} were drained" if drained else "shut down"
+            )  # fmt: skip
             self._close(Bye(self.node, True, why))
 
     def _close(self, bye: Bye | None) -> None:
@@ -228,7 +237,7 @@ class NodeLiveness:
         self.settled.set()
         if isinstance(self.beater, HeartbeatServer):
             self.beater.tell_late_s = tell_s
-        self._close(Bye(self.node, False, reason[:300]))
+        self._close(Bye(self.node, False, reason[:WHY_CHARS]))
         self.close(tell_s + 5.0)
 
 
@@ -244,8 +253,6 @@ class LeaderLiveness(NodeLiveness):
         par, cfg = self.par, self.config
         if par.nnodes == 1:
             return
-        from .health import ready
-
         others = {k: par.node_ranks(k) for k in range(1, par.nnodes)}
         self.beater = HeartbeatServer(
             bind_address(par.master_addr),
@@ -257,14 +264,15 @@ class LeaderLiveness(NodeLiveness):
             cfg.join_timeout_s,
         )
         self.beater.status_fn = lambda: encode(cluster_status(self))
-        self.beater.verdict_fn = lambda: ready(self)
+        self.beater.verdict_fn = lambda: verdicts(self)
         rejoins, beater = self.replica_epochs, self.beater
         assert isinstance(rejoins, Rejoins)
         beater.welcome_fn = rejoins.welcome  # (always: a follower that disagrees on the coupling then joins, and
         # the join names the disagreement, instead of waiting for a welcome that would never come)
         if self.independent:  # (a lost replica's nodes may rejoin)
             beater.admit = rejoins.admit
-            beater.verdict_fn = lambda: (rejoins.look(beater), ready(self))[1]
+            beater.verdict_fn = lambda: (rejoins.look(beater), verdicts(self))[1]
+            beater.drain_fn = lambda k: drain.request(self, k)
         logger.info(
             "node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
             self.beater.endpoint,
@@ -277,6 +285,7 @@ class LeaderLiveness(NodeLiveness):
         others = [k for k in range(1, self.par.nnodes) if k != err.node_rank]  # (those gone are skipped)
         if others and self.beater is not None:
             self.beater.tell(others, ReplicaDown(err.dp_rank, err.node_rank, err.ranks, err.why[:300]))
+        membership.declare(self)  # (coupled replicas: the survivors' groups across replicas shrink)
 
     def _node_lost(self, node: int, ranks: list[int], ip: str, why: str) -> None:
         replicas = self.par.replicas_of_node(node) if self.par.data_parallel_size > 1 else None
@@ -323,6 +332,9 @@ class FollowerLiveness(NodeLiveness):
         if self.independent:
             self.beater.on_replica_down = self._replica_down
             self.beater.on_replica_up = self._replica_up
+            self.beater.on_replica_drain = lambda msg: self.policy.sup.call_later(0.0, drain.begin, self, msg.dp_rank)
+            adopt = membership.adopt
+            self.beater.on_regroup = lambda m: self.policy.sup.call_later(0.0, adopt, self, m.epoch, m.members)
         logger.info(
             "node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
             self.node,
@@ -359,7 +371,11 @@ class FollowerLiveness(NodeLiveness):
         welcome = self.beater.welcome
         assert welcome is not None
         self.replica_epochs.epochs.update(welcome.epochs)
-        return dict(welcome.epochs)
+        mine = set(self.par.node_replicas)
+        for msg in welcome.lost:  # (lost before this node started: it knows them as the others do)
+            if msg.dp_rank not in mine:
+                self._replica_down(msg)
+        return {k: e for k, e in welcome.epochs.items() if k in mine}
 
     def peer_verdict(self, grace: float | None = None) -> str:
         return follower_verdict(self.beater)

@@ -2,10 +2,9 @@
 
 The leader (node_rank_within_dp 0) owns the RPC pipe (rpc.py) and reads every rank's replies; a follower node
 runs the same class headless: it spawns its workers, watches them, and relays the broadcast (broadcast.py).
-This module keeps the order of start-up (spawn, all READYs, then the queue handshakes as the workers do them)
-and what the node's policy (failure_policy.py) asks of an executor: what a failure is reported as, how it is marked
-failed, and the pieces of its staged shutdown, which the policy's thread runs (docs' architecture page, "Fault
-model", and "Threads and who stops them").
+This module keeps the order of start-up (spawn, all READYs, then the queue handshakes) and what the node's
+policy (failure_policy.py) asks of an executor: what a failure is reported as, how it is marked failed, and
+the pieces of its staged shutdown, which the policy's thread runs (architecture page, "Fault model").
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from .abstract import Executor
 from .broadcast import NodeBroadcast
 from .errors import FatalWorkerError, NotLeaderError, WorkerDied, failed_as
 from .liveness import NodeLiveness
+from .membership import Membership
 from .observe import StallWatch
 from .peers import cause_of
 from .rpc import RpcPipe
@@ -48,6 +48,7 @@ class MultiprocExecutor(Executor):
     several threads take turns (send and receive together); a future's `result()` may be read from any thread."""
 
     supports_pp: bool = True
+    membership: Membership | None = None  # (a leader of coupled DP replicas: membership.py)
 
     def __init__(
         self,
@@ -143,6 +144,9 @@ class MultiprocExecutor(Executor):
                 )
                 self.pipe.recorder.histograms = self._latencies
                 self.pipe.judge = weak_callback(self._judge_fatal)
+                if par.coupled:  # (its groups across replicas are formed again before a call: membership.py)
+                    self.membership = Membership(self)
+                    self.pipe.before = self.membership.before_call
             start = par.global_start_rank
             self.group = WorkerGroup(
                 self.config,
@@ -238,9 +242,6 @@ class MultiprocExecutor(Executor):
     def relay_status(self) -> dict[str, Any]:
         return self.broadcast.status() if self.broadcast is not None and not self.shutting_down else {}
 
-    def _node_liveness(self) -> Any:
-        return self.liveness
-
     def relays_seen(self) -> dict[int, list[Any]]:
         return relays_seen(self.liveness) if self.liveness is not None else {}
 
@@ -284,10 +285,10 @@ class MultiprocExecutor(Executor):
             self.liveness.policy.report(source, cause, severity, self)
 
     def _judge_fatal(self, error: FatalWorkerError, name: str) -> Exception:
-        """A caller got a rank's collective error: raise it once the failure is recorded and its callback ran, or
-        the recorded cause when the error is a lost peer's consequence (peers.py, `cause_of`)."""
+        """A caller got a rank's collective error: what it raises (membership.py's judge, else `cause_of`)."""
         known = self.pipe.failure_known if self.pipe is not None else None
-        return cause_of(error, name, self.liveness, known, lambda: self._failure)
+        changed = self.membership.judge(error, name) if self.membership is not None else None
+        return changed or cause_of(error, name, self.liveness, known, lambda: self._failure)
 
     # -- what the policy does with it (its thread) ---------------------------------------------------------
 
@@ -367,9 +368,8 @@ class MultiprocExecutor(Executor):
         return pipe.call(method, timeout, args, kwargs, non_block, unique_reply_rank, aggregator)
 
     def _interrupted(self, failure: Exception) -> bool:
-        """An interrupt cut a call off mid-way (the caller's thread): which replies are owed is unknown now, so the
-        executor takes no more calls; the policy records it and tells the engine, and the stop is the interrupted
-        caller's. False if it had stopped."""
+        """An interrupt cut a call off mid-way (the caller's thread): the replies owed are unknown now, so the
+        executor takes no more calls (the policy records it; the stop is the caller's). False if it had stopped."""
         if self.stopped:
             return False
         if self.pipe is not None:  # refused from this moment, on this thread
@@ -382,9 +382,8 @@ class MultiprocExecutor(Executor):
     # -- shutdown ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Idempotent: close death pipes; wait; SIGTERM; wait; SIGKILL. Then release every queue. The node's policy
-        runs the stages on its thread; this returns once they are done (from a failure callback, which runs on
-        that thread, it only starts them)."""
+        """Idempotent: close death pipes; wait; SIGTERM; wait; SIGKILL; release every queue. The policy's thread
+        runs the stages; this returns once they are done (from a failure callback, on that thread: starts them)."""
         if self._shutdown_done.is_set():
             return
         if self.liveness is None:  # nothing was started

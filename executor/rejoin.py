@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from rayfree.cluster.heartbeat import ReplicaUp, Welcome
-from rayfree.cluster.heartbeat_messages import _encode
+from rayfree.cluster.heartbeat_messages import ReplicaDown, ReplicaUp, Welcome, _encode
 
+from . import membership
 from .abstract import ReplicaState
 from .status_messages import decode_node
 
@@ -34,6 +34,8 @@ class ReplicaEpochs:
         self.epochs = {k: 0 for k in range(lv.par.data_parallel_size)}
         #: the lost replicas node 0 admitted replacements for: dp rank -> the epoch they rejoin in
         self.rejoining: dict[int, int] = {}
+        #: the replicas drained or draining (drain.py), until they rejoin
+        self.draining: set[int] = set()
         #: how often each replica was lost, and rejoined, as this node heard (for /metrics)
         self.losses = dict.fromkeys(self.epochs, 0)
         self.rejoins = dict.fromkeys(self.epochs, 0)
@@ -47,18 +49,24 @@ class ReplicaEpochs:
         out = {}
         for k, e in sorted(self.epochs.items()):
             if k in lost:
-                out[k] = ReplicaState("rejoining" if k in self.rejoining else "lost", e, lost[k].summary)
+                gone = "drained" if k in self.draining else "lost"
+                out[k] = ReplicaState("rejoining" if k in self.rejoining else gone, e, lost[k].summary)
             else:
-                out[k] = ReplicaState("serving", e)
+                out[k] = ReplicaState("draining", e, "drained by the operator") if k in self.draining else (
+                    ReplicaState("serving", e)
+                )  # fmt: skip
         return out
 
     def back(self, dp_rank: int, epoch: int) -> None:
         """Replica `dp_rank` serves again, in `epoch` (the policy thread): every executor's callbacks hear it."""
         self.lv.policy.lost.pop(dp_rank, None)
         self.rejoining.pop(dp_rank, None)
+        self.draining.discard(dp_rank)
         self.epochs[dp_rank] = epoch
         self.rejoins[dp_rank] = self.rejoins.get(dp_rank, 0) + 1
         logger.warning("DP replica %d rejoined (epoch %d) and serves again", dp_rank, epoch)
+        if self.lv.node == 0:
+            membership.declare(self.lv)  # (coupled replicas: the groups across replicas grow)
         for ex in self.lv.executors():
             ex.fire_replica_callbacks(dp_rank, ReplicaState("serving", epoch))
 
@@ -77,7 +85,7 @@ class Rejoins(ReplicaEpochs):
         replica it runs is lost (a node of a replica that serves is not replaced under it)."""
         par, lost = self.lv.par, self.lv.policy.lost
         replicas = par.replicas_of_node(node)
-        if par.coupled or not replicas or not all(k in lost for k in replicas):
+        if par.one_world or not replicas or not all(k in lost for k in replicas):
             if pid not in self._refused:
                 self._refused.add(pid)
                 logger.warning("node %d beats again (pid %d), but its replicas %s are not lost: refused", node, pid,
@@ -85,6 +93,7 @@ class Rejoins(ReplicaEpochs):
             return None
         for k in replicas:
             if k not in self.rejoining or node in self._admitted.get(k, ()):  # (a replacement that failed: anew)
+                self._supersede(k, node)
                 self.epochs[k] += 1
                 self.rejoining[k] = self.epochs[k]
                 self._admitted[k] = set()
@@ -96,9 +105,20 @@ class Rejoins(ReplicaEpochs):
             )  # fmt: skip
         return max(self.rejoining[k] for k in replicas)
 
+    def _supersede(self, k: int, node: int) -> None:
+        """Node `node` of rejoining replica k is replaced again (its replacement failed): the replica's nodes
+        admitted in the epoch that ends wait for it in a rendezvous that will never complete; they are told,
+        leave non-zero and are started again, into the next epoch."""
+        stale = sorted(self._admitted.get(k, set()) - {node})
+        if stale and self.lv.beater is not None:
+            why = (f"its rejoin in epoch {self.epochs[k]} is given up (node {node}'s replacement failed) and starts "
+                   f"again in epoch {self.epochs[k] + 1}: start this node again")  # fmt: skip
+            logger.warning("DP replica %d: node(s) %s %s", k, stale, why.replace("start this node", "to be started"))
+            self.lv.beater.tell(stale, ReplicaDown(k, node, [], why))
+
     def welcome(self, node: int) -> bytes:
-        replicas = self.lv.par.replicas_of_node(node)
-        return _encode(Welcome({k: self.epochs[k] for k in replicas}))
+        lost = [ReplicaDown(k, e.node_rank, e.ranks, e.why[:300]) for k, e in sorted(self.lv.policy.lost.items())]
+        return _encode(Welcome(dict(self.epochs), [m for m in lost if m.dp_rank not in self.rejoining]))
 
     def look(self, server: Any) -> None:
         """The heartbeat thread, at each verdict: a rejoining replica whose nodes all beat and report themselves

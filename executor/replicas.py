@@ -19,6 +19,7 @@ import msgspec
 from rayfree.cluster.config import ClusterConfig
 from rayfree.supervisor import supervisor
 
+from .errors import ReplicaDrained
 from .liveness import NodeLiveness
 from .multiproc import MultiprocExecutor
 
@@ -143,7 +144,18 @@ class NodeReplicas:
 
     @property
     def failure(self) -> Exception | None:
-        return self.liveness.failure or next((ex.failure for ex in self.executors if ex.failure), None)
+        """The node's failure, else an executor's (a drained replica's stop is none)."""
+        return self.liveness.failure or next(
+            (ex.failure for ex in self.executors if ex.failure and not isinstance(ex.failure, ReplicaDrained)), None
+        )
+
+    def drain(self, dp_rank: int) -> str:
+        """Node 0: drain DP replica `dp_rank` as `rayfree drain` does (drain.py); one line: begun, or why not."""
+        from . import drain
+
+        if self.config.parallel.node_rank != 0:
+            return "refused: only node 0 drains a replica"
+        return drain.request(self.liveness, dp_rank)
 
     def shutdown(self) -> None:
         for ex in self.executors:

@@ -76,6 +76,8 @@ class RpcPipe:
         self.failure: Exception | None = None
         self.failure_known = threading.Event()
         self.judge: Callable[[FatalWorkerError, str], Exception] | None = None
+        #: run under the lock before each call goes out (coupled replicas form their groups again: membership.py)
+        self.before: Callable[[], None] | None = None
         self.stopping = False
         self._on_interrupted = on_interrupted
         self._spin_us = spin_us
@@ -144,6 +146,8 @@ class RpcPipe:
         with self.lock:
             if self.failure is not None or self.stopping:
                 raise self.failed()
+            if self.before is not None:
+                self.before()
             output_rank = None if aggregator is not None else unique_reply_rank
             if unique_reply_rank is not None and (
                 type(unique_reply_rank) is not int or not 0 <= unique_reply_rank < self.world_size

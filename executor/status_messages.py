@@ -116,7 +116,7 @@ class ClusterStatus(msgspec.Struct):
     data_parallel_size: int
     shape: str
     nodes: list[NodeStatus]
-    coupling: str = ""  # "independent" or "coupled" (DP > 1)
+    coupling: str = ""  # "independent", "coupled" or "one-world" (DP > 1)
     replicas: list[ReplicaLine] = []
 
 
@@ -227,7 +227,7 @@ def relays_seen(lv: Any) -> dict[int, list[RelayStatus]]:
 
 def cluster_status(lv: Any) -> ClusterStatus:
     """Every node (node 0's view: the others' last reported status and the age of their last beat)."""
-    from rayfree.cluster.join import shape_of
+    from rayfree.cluster.join import coupling_of, shape_of
 
     par = lv.par
     nodes = [node_status(lv)]
@@ -251,7 +251,7 @@ def cluster_status(lv: Any) -> ClusterStatus:
         data_parallel_size=par.data_parallel_size,
         shape=shape_of(par),
         nodes=nodes,
-        coupling="" if par.data_parallel_size == 1 else "coupled" if par.coupled else "independent",
+        coupling=coupling_of(par),
         replicas=[ReplicaLine(k, st.state, st.epoch, st.why) for k, st in states.items()],
     )
 

@@ -85,10 +85,16 @@ if TYPE_CHECKING:  # pragma: no cover - the list of public names
         NotLeaderError as NotLeaderError,
     )
     from rayfree.executor.errors import (
+        ReplicaDrained as ReplicaDrained,
+    )
+    from rayfree.executor.errors import (
         ReplicaFailed as ReplicaFailed,
     )
     from rayfree.executor.errors import (
         ReplicaLost as ReplicaLost,
+    )
+    from rayfree.executor.errors import (
+        ReplicasChanged as ReplicasChanged,
     )
     from rayfree.executor.errors import (
         RpcTimeout as RpcTimeout,

@@ -163,6 +163,25 @@ TABLE: dict[str, Setting] = {
             "how long the entry point has to return before the node interrupts it and exits 1",
         ),
         Setting(
+            "RAYFREE_MIN_SERVING_REPLICAS",
+            1,
+            int,
+            "`rayfree node` on node 0, independent DP replicas: /readyz answers 200 while at least this many serve",
+        ),
+        Setting(
+            "RAYFREE_ACROSS_REPLICAS_TIMEOUT_S",
+            30.0,
+            float,
+            "coupled DP replicas: how long a collective across replicas, or their groups' forming, waits for a "
+            "member before it fails (a replica lost under it)",
+        ),
+        Setting(
+            "RAYFREE_DRAIN_TIMEOUT_S",
+            60.0,
+            float,
+            "`rayfree drain`: how long a draining replica's calls in flight may take; then they fail (ReplicaDrained)",
+        ),
+        Setting(
             "RAYFREE_METRICS_PORT", None, _str, "`rayfree node --metrics-port`: serve Prometheus metrics on this port"
         ),
         # the demo's nodes
@@ -179,6 +198,7 @@ TABLE: dict[str, Setting] = {
         Setting("RAYFREE_DEMO_STEPS", 200, int, "steps the demo's driver runs on a node"),
         Setting("RAYFREE_DEMO_T0", None, float, "when the demo started (time.time()), for its wall-time line"),
         Setting("RAYFREE_DEMO_MARKS", None, str, "rayfree demo --lose-replica: where each leader marks that it steps"),
+        Setting("RAYFREE_DEMO_TIMEOUT_S", 300.0, float, "how long the demo's nodes may take before it stops them"),
     )
 }
 

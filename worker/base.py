@@ -52,7 +52,7 @@ class WorkerBase:
 
     def init_device(self) -> None:
         """Select this worker's device (`cuda:{device_index}` when CUDA is present, else the CPU), join the
-        torch.distributed world (its DP replica's ranks; every replica's when they are coupled) and build the
+        torch.distributed world (its DP replica's ranks; every replica's when they share one world) and build the
         parallel groups, each a pair: a gloo `cpu_group` for the control plane and a `device_group` for tensors
         (NCCL on CUDA)."""
         import torch
@@ -74,9 +74,9 @@ class WorkerBase:
                 )
             self.device = torch.device("cpu")
         par = self.parallel_config
-        # `rank` is the rank within this DP replica (the executor's). Coupled replicas share one world; independent
-        # ones meet at one rendezvous (every rank named if one is missing) and each forms a world of its own.
-        independent = par.data_parallel_size > 1 and not par.coupled
+        # `rank` is the rank within this DP replica (the executor's). Replicas in one world share it; the others
+        # (independent, coupled) meet at one rendezvous (every rank named if one is missing), each forms its own.
+        independent = par.data_parallel_size > 1 and not par.one_world
         init_distributed_environment(
             *((par.world_size, self.rank) if independent else (par.world_size_across_dp, par.global_rank(self.rank))),
             self.distributed_init_method,
@@ -89,6 +89,22 @@ class WorkerBase:
             rendezvous=_rendezvous(par, self.rank) if independent else None,
         )
         initialize_model_parallel(self.parallel_config)
+        if par.coupled and par.replica_epoch == 0:  # (a replica that rejoins joins them once node 0 says)
+            from rayfree.cluster.across_replicas import regroup
+
+            regroup(par, self.rank, 0, list(range(par.data_parallel_size)), self.config.join_timeout_s)
+
+    def on_replicas_changed(self, epoch: int, members: list[int]) -> None:
+        """Coupled DP replicas: the groups across replicas (`get_dp_group()`, `get_ep_group()`) were just formed
+        again over the replicas `members` (membership `epoch`), after a replica was lost, drained or rejoined.
+        An engine with experts spread over the replicas redistributes them here; the default does nothing."""
+
+    def rayfree_regroup(self, epoch: int, members: list[int]) -> None:
+        """(Called by the executor before the first call of a new membership; not the engine's to call.)"""
+        from rayfree.cluster.across_replicas import regroup
+
+        regroup(self.parallel_config, self.rank, epoch, members)
+        self.on_replicas_changed(epoch, members)
 
     def load_model(self) -> None:
         """Build or load the model (the default has none)."""

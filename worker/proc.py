@@ -218,11 +218,12 @@ class WorkerProc:
         if name in self.collective and peer_gone(error.error_type, error.message, timeouts=False):
             # A peer of this collective went away: the consequence of a death the executor names, not a cause.
             logger.warning(
-                "worker rank %d: %s stopped because a peer went away (%s: %s); leaving",
+                "worker rank %d: %s stopped because a peer went away (%s: %s); %s",
                 self.rank,
                 name,
                 error.error_type,
                 error.message.splitlines()[0][:200] if error.message else "",
+                "staying (coupled DP replicas)" if self.config.parallel.coupled else "leaving",
             )
             logger.debug("worker rank %d: %s's traceback:\n%s", self.rank, name, error.traceback)
         else:
@@ -240,6 +241,11 @@ class WorkerProc:
             else:
                 self.enqueue_output(error)
         if name in self.collective:
+            if self.config.parallel.coupled and peer_gone(error.error_type, error.message):
+                from rayfree.cluster.across_replicas import drop
+
+                drop()  # a replica lost under a collective across replicas: this rank stays (executor/membership.py)
+                return
             self.flush_outputs(5.0)
             raise FatalRpc(name, error)
 

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 
+from rayfree import settings
 from rayfree.cluster.config import ParallelConfig
 from rayfree.cluster.simulate import SimulatedCluster
 from rayfree.procs import cmdline, group_members
@@ -108,7 +109,7 @@ def _lose_replica_1(par: ParallelConfig, sim: SimulatedCluster, procs: list, lau
 
 
 def run_cluster_demo(
-    nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, timeout_s: float = 300.0, lose_replica: bool = False
+    nnodes: int, tp: int, pp: int, steps: int, dp: int = 1, timeout_s: float | None = None, lose_replica: bool = False
 ) -> int:
     from rayfree.cluster.config import ConfigError
 
@@ -126,6 +127,7 @@ def run_cluster_demo(
         print(f"rayfree demo: {e}", file=sys.stderr)
         return 2
     world = par.world_size_across_dp
+    timeout_s = timeout_s if timeout_s is not None else settings.get("RAYFREE_DEMO_TIMEOUT_S")
     t0 = time.time()
     shape = f"DP={dp} x TP={tp} x PP={pp}" if dp > 1 else f"TP={tp} x PP={pp}"
     print(

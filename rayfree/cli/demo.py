@@ -114,10 +114,12 @@ def drive(ex, steps: int | None = None) -> int:
     import torch
 
     from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
+    from rayfree.cluster.join import coupling_of
 
     steps = steps if steps is not None else settings.get("RAYFREE_DEMO_STEPS")
     t0 = settings.get("RAYFREE_DEMO_T0")
     par = ex.parallel_config
+    across = par.one_world or par.coupled  # (DP groups across the replicas: their all-reduce is checked)
     dp, replica = par.data_parallel_size, ex.dp_rank
     tag = f"[replica {replica}] " if dp > 1 else ""
 
@@ -162,7 +164,7 @@ def drive(ex, steps: int | None = None) -> int:
         lat.append(dt)
         over.append(max(0.0, dt - report["seconds"]))
         bad += not torch.equal(out, reference_forward(batch["x"]))
-        bad_dp += par.coupled and report["dp_sum"] != dp_sum(step, dp)  # (independent replicas: no DP group)
+        bad_dp += across and report["dp_sum"] != dp_sum(step, dp)  # (independent replicas: no DP group)
         if tty:
             done = (step + 1) * 30 // steps
             print(f"\r  [{'#' * done}{'.' * (30 - done)}] step {step + 1}/{steps}", end="", flush=True)
@@ -185,8 +187,8 @@ def drive(ex, steps: int | None = None) -> int:
         ("outputs equal to 1-process model", steps - bad),
     ]
     if dp > 1:
-        rows.append(("replicas", "coupled" if par.coupled else "independent"))
-    if par.coupled:
+        rows.append(("replicas", coupling_of(par)))
+    if across:
         rows.append(("cross-replica all-reduce correct", steps - bad_dp))
     for name, value in rows:
         say(f"{name:<34}{value:>10}")

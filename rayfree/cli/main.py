@@ -98,6 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for node 0's answer (default 5)")
     add_config_arguments(st)
     add_security_arguments(st)
+    dr = sub.add_parser(
+        "drain",
+        help="take an independent DP replica out of service, asked of node 0",
+        description="Asks node 0 to drain DP replica REPLICA: every node marks it draining (an engine routing by "
+        "replica_states() sends it nothing new), its calls in flight finish (RAYFREE_DRAIN_TIMEOUT_S at most), then "
+        "its nodes stop and exit 0. Start those nodes again with the same command to bring it back (it rejoins). "
+        "Reads the same options as `rayfree node`.",
+    )
+    dr.add_argument("replica", type=int, help="the DP replica's rank")
+    dr.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for node 0's answer (default 5)")
+    add_config_arguments(dr)
+    add_security_arguments(dr)
     return p
 
 
@@ -118,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         from .cluster_demo import run_cluster_demo
 
         return run_cluster_demo(nodes, args.tp, pp, args.steps, args.dp, lose_replica=args.lose_replica)
-    if args.command in ("doctor", "status"):  # `rayfree node` applies them inside its own error handling
+    if args.command in ("doctor", "status", "drain"):  # `rayfree node` applies them inside its own error handling
         from rayfree.transport.secure.policy import SecretError
 
         from .node_options import apply_security_arguments
@@ -142,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         from .status import run_status
 
         return run_status(args)
+    if args.command == "drain":
+        from .status import run_drain
+
+        return run_drain(args)
     if args.command == "keygen":
         from rayfree.transport.secure.policy import write_secret
 

@@ -161,6 +161,10 @@ class _Node:
             logger.error("%s", text if text.startswith(f"node {node}:") else f"node {node}: {text}")
             return EXIT_FAILED
         except Exception as e:  # noqa: BLE001 - start-up errors: print them plainly, not as a crash
+            lv = self.liveness
+            if lv is not None and lv.stopped_cleanly and lv.failure is None:  # (a replacement still starting)
+                logger.info("node %d: node 0 stopped the cluster while this node started", self.par.node_rank)
+                return 0
             logger.error("node %d: %s: %s", self.par.node_rank, type(e).__name__, e)
             logger.debug("traceback", exc_info=True)
             return EXIT_FAILED
@@ -234,7 +238,7 @@ class _Node:
         independent replica of this node that was lost (`ReplicaLost`) leaves the others running; the node
         exits non-zero once they are done.
         """
-        from rayfree.executor.errors import ExecutorError, ReplicaLost
+        from rayfree.executor.errors import ExecutorError, ReplicaDrained, ReplicaLost
 
         reps = self.reps
         assert self.entry is not None
@@ -242,11 +246,12 @@ class _Node:
             results = reps.run(self.entry)
         if self._asked_to_stop():
             return self._stopped_code()
-        lost = sorted(set(reps.liveness.policy.lost) & set(self.par.node_replicas))
+        gone = reps.liveness.policy.lost
+        lost = sorted(k for k in self.par.node_replicas if k in gone and not isinstance(gone[k], ReplicaDrained))
         raised = [
             (ex, r)
             for ex, r in zip(reps.leaders, results)
-            if isinstance(r, BaseException) and not (isinstance(r, ReplicaLost) and ex.dp_rank in lost)
+            if isinstance(r, BaseException) and not (isinstance(r, ReplicaLost) and ex.dp_rank in gone)
         ]
         for ex, e in raised:
             if not isinstance(e, ExecutorError):  # the engine's own error: the other nodes must stop too

@@ -1,4 +1,5 @@
 """`rayfree status`: ask node 0 what the cluster is doing; a table for people, `--json` for scripts.
+`rayfree drain K`: ask node 0 to drain DP replica K (executor/drain.py).
 
 Reads the same options as `rayfree node` (master_addr, master_port or
 heartbeat_port, the secret), so on any node, in its container or shell, the
@@ -15,30 +16,52 @@ import msgspec
 
 from rayfree.executor.status_messages import ClusterStatus, NodeStatus
 
-__all__ = ["run_status", "format_status"]
+__all__ = ["run_status", "run_drain", "format_status"]
 
 
-def run_status(args: argparse.Namespace) -> int:
+def _ask(args: argparse.Namespace, command: str, msg: object) -> bytes | int:
+    """Node 0's answer to `msg`, or the exit code after a one-line error (2 bad usage, 1 no answer)."""
     from rayfree.cluster.config import ConfigError
-    from rayfree.cluster.heartbeat_client import query_status
+    from rayfree.cluster.heartbeat_client import ask_node0
     from rayfree.cluster.loading import load_config
-    from rayfree.executor.status_messages import decode_cluster
     from rayfree.transport.errors import TransportError
 
     try:
         config = load_config(args, check_local_master=False)  # asked from any node
     except ConfigError as e:
-        print(f"rayfree status: {e}", file=sys.stderr)
+        print(f"rayfree {command}: {e}", file=sys.stderr)
         return 2
     par = config.parallel
     if not par.master_addr:
-        print("rayfree status: give the cluster's node 0: --master-addr (or RAYFREE_MASTER_ADDR)", file=sys.stderr)
+        print(f"rayfree {command}: give the cluster's node 0: --master-addr (or RAYFREE_MASTER_ADDR)", file=sys.stderr)
         return 2
     try:
-        raw = query_status(par.master_addr, config.heartbeat_endpoint_port, args.timeout)
+        return ask_node0(par.master_addr, config.heartbeat_endpoint_port, msg, args.timeout)  # type: ignore[arg-type]
     except (TimeoutError, TransportError) as e:
-        print(f"rayfree status: {e}", file=sys.stderr)
+        print(f"rayfree {command}: {e}", file=sys.stderr)
         return 1
+
+
+def run_drain(args: argparse.Namespace) -> int:
+    """Node 0 drains the replica, or says why not (exit 1)."""
+    from rayfree.cluster.heartbeat_messages import DrainReplica
+
+    raw = _ask(args, "drain", DrainReplica(args.replica))
+    if isinstance(raw, int):
+        return raw
+    line = raw.decode(errors="replace") or "refused: node 0 is still starting"
+    refused = line.startswith("refused")
+    print(f"rayfree drain: {line}", file=sys.stderr if refused else sys.stdout)
+    return 1 if refused else 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from rayfree.cluster.heartbeat_messages import StatusQuery
+    from rayfree.executor.status_messages import decode_cluster
+
+    raw = _ask(args, "status", StatusQuery())
+    if isinstance(raw, int):
+        return raw
     if not raw:
         print("rayfree status: node 0 answered but has no status to give (still starting?)", file=sys.stderr)
         return 1

@@ -61,9 +61,9 @@ class ToyWorker(WorkerBase):
     """Worker kwargs: n_layers, d_model, d_hidden, seed (defaults above)."""
 
     def load_model(self) -> None:
-        from rayfree.cluster.parallel_state import get_dp_group, get_pp_group, get_tp_group
+        from rayfree.cluster.parallel_state import get_pp_group, get_tp_group
 
-        self.tp, self.pp, self.dp = get_tp_group(), get_pp_group(), get_dp_group()
+        self.tp, self.pp = get_tp_group(), get_pp_group()
         n_layers = self.kwargs.get("n_layers", N_LAYERS)
         d, h = self.kwargs.get("d_model", D_MODEL), self.kwargs.get("d_hidden", D_HIDDEN)
         if h % self.tp.world_size or n_layers % self.pp.world_size:
@@ -87,12 +87,14 @@ class ToyWorker(WorkerBase):
     def execute_model(self, scheduler_output: dict[str, Any]) -> torch.Tensor | None:
         import torch.distributed as dist
 
+        from rayfree.cluster.parallel_state import get_dp_group
+
         t0 = time.perf_counter()
-        pp = self.pp
+        pp, dp = self.pp, get_dp_group()  # (coupled DP replicas: formed again when one is lost or rejoins)
         x = scheduler_output["x"]
-        if self.dp.world_size > 1:  # across replicas: every rank of every replica takes part
-            total = x.sum().reshape(1)
-            dist.all_reduce(total, group=self.dp.cpu_group)
+        if dp.world_size > 1:  # across replicas: every rank of every replica takes part (a tensor: the device half)
+            total = x.sum().reshape(1).to(self.dev)
+            dist.all_reduce(total, group=dp.device_group)
             self.last_dp_sum = float(total.item())
         x = x.to(self.dev)  # tensors on the device go over the device groups (the gloo groups themselves on CPU)
         if pp.rank_in_group > 0:

@@ -193,6 +193,56 @@ def test_nodes_started_with_different_sizes_are_told_so() -> None:
         assert r["after_s"] < bound, f"rank {rank} took {r['after_s']:.1f}s to notice"
 
 
+@pytest.mark.timeout(120)
+def test_rank_0_keeps_the_rendezvous_until_a_slow_rank_has_read_why_the_join_failed() -> None:
+    """A rank descheduled between its arrival and its last read (on CI: over a second) still reads why the join
+    failed, not "the rendezvous closed under this rank": rank 0 keeps its store until each rank says it read.
+    The test plays the slow rank itself, through the join's own steps, so the pause sits exactly there."""
+    import datetime
+    import queue
+    import threading
+
+    import torch.distributed as dist
+
+    from rayfree.cluster.join import JoinError, _arrive, _check_agreement, _entry, _heard, _wait_for_port
+
+    with SimulatedCluster(1, use_netns=False) as sim:
+        port = get_open_port("127.0.0.1")
+        lead = sim.nodes[0].popen(
+            [sys.executable, "-m", "tests.support.cluster_rank", "shape", "0", "2", "127.0.0.1", str(port)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={"RF_JOIN_S": "60", "RF_SHAPE": "tp=2 nnodes=1", "RF_NODE": "0"},
+        )
+        said: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=lambda: [said.put(line) for line in lead.stderr], daemon=True).start()
+        try:
+            deadline = time.monotonic() + 60
+            assert _wait_for_port("127.0.0.1", port, deadline), "rank 0 never hosted the store"
+            store = dist.TCPStore(
+                "127.0.0.1", port, 2, is_master=False, timeout=datetime.timedelta(seconds=30), wait_for_workers=False
+            )
+            me = _entry(1, 2, 1, "127.0.0.1", "tp=1 nnodes=2")
+            _arrive(store, 1, me, 2, deadline)
+            line = ""
+            while "keeping the rendezvous open" not in line:  # rank 0 has read this rank's arrival and refused it
+                line = said.get(timeout=max(0.1, deadline - time.monotonic()))
+            with pytest.raises(subprocess.TimeoutExpired):  # (it used to give late ranks one second)
+                lead.wait(timeout=1.5)
+            with pytest.raises(JoinError, match="disagree on the cluster's shape"):
+                _check_agreement(store, 0, me, 1, deadline, final=True)
+            _heard(store)
+            assert lead.wait(timeout=30) == 0
+        finally:
+            if lead.poll() is None:
+                lead.kill()
+                lead.wait(timeout=30)
+    result = json.loads([x for x in lead.stdout.read().splitlines() if x.startswith("RESULT:")][-1][7:])
+    assert not result["ok"] and "disagree on the cluster's shape" in result["error"], result
+
+
 @pytest.mark.timeout(180)
 def test_parallel_groups_follow_the_layout() -> None:
     """TP=2 x PP=2 on one node: group membership, a TP all-reduce, byte gather, getters and destroy."""

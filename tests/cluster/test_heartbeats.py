@@ -103,3 +103,34 @@ def test_node_0s_close_waits_for_the_follower_that_read_the_goodbye_to_drop_its_
         if closer.is_alive():
             closer.join(30)
         server.close(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_node_0_drops_what_only_node_0_sends_and_beats_on() -> None:
+    """A follower (or anything holding the secret) sending node 0 a ReplicaUp, a Welcome or a Verdict: each is
+    dropped and counted, the heartbeat thread runs on and still answers the follower's beats; a drain request
+    gets one line back (here: refused, nothing drains), and each follower is told its own verdict."""
+    from rayfree.cluster.heartbeat_messages import DrainReplica, ReplicaUp, Verdict, Welcome
+
+    port = get_open_port("127.0.0.1")
+    lost: list[int] = []
+    server = _server(port, lost)
+    server.verdict_fn = lambda: {1: "DP replica 1: node 1 is resting"}
+    follower = _follower(port)
+    try:
+        for msg in (ReplicaUp(1, 1), Welcome({1: 3}), Verdict("")):
+            follower.send(_encode(msg))
+        follower.send(_encode(Beat(1, [1], "127.0.0.1", os.getpid(), 2)))
+        follower.send(_encode(DrainReplica(1)))
+        got: list = []
+        while len(got) < 50 and not (b"refused: nothing here drains" in got and server.dropped >= 3 and any(
+            isinstance(m, Verdict) and m.reason.endswith("resting") for m in got if not isinstance(m, bytes)
+        )):  # fmt: skip
+            assert follower.poll(20_000), f"node 0 went quiet: {got}"
+            raw = follower.recv()
+            got.append(raw if raw.startswith(b"refused") else _decode(raw))
+        assert server.dropped == 3 and server.running() and not lost, (server.dropped, lost)
+        assert sum(isinstance(m, Beat) for m in got) >= 1, got  # its beats are still answered
+    finally:
+        follower.close(linger=0)
+        server.close(timeout=10)

@@ -37,14 +37,15 @@ def finished_equal(procs: list[NodeProc], steps: int = 30) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_rayfree_node_under_torchrun_one_process_per_node() -> None:
+def test_rayfree_node_under_torchrun_one_process_per_node(tmp_path) -> None:
     with SimulatedCluster(2) as sim:
         master = sim.nodes[0].ip
 
         def argv(k: int) -> list[str]:
             return [
                 sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--node-rank", str(k), "--master-addr", master, "--master-port", "29500", "--no-python", *NODE,
+                "--node-rank", str(k), "--master-addr", master, "--master-port", "29500", "--no-python",
+                "--log-dir", str(tmp_path / f"torchrun-{k}"), *NODE,
             ]  # fmt: skip
 
         procs = start(sim, argv, lambda k: {})

@@ -34,6 +34,25 @@ def restart(nodes: Nodes, k: int, **env: str) -> NodeProc:
     return nodes.start(k, "leader" if k == 2 else "follower", **shape, **({"RAYFREE_ENTRY": ENTRY} if k == 2 else {}))
 
 
+def three_replicas(sim: SimulatedCluster, lose: tuple[int, ...]) -> tuple[Nodes, dict[int, NodeProc]]:
+    """DP=3 x TP=1 on three nodes, every replica stepping; then the nodes `lose`, killed one after the other,
+    each known lost by node 0."""
+    nodes = Nodes(sim, **FAST)
+    procs = start(nodes, 3, 3, 1, ENTRY)
+    for k in range(3):
+        procs[k].expect(r"^STEPPING:", 180)
+    for k in lose:
+        sim.nodes[k].kill()
+        procs[0].expect(rf"DP replica {k} was lost", 60)
+    return nodes, procs
+
+
+def restart3(nodes: Nodes, k: int, **env: str) -> NodeProc:
+    """Node k of the three-replica layout, started again."""
+    shape = {"RAYFREE_NNODES": "3", "RAYFREE_DATA_PARALLEL_SIZE": "3", "RAYFREE_TENSOR_PARALLEL_SIZE": "1"}
+    return nodes.start(k, "leader", **shape, RAYFREE_PIPELINE_PARALLEL_SIZE="1", RAYFREE_ENTRY=ENTRY, **env)
+
+
 @pytest.mark.timeout(400)
 def test_a_lost_replica_rejoins_twice_while_the_other_serves_on() -> None:
     with SimulatedCluster(4) as sim:
@@ -118,3 +137,84 @@ def test_a_replacement_with_another_secret_changes_nothing_and_the_lost_incarnat
     text = procs[0].text()
     assert f"(pid {stranger.p.pid})" not in text and f"(pid {procs[3].p.pid}) is admitted" in text, text[-4000:]
     assert text.count("is admitted: DP replica 1 rejoins in epoch 1") == 2, text[-4000:]
+
+
+@pytest.mark.timeout(400)
+def test_a_replacement_that_fails_mid_rejoin_restarts_the_rejoin_and_its_partner_is_told() -> None:
+    """Replica 1 is lost and both its nodes are started again; node 3's replacement dies while it starts. Started
+    once more, it is admitted in epoch 2, and node 2 (admitted in epoch 1, waiting in a rendezvous that can no
+    longer complete) is told at once, leaves non-zero, and started again joins epoch 2; the replica serves."""
+    with SimulatedCluster(4) as sim:
+        nodes = Nodes(sim, **FAST)
+        procs = start(nodes, 4, 2, 2, ENTRY)
+        for k in (0, 2):
+            procs[k].expect(r"^STEPPING:", 180)
+        sim.nodes[3].kill()
+        assert procs[2].wait(60) != 0, procs[2].text()[-3000:]
+        everyone = list(procs.values())
+        procs[2], procs[3] = restart(nodes, 2), restart(nodes, 3)
+        everyone += [procs[2], procs[3]]
+        admitted = rf"node 3's replacement \(pid {procs[3].p.pid}\) is admitted: DP replica 1 rejoins in epoch 1"
+        procs[0].expect(admitted, 60)
+        sim.nodes[3].kill()  # the replacement dies while it starts
+        procs[3] = restart(nodes, 3)
+        everyone.append(procs[3])
+        t_told = time.monotonic()
+        assert procs[2].wait(60) != 0, procs[2].text()[-3000:]  # told: its epoch 1 will never form
+        left_after = time.monotonic() - t_told
+        told = procs[2].text()
+        procs[2] = restart(nodes, 2)
+        everyone.append(procs[2])
+        back = procs[2].result("RESULT", 180)
+        r0 = procs[0].result("RESULT", 120)
+        codes = {k: p.wait(60) for k, p in procs.items()}
+        assert_nothing_left(sim, everyone)
+    assert "is given up (node 3's replacement failed) and starts again in epoch 2: start this node again" in told, (
+        told[-4000:]
+    )  # fmt: skip
+    assert (back["epoch"], back["outcome"], back["equal"]) == (2, "served", 20), back
+    assert [(k, state, e) for k, state, e, _t in r0["seen"]] == [(1, "lost", 0), (1, "serving", 2)], r0["seen"]
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}, codes
+    print(f"\nnode 2, admitted in the epoch given up, left {left_after:.1f} s after node 3's next replacement started")
+
+
+@pytest.mark.timeout(400)
+def test_a_replacement_knows_the_replicas_lost_before_it_started() -> None:
+    """DP=3 on three nodes: replicas 1 and 2 are lost; node 2 alone is started again. Its replica rejoins, and
+    from its Welcome it knows replica 1 is lost (its engine would not route there), as the nodes that heard it."""
+    with SimulatedCluster(3) as sim:
+        nodes, procs = three_replicas(sim, lose=(1, 2))
+        everyone = list(procs.values())
+        procs[2] = restart3(nodes, 2)
+        everyone.append(procs[2])
+        back = procs[2].result("RESULT", 180)
+        r0 = procs[0].result("RESULT", 120)
+        codes = {k: procs[k].wait(60) for k in (0, 2)}
+        assert_nothing_left(sim, everyone)
+    assert (back["epoch"], back["outcome"], back["equal"]) == (1, "served", 20), back
+    assert back["states"] == {"0": ["serving", 0], "1": ["lost", 0], "2": ["serving", 1]}, back["states"]
+    assert r0["states"] == {"0": ["serving", 0], "1": ["lost", 0], "2": ["serving", 1]}, r0["states"]
+    assert codes == {0: 0, 2: 0}, codes
+
+
+@pytest.mark.timeout(300)
+def test_a_replacement_still_starting_when_node_0_stops_cleanly_exits_0_quietly() -> None:
+    """DP=3 on three nodes: replica 2 is lost and node 2 started again, with a model that loads slowly. While its
+    worker loads, the operator stops node 0 (SIGTERM): node 0's clean goodbye stops the replacement's start-up,
+    and it exits 0 saying so, with no error (its replica was never lost again), as node 0 does. (Node 1's entry,
+    mid-step, gets the stop as its call's error and returns 1: the test entry's own code.)"""
+    with SimulatedCluster(3) as sim:
+        nodes, procs = three_replicas(sim, lose=(2,))
+        everyone = list(procs.values())
+        procs[2] = restart3(nodes, 2, RAYFREE_WORKER="tests.support.sample_workers:EchoWorker",
+                            RAYFREE_WORKER_KWARGS='{"distributed": true, "say_loading": true, "load_delay": 300}',
+                            RAYFREE_READY_TIMEOUT_S="300")  # fmt: skip
+        everyone.append(procs[2])
+        procs[2].expect(r"LOADING:", 120)
+        procs[0].p.send_signal(signal.SIGTERM)
+        codes = {k: procs[k].wait(60) for k in range(3)}
+        assert_nothing_left(sim, everyone)
+    text = procs[2].text()
+    assert (codes[0], codes[2]) == (0, 0), (codes, text[-4000:])
+    assert "node 2: node 0 stopped the cluster while this node started" in text, text[-4000:]
+    assert " ERROR " not in text and "Traceback" not in text, text[-4000:]

@@ -31,8 +31,9 @@ NODE = [
 ENTRY = ["--entry", "tests.support.multinode_entry:idle"]
 
 
-def placement(launcher: str, sim: SimulatedCluster, k: int) -> tuple[list[str], dict[str, str]]:
-    """(argv, environment) of node k, placed the way `launcher` places it."""
+def placement(launcher: str, sim: SimulatedCluster, k: int, logs: str) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of node k, placed the way `launcher` places it (torchrun keeps its logs in `logs`,
+    not in a directory of its own under /tmp)."""
     ips = [n.ip for n in sim.nodes]
     python = [sys.executable, "-m"]
     if launcher == "flags":
@@ -40,7 +41,17 @@ def placement(launcher: str, sim: SimulatedCluster, k: int) -> tuple[list[str], 
         return [*python, *NODE, *flags, *(["--headless"] if k else ENTRY)], {}
     if launcher == "torchrun":
         run = ["torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(k)]
-        run += ["--master-addr", ips[0], "--master-port", "29500", "--no-python", sys.executable, "-m"]
+        run += [
+            "--log-dir",
+            f"{logs}/torchrun-{k}",
+            "--master-addr",
+            ips[0],
+            "--master-port",
+            "29500",
+            "--no-python",
+            sys.executable,
+            "-m",
+        ]
         return [*python, *run, *NODE, *ENTRY], {}
     env = {
         "slurm": {
@@ -62,11 +73,11 @@ def probe(sim: SimulatedCluster, path: str) -> NodeProc:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("launcher", ["flags", "slurm", "lws", "torchrun", "skypilot"])
-def test_node_0_leaves_non_zero_within_2s_of_a_loss_while_its_entry_sleeps(launcher: str) -> None:
+def test_node_0_leaves_non_zero_within_2s_of_a_loss_while_its_entry_sleeps(launcher: str, tmp_path) -> None:
     with SimulatedCluster(2) as sim:
         nodes: list[NodeProc] = []
         for k in range(2):
-            argv, env = placement(launcher, sim, k)
+            argv, env = placement(launcher, sim, k, str(tmp_path))
             nodes.append(NodeProc(sim.nodes[k], argv, {**ENV, **env}))
             nodes[-1].others = nodes
         nodes[0].expect("^SERVING:", 180)

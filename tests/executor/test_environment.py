@@ -44,11 +44,11 @@ def test_every_worker_carries_torchruns_variables_for_the_world_it_joined() -> N
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("coupling", ["coupled", "independent"])
+@pytest.mark.parametrize("coupling", ["one-world", "coupled", "independent"])
 def test_dp_replicas_on_one_node_get_disjoint_local_ranks_and_their_worlds_ranks(coupling: str) -> None:
     """Two DP replicas of TP=2 on one node: LOCAL_RANK 0..3 over the node (not 0,1 twice, which would put both
     replicas on the first two devices); RANK and WORLD_SIZE those of the world each rank joined: the whole one
-    (coupled), or its replica's (independent)."""
+    (one-world), or its replica's (independent, and coupled: its groups across replicas rest on no world)."""
     port = get_open_port("127.0.0.1")
     par = ParallelConfig(tensor_parallel_size=2, data_parallel_size=2, master_port=port, replica_coupling=coupling)
     reps = NodeReplicas(ClusterConfig(parallel=par, ready_timeout_s=120), ECHO, {"distributed": True})
@@ -59,7 +59,7 @@ def test_dp_replicas_on_one_node_get_disjoint_local_ranks_and_their_worlds_ranks
     rows = sorted(
         (int(e["LOCAL_RANK"]), int(e["RANK"]), e["joined"], e["WORLD_SIZE"]) for v in seen.values() for e in v
     )
-    if coupling == "coupled":
+    if coupling == "one-world":
         assert rows == [(r, r, f"{r}/4", "4") for r in range(4)], rows
     else:
         assert rows == [(r, r % 2, f"{r % 2}/2", "2") for r in range(4)], rows

@@ -1,6 +1,7 @@
 """Failure domains of DP replicas on one node (NodeReplicas, real workers and gloo worlds): an independent
-replica that loses a worker fails alone, with ReplicaLost, while the node's other replica serves on; coupled
-ones fail together (ReplicaFailed). Across nodes: tests/cluster/test_dp.py."""
+replica that loses a worker fails alone, with ReplicaLost, while the node's other replica serves on; so does a
+coupled one, whose survivors' groups across replicas shrink; replicas in one world fail together
+(ReplicaFailed). Across nodes: tests/cluster/test_dp.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 
 import pytest
 
-from rayfree import ExecutorFailed, ReplicaFailed, ReplicaLost, WorkerDied
+from rayfree import ExecutorFailed, ReplicaDrained, ReplicaFailed, ReplicaLost, WorkerDied
 from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
 from rayfree.executor.replicas import NodeReplicas
 from rayfree.transport import get_open_port
@@ -19,7 +20,7 @@ ECHO = "tests.support.sample_workers:EchoWorker"
 
 
 def all_reduce(worker) -> float:
-    """A collective over the rank's world (its replica's, or every replica's when coupled)."""
+    """A collective over the rank's world (its replica's, or every replica's in one world)."""
     import torch
     import torch.distributed as dist
 
@@ -37,12 +38,17 @@ def start(coupling: str) -> NodeReplicas:
 
 
 def test_the_coupling_setting_resolves_from_expert_parallelism_and_refuses_what_it_does_not_know() -> None:
-    assert not ParallelConfig(data_parallel_size=2).validate().coupled
-    assert ParallelConfig(data_parallel_size=2, enable_expert_parallel=True).validate().coupled
-    assert not ParallelConfig(data_parallel_size=2, enable_expert_parallel=True, replica_coupling="independent").coupled
-    assert ParallelConfig(data_parallel_size=2, replica_coupling="coupled").coupled
-    assert not ParallelConfig(replica_coupling="coupled").coupled  # one replica: nothing to couple
-    with pytest.raises(ConfigError, match="replica_coupling='loose': use independent, coupled or auto"):
+    def tied(**kw) -> tuple[bool, bool]:
+        par = ParallelConfig(**kw).validate()
+        return par.coupled, par.one_world
+
+    assert tied(data_parallel_size=2) == (False, False)  # (independent)
+    assert tied(data_parallel_size=2, enable_expert_parallel=True) == (True, False)  # experts: groups across
+    assert tied(data_parallel_size=2, enable_expert_parallel=True, replica_coupling="independent") == (False, False)
+    assert tied(data_parallel_size=2, replica_coupling="coupled") == (True, False)
+    assert tied(data_parallel_size=2, enable_expert_parallel=True, replica_coupling="one-world") == (False, True)
+    assert tied(replica_coupling="coupled") == tied(replica_coupling="one-world") == (False, False)  # one replica
+    with pytest.raises(ConfigError, match="replica_coupling='loose': use independent, coupled, one-world or auto"):
         ParallelConfig(data_parallel_size=2, replica_coupling="loose").validate()
 
 
@@ -108,8 +114,8 @@ def scrape(liveness) -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_coupled_replicas_fail_together() -> None:
-    reps = start("coupled")
+def test_replicas_in_one_world_fail_together() -> None:
+    reps = start("one-world")
     try:
         ex0, ex1 = sorted(reps.leaders, key=lambda ex: ex.dp_rank)
         assert ex0.collective_rpc("echo", args=(1,), timeout=60) == [1, 1]
@@ -123,3 +129,135 @@ def test_coupled_replicas_fail_together() -> None:
             ex1.collective_rpc("echo", args=(1,), timeout=30)
     finally:
         reps.shutdown()
+
+
+def slow_rank(worker, seconds: float) -> int:
+    """A call that is still in flight when the drain begins."""
+    import time
+
+    time.sleep(seconds)
+    return worker.rank
+
+
+@pytest.mark.timeout(180)
+def test_a_drained_replica_finishes_its_call_in_flight_then_stops_while_the_other_serves_on() -> None:
+    """`rayfree drain` on one node (NodeReplicas.drain, what node 0 runs for the command): replica 1 is marked
+    draining at once, its call in flight returns its answer, then it stops and refuses calls with ReplicaDrained;
+    replica 0 serves on with the same processes, and the node itself has not failed."""
+    reps = start("independent")
+    try:
+        ex0, ex1 = sorted(reps.leaders, key=lambda ex: ex.dp_rank)
+        heard: list = []
+        drained = threading.Event()
+        ex0.register_replica_callback(
+            lambda k, st: (heard.append((k, st.state)), st.state == "drained" and drained.set())
+        )
+        pids0 = [w.proc.pid for w in ex0.workers]
+        answer: list = []
+        call = threading.Thread(target=lambda: answer.append(ex1.collective_rpc(slow_rank, args=(2.0,), timeout=60)))
+        call.start()
+        for _ in range(400):  # until the call is in flight (bounded)
+            snap = ex1.rpc_snapshot()
+            if snap is not None and snap.calls:
+                break
+            threading.Event().wait(0.01)
+        assert snap is not None and snap.calls, "the slow call never showed in flight"
+        line = reps.drain(1)
+        assert line.startswith("DP replica 1 drains: its calls in flight finish"), line
+        assert reps.drain(1) == "refused: DP replica 1 is draining, not serving"
+        assert reps.drain(0).startswith("refused: DP replica 0 is the last one node 0 serves, and node 0 leads")
+        assert reps.drain(2) == "refused: there is no DP replica 2 (replicas 0-1)"
+        assert ex0.replica_states()[1].state in ("draining", "drained")
+        assert drained.wait(30), heard
+        call.join(30)
+        assert answer == [[0, 1]], answer  # the call in flight finished with its answer
+        with pytest.raises(ReplicaDrained, match="DP replica 1 was drained") as err:
+            ex1.collective_rpc("echo", args=(1,), timeout=30)
+        assert isinstance(err.value, ReplicaLost) and err.value.dp_rank == 1
+        assert ex1.wait_done(30) and not any(w.proc.is_alive() for w in ex1.workers)
+        for _ in range(10):
+            assert ex0.collective_rpc(all_reduce, timeout=30) == [2.0, 2.0]
+        assert [w.proc.pid for w in ex0.workers] == pids0
+        assert heard == [(1, "draining"), (1, "drained")], heard
+        assert {k: s.state for k, s in ex0.replica_states().items()} == {0: "serving", 1: "drained"}
+        assert reps.drain(1) == "refused: DP replica 1 is drained, not serving"
+        assert reps.failure is None and reps.liveness.failure is None
+        samples = scrape(reps.liveness)
+        labels = (("node", "0"), ("replica", "1"))
+        assert samples[("rayfree_replica_serving", labels)] == 0, samples
+        assert samples[("rayfree_replica_losses_total", labels)] == 0, samples  # a drain is no loss
+    finally:
+        reps.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_worker() -> None:
+    """One node, DP=3 x TP=1, coupled, each replica's leader stepping in a thread of its own (the toy's all-reduce
+    across replicas keeps them in step): a worker of replica 2 is killed. A survivor's step that met it raises
+    ReplicasChanged (one between two steps meets nothing), and their steps from then on run over replicas
+    [0, 1], every output right, with the same processes; replica 2's calls raise ReplicaLost. Across nodes,
+    with a rejoin: tests/cluster/test_coupled.py."""
+    from rayfree import ReplicasChanged
+    from rayfree.cli.toy_engine import reference_forward
+    from tests.support.multinode_entry import coupled_batch, members_of, torch_equal
+
+    par = ParallelConfig(
+        tensor_parallel_size=1, data_parallel_size=3, master_port=get_open_port("127.0.0.1"), replica_coupling="coupled"
+    )
+    config = ClusterConfig(parallel=par, ready_timeout_s=120, shutdown_grace_s=1, shutdown_term_s=1)
+    reps = NodeReplicas(config, "tests.support.coupled_worker:CoupledToyWorker")
+    seen: dict[int, list] = {0: [], 1: [], 2: []}
+    ended: dict[int, str] = {}
+    stop = threading.Event()
+    progress = threading.Condition()
+
+    def steps(ex) -> None:
+        k, step = ex.dp_rank, 0
+        try:
+            while not stop.is_set():
+                batch = coupled_batch(step, k)
+                try:
+                    out = ex.execute_model(batch)
+                    total = ex.collective_rpc("step_report", unique_reply_rank=0, timeout=30)["dp_sum"]
+                except ReplicasChanged as e:
+                    seen[k].append(("changed", e.members))
+                    continue
+                seen[k].append((members_of(total), torch_equal(out, reference_forward(batch["x"]))))
+                step += 1
+                with progress:
+                    progress.notify_all()
+        except ExecutorFailed as e:
+            ended[k] = type(e).__name__
+            with progress:
+                progress.notify_all()
+
+    def until(what) -> None:
+        with progress:
+            assert progress.wait_for(what, 60), seen
+
+    try:
+        leaders = sorted(reps.leaders, key=lambda ex: ex.dp_rank)
+        pids = [[w.proc.pid for w in ex.workers] for ex in leaders[:2]]
+        threads = [threading.Thread(target=steps, args=(ex,)) for ex in leaders]
+        for t in threads:
+            t.start()
+        until(lambda: all(len(seen[k]) >= 5 for k in range(3)))
+        os.kill(leaders[2].workers[0].proc.pid, signal.SIGKILL)
+        until(lambda: all(sum(s[0] == [0, 1] for s in seen[k]) >= 10 for k in (0, 1)))
+        stop.set()
+        for t in threads:
+            t.join(60)
+        hooks = [ex.collective_rpc("hook_calls", timeout=30) for ex in leaders[:2]]
+        assert [[w.proc.pid for w in ex.workers] for ex in leaders[:2]] == pids
+    finally:
+        stop.set()
+        reps.shutdown()
+    assert ended == {2: "ReplicaLost"}, (ended, seen[2][-3:])
+    for k in (0, 1):
+        runs = [s[0] for s in seen[k]]
+        first = runs.index([0, 1])
+        assert all(r in ("changed", [0, 1, 2]) for r in runs[:first]), runs  # (a step that met the loss: again)
+        assert all(s[1] == [0, 1] for s in seen[k] if s[0] == "changed"), seen[k]
+        assert all(s[0] == [0, 1] and s[1] == 1 for s in seen[k][first:]), seen[k][first:]  # every step right
+        assert all(s[1] == 1 for s in seen[k] if s[0] == [0, 1, 2]), seen[k]
+    assert hooks == [[[[1, [0, 1]]]], [[[1, [0, 1]]]]], hooks  # each survivor's one rank ran the hook once

@@ -96,10 +96,31 @@ def test_scale_bench_runs_and_counts_the_copies_out_of_node_0() -> None:
     assert re.search(r"floor \(raw pyzmq .*tiny p50 [\d.]+ us, 1 MiB p50 [\d.]+ ms", out.stdout), out.stdout
 
 
+@pytest.mark.timeout(300)
+def test_control_plane_bench_forms_16_nodes_counts_node_0s_copies_and_finds_the_killed_one() -> None:
+    """Sixteen simulated control planes (relay fan-out 8: a tree of depth 2): they form, node 0 sends a 1 MiB
+    broadcast once per child node (its interface's byte counter, less the heartbeats': a count, asserted), every
+    depth's readers got the tiny broadcasts, and the node killed is the one node 0 finds lost."""
+    from rayfree.cluster.simulate import can_use_netns
+
+    if not can_use_netns():
+        pytest.skip("needs root for network namespaces")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "control_plane.py"), "--nodes", "16", "--procs", "2",
+           "--rounds", "20", "--load", "0"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, f"bench/control_plane.py failed:\n{out.stdout}\n{out.stderr}"
+    row = re.search(r"^ +16 +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +\S+ +\S+ +(\d+) +(\S+) +(.*)$",
+                    out.stdout, re.M)  # fmt: skip
+    assert row, out.stdout
+    assert 7.5 <= float(row.group(5)) <= 8.6, out.stdout  # node 0's 8 child nodes: 8 copies
+    assert [d.split(":")[0] for d in row.group(8).split()] == ["0", "1", "2"], out.stdout
+    assert row.group(7) != "-", out.stdout  # the killed node was found lost
+
+
 @pytest.mark.timeout(240)
 def test_gpu_check_says_there_is_no_gpu_and_runs_its_plumbing_on_the_cpu(tmp_path) -> None:
     """`make gpu-check` on this machine (no GPU): one line, exit 0, nothing run; `--on-cpu` runs the same script's
-    executor and two-node paths on the CPU, tokens checked against the reference."""
+    executor, coupled-replica and two-node paths on the CPU, tokens checked against the reference."""
     env = {**os.environ, "RAYFREE_TOPOLOGY_ROOT": str(tmp_path)}  # a node whose driver lists no GPU
     script = os.path.join(ROOT, "bench", "gpu_check.py")
     out = subprocess.run([sys.executable, script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -108,6 +129,7 @@ def test_gpu_check_says_there_is_no_gpu_and_runs_its_plumbing_on_the_cpu(tmp_pat
         [sys.executable, script, "--on-cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=200
     )
     assert out.returncode == 0 and re.search(r"TP=2 per step p50 \d+ us", out.stdout), f"{out.stdout}\n{out.stderr}"
+    assert "DP=2 coupled replicas: 20 steps each, the all-reduce across them on ProcessGroupGloo" in out.stdout
     if os.geteuid() == 0:
         assert "two simulated nodes, TP=2 across them" in out.stdout, out.stdout
 
@@ -126,8 +148,8 @@ def test_transport_bench_puts_shared_reads_beside_private_copies_and_memcpy() ->
 @pytest.mark.timeout(300)
 def test_failover_bench_loses_one_independent_replica_and_no_call_of_the_other() -> None:
     """DP=2 x TP=1 on two simulated nodes, replica 1's node (its leader) SIGKILLed mid-run: independent, replica 0
-    fails no call (a count, asserted; the times are not) and replica 1's node, started again, rejoins; coupled,
-    replica 0's pending call ends with NodeLost."""
+    fails no call (a count, asserted; the times are not) and replica 1's node, started again, rejoins; in one
+    world, replica 0's pending call ends with NodeLost."""
     from rayfree.cluster.simulate import can_use_netns
 
     if not can_use_netns():
@@ -135,7 +157,27 @@ def test_failover_bench_loses_one_independent_replica_and_no_call_of_the_other()
     cmd = [sys.executable, os.path.join(ROOT, "bench", "failover.py"), "--dp", "2", "--tp", "1", "--seconds", "2"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, f"bench/failover.py failed:\n{out.stdout}\n{out.stderr}"
-    independent, coupled = out.stdout.split("\ncoupled: ")
-    assert re.search(r"^  0 +served on +0 +\d+ +\S+ ", independent, re.M), out.stdout
+    independent, one_world = out.stdout.split("\none-world: ")
+    # replica 0 failed no call, and none was answered wrong, lost by a rank or run twice (sequence numbers)
+    assert re.search(r"^  0 +served on +0 +\d+ +\S+ .* 0 +0 +0$", independent, re.M), out.stdout
     assert re.search(r"replica 1's nodes started again: it served again after [\d.]+ s", independent), out.stdout
-    assert re.search(r"^  0 +NodeLost after [\d.]+ s +1 ", coupled, re.M), out.stdout
+    assert re.search(r"^  0 +NodeLost after [\d.]+ s +1 ", one_world, re.M), out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_coupled_bench_shrinks_and_grows_with_every_step_right() -> None:
+    """DP=3 x TP=1, coupled, on three simulated nodes: replica 2's node SIGKILLed, then started again. Every step
+    of every replica is right (a count, asserted), the survivors have a shrink time and a grow time (the times
+    themselves are not asserted), and the rejoined replica steps across all three."""
+    from rayfree.cluster.simulate import can_use_netns
+
+    if not can_use_netns():
+        pytest.skip("needs root for network namespaces")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "coupled.py"), "--seconds", "2"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, f"bench/coupled.py failed:\n{out.stdout}\n{out.stderr}"
+    rows = re.findall(r"^  (\d) +(\d+) +(\d+) +(\d+) +(\S+) +(\S+) +(\S+)$", out.stdout, re.M)
+    assert [r[0] for r in rows] == ["0", "1", "2"], out.stdout
+    assert all(int(r[1]) > 0 and r[2] == "0" for r in rows), out.stdout  # steps taken, none wrong
+    assert all(re.fullmatch(r"[\d.]+", r[4]) and re.fullmatch(r"[\d.]+", r[6]) for r in rows[:2]), out.stdout
+    assert re.fullmatch(r"[\d.]+", rows[2][6]), out.stdout

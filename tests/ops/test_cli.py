@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -11,8 +12,9 @@ import pytest
 
 
 def run(*args: str, timeout: float = 120, cwd: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAYFREE_DEMO_TIMEOUT_S": str(timeout - 25)}  # (a demo that hangs says so, with its nodes')
     return subprocess.run(
-        [sys.executable, "-m", "rayfree.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
+        [sys.executable, "-m", "rayfree.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env
     )
 
 

@@ -6,12 +6,15 @@ SkyPilot, `make` itself) by the test named for it, which must exist and run that
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -207,6 +210,14 @@ def _node_of(command: str) -> int | None:
     return None if m is None else (-1 if m.group(1) == "$K" else int(m.group(1)))
 
 
+@contextlib.contextmanager
+def _removed(path: str):
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("block", sorted(CLUSTERS))
@@ -217,9 +228,12 @@ def test_a_multi_node_block_forms_its_cluster_on_simulated_nodes(block: str, tmp
     setup = [c for c in cmds if _node_of(c) is None]  # the secret, shell variables: once, on this machine
     per_node = [c for c in cmds if _node_of(c) is not None]
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    with SimulatedCluster(nnodes) as sim:
+    # What the block's tools keep in a temporary directory (torchrun's logs among them) goes in one of the test's
+    # own, removed after it; a short path: ipc:// endpoints are made there too.
+    scratch = tempfile.mkdtemp(prefix="rf-doc-")
+    with SimulatedCluster(nnodes) as sim, _removed(scratch):
         ip = sim.nodes[0].ip
-        env = {**_env(), "PATH": path, "RAYFREE_LOG_LEVEL": "INFO"}
+        env = {**_env(), "PATH": path, "RAYFREE_LOG_LEVEL": "INFO", "TMPDIR": scratch}
         made = {m for c in setup for m in re.findall(r"keygen (\S+)", c)}
         wanted = set(re.findall(r"--secret-file ([^\s\"]+)", code))
         setup = [*(f"rayfree keygen {f}" for f in sorted(wanted - made)), *setup]  # the page says to make it once

@@ -244,6 +244,108 @@ def steps_through_rejoins(ex) -> int:
         return 1
 
 
+def steps_through_drain(ex) -> int:
+    """Replica 0's leader: toy steps until replica 1 was drained and serves again, then 20 more. Replica 1's
+    leader in epoch 0: steps until its replica drains (an engine routes nothing new to it), waits until it is
+    drained, and makes one more call, which must be refused; in a later epoch (it was brought back): 20 steps."""
+    from rayfree import ReplicaDrained
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+
+    epoch, seen = ex.parallel_config.replica_epoch, []
+    ex.register_replica_callback(lambda k, st: seen.append([k, st.state, st.epoch]))
+    say("STEPPING", replica=ex.dp_rank, epoch=epoch, t=time.monotonic())
+    steps = equal = 0
+    until = time.monotonic() + 300
+
+    def step() -> None:
+        nonlocal steps, equal
+        batch = make_batch(steps, replica=ex.dp_rank)
+        equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
+        steps += 1
+
+    if ex.dp_rank == 1 and epoch == 0:
+        while not any(s[1] == "draining" for s in seen) and time.monotonic() < until:
+            step()
+        while not any(s[1] == "drained" for s in seen) and time.monotonic() < until:
+            time.sleep(0.02)
+        try:
+            step()
+            refused = ""
+        except ReplicaDrained as e:
+            refused = str(e)
+        say("RESULT", replica=1, epoch=epoch, outcome="drained", steps=steps, equal=equal, refused=refused, seen=seen)
+        return 0
+    while time.monotonic() < until and not (
+        (ex.dp_rank == 0 and any(s[1] == "serving" for s in seen)) or (ex.dp_rank == 1 and steps >= 20)
+    ):
+        step()
+    after = steps
+    while ex.dp_rank == 0 and steps < after + 20:
+        step()
+    states = {k: [v.state, v.epoch] for k, v in ex.replica_states().items()}
+    say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome="served", steps=steps, equal=equal, seen=seen,
+        states=states)  # fmt: skip
+    return 0
+
+
+def coupled_batch(step: int, replica: int) -> dict:
+    """The toy's batch, whose sum is 10**replica: a step's all-reduced sum across replicas names its members."""
+    from rayfree.cli.toy_engine import make_batch
+
+    batch = make_batch(step, replica=replica)
+    x = batch["x"]
+    x[0, 0] += 10.0**replica - x.sum()
+    return batch
+
+
+def members_of(total: float) -> list[int]:
+    return [k for k in range(6) if int(round(total)) // 10**k % 10 == 1]
+
+
+def coupled_steps(ex) -> int:
+    """Coupled DP replicas: toy steps, each checked (the output against the model in one process; the members
+    its all-reduce across replicas summed); a step that meets a change of the replicas (ReplicasChanged) runs
+    again. A first incarnation steps until it has taken RF_AFTER steps across every replica again after taking
+    some across fewer (a shrink, then a grow); a replica that rejoined, RF_AFTER steps across every replica."""
+    from rayfree import ReplicasChanged
+    from rayfree.cli.toy_engine import reference_forward
+
+    dp, want = ex.parallel_config.data_parallel_size, int(os.environ.get("RF_AFTER", "20"))
+    epoch, everyone = ex.parallel_config.replica_epoch, list(range(dp))
+    hooks: list = []
+    say("STEPPING", replica=ex.dp_rank, epoch=epoch, t=time.monotonic())
+    steps = equal = 0
+    runs: list = []  # [members, count, first step's end time]
+    changes: list = []
+    until = time.monotonic() + 240
+    while time.monotonic() < until:
+        shrunk = any(len(r[0]) < dp for r in runs)
+        if runs and runs[-1][0] == everyone and runs[-1][1] >= want and (shrunk or epoch > 0):
+            break
+        batch = coupled_batch(steps, ex.dp_rank)
+        try:
+            out = ex.execute_model(batch)
+            total = ex.collective_rpc("step_report", unique_reply_rank=0, timeout=60)["dp_sum"]
+        except ReplicasChanged as e:
+            changes.append([e.epoch, e.members, time.monotonic()])
+            continue
+        equal += torch_equal(out, reference_forward(batch["x"]))
+        steps += 1
+        members = members_of(total)
+        if runs and runs[-1][0] == members:
+            runs[-1][1] += 1
+        else:
+            runs.append([members, 1, time.monotonic()])
+            said = "ACROSS" if members == everyone else "SHRUNK" if len(members) < dp and epoch == 0 else ""
+            if said:  # (the test acts on these)
+                say(said, replica=ex.dp_rank, members=members, t=runs[-1][2])
+    hooks = ex.collective_rpc("hook_calls", unique_reply_rank=0, timeout=60)
+    halves = ex.collective_rpc("device_halves", unique_reply_rank=0, timeout=60)
+    say("RESULT", replica=ex.dp_rank, epoch=epoch, steps=steps, equal=equal, runs=runs, changes=changes,
+        hooks=hooks, halves=halves, states={k: [v.state, v.epoch] for k, v in ex.replica_states().items()})  # fmt: skip
+    return 0
+
+
 def torch_equal(a: Any, b: Any) -> int:
     import torch
 
@@ -319,13 +421,14 @@ def dp_check(ex) -> int:
     from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
 
     dp = ex.parallel_config.data_parallel_size
-    coupled = ex.parallel_config.coupled  # (independent replicas have no DP group across them: nothing summed)
+    par = ex.parallel_config
+    across = par.one_world or par.coupled  # (independent replicas have no DP group across them: nothing summed)
     steps = equal = dp_ok = 0
     for s in range(20):
         batch = make_batch(s, replica=ex.dp_rank)
         equal += torch.equal(ex.execute_model(batch), reference_forward(batch["x"]))
         got = ex.collective_rpc("step_report", unique_reply_rank=ex.output_rank)["dp_sum"]
-        dp_ok += got == (dp_sum(s, dp) if coupled else 0.0)
+        dp_ok += got == (dp_sum(s, dp) if across else 0.0)
         steps += 1
     info = ex.collective_rpc(where, timeout=60)
     sizes = ex.collective_rpc(groups, timeout=60)

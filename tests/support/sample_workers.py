@@ -40,6 +40,8 @@ class EchoWorker(WorkerBase):
             raise RuntimeError(f"cannot load the model on rank {self.rank}")
         if self.rank in self.kwargs.get("die_load_on", ()):
             os._exit(7)
+        if self.kwargs.get("say_loading"):
+            print(f'LOADING:{{"rank": {self.rank}}}', flush=True)  # (a test waits for it: the node is starting)
         time.sleep(self.kwargs.get("load_delay", 0.0))
         if self.rank in self.kwargs.get("die_in_handshake_on", ()):
             from rayfree.transport import MessageQueue

@@ -1,0 +1,133 @@
+"""Coupled DP replicas (`replica_coupling="coupled"`): the groups across replicas shrink at a loss and grow at
+a rejoin, while every surviving process stays.
+
+Node 0 declares each membership: an epoch and the replicas that serve
+(`declare`, on its policy thread, at a replica's loss, drain or return), and
+tells every follower (`Regroup`). Each node hands it to the executors it leads
+(`Membership.want`). An executor forms its ranks' groups again
+(`rayfree_regroup`, the worker's hook `on_replicas_changed` included) before
+the engine's next call goes out, on the caller's thread under the pipe's lock,
+so no call ever runs on groups of another membership; an executor with no call
+coming does it at once, from a thread of its own, so every member's ranks meet
+to form the groups together.
+
+A step whose collective across replicas met the loss (a rank's error that reads
+like a lost peer: the rank drops its groups and stays, worker/proc.py) raises
+`ReplicasChanged` once the new membership is declared: the engine runs it again.
+If no membership change comes within the heartbeats' bound, the error is the
+executor's own failure, as it is with every other coupling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Any
+
+from rayfree.cluster.peers import peer_gone
+from rayfree.supervisor import Severity, supervisor
+
+from .errors import ReplicasChanged
+
+__all__ = ["Membership", "declare", "REGROUP"]
+
+logger = logging.getLogger("rayfree.executor")
+
+#: the worker's method that forms its groups across replicas (WorkerBase)
+REGROUP = "rayfree_regroup"
+#: how long a step that met a loss waits for the membership to change, beyond the heartbeats' bound
+_CHANGE_SLACK_S = 1.5
+
+
+def declare(lv: Any) -> None:
+    """Node 0 (its policy thread): the replicas that serve changed; a new membership epoch for every node."""
+    if not lv.par.coupled:
+        return
+    members = [k for k in range(lv.par.data_parallel_size) if k not in lv.policy.lost]
+    if not members or members == lv.membership[1]:
+        return
+    at = lv.membership[0] + 1
+    logger.warning("DP replicas %s form the groups across replicas again (membership epoch %d)", members, at)
+    if lv.beater is not None and lv.par.nnodes > 1:
+        from rayfree.cluster.heartbeat_messages import Regroup
+
+        lv.beater.tell(list(range(1, lv.par.nnodes)), Regroup(at, members))
+    adopt(lv, at, members)
+
+
+def adopt(lv: Any, at: int, members: list[int]) -> None:
+    """Every node (its policy thread): membership epoch `at` is `members`; the executors it leads form it."""
+    if at <= lv.membership[0]:
+        return
+    lv.membership = (at, list(members))
+    for ex in lv.executors():
+        m = getattr(ex, "membership", None)
+        if m is not None and ex.dp_rank in members:
+            m.want(at, members)
+
+
+class Membership:
+    """One leading executor's groups across replicas: the membership it must form, and the one its ranks have."""
+
+    def __init__(self, ex: Any) -> None:
+        self._ex = weakref.ref(ex)
+        lv = ex.liveness
+        #: (epoch, members) its ranks formed at start-up: every replica at epoch 0; a rejoined one, none yet
+        self.formed: tuple[int, list[int]] | None = lv.membership if ex.parallel_config.replica_epoch == 0 else None
+        self.wanted = self.formed
+        self.changed = threading.Event()
+
+    def want(self, at: int, members: list[int]) -> None:
+        """The policy thread: form this membership before the next call; at once if no call is under way."""
+        self.wanted = (at, list(members))
+        self.changed.set()
+        supervisor().start(f"RayfreeRegroup-{at}", self._now)
+
+    def _now(self) -> None:
+        ex = self._ex()
+        if ex is None or ex.pipe is None or ex.stopped:
+            return
+        try:
+            with ex.pipe.lock:  # (after a call under way; a call that comes first forms it itself)
+                self.before_call()
+        except Exception as e:  # noqa: BLE001 - the engine's next call meets it again and raises it
+            logger.warning("DP replica %d: the groups across replicas were not formed: %s", ex.dp_rank, e)
+
+    def before_call(self) -> None:
+        """Under the pipe's lock, before a call goes out: form the wanted membership if the ranks lack it."""
+        want = self.wanted
+        ex = self._ex()
+        if want is None or want == self.formed or ex is None or ex.pipe is None:
+            return
+        self.formed = want  # (first: the call below comes through here too)
+        t0 = time.monotonic()
+        try:
+            ex.pipe.call(REGROUP, ex.config.join_timeout_s, want, None, False, None, None)
+        except Exception as e:
+            self.formed = None
+            raise ReplicasChanged(want[0], want[1], f"its groups could not be formed: {e}") from e
+        logger.info(
+            "DP replica %d: groups across replicas %s formed (epoch %d) in %.3fs",
+            ex.dp_rank, want[1], want[0], time.monotonic() - t0,
+        )  # fmt: skip
+
+    def judge(self, error: Any, name: str) -> ReplicasChanged | None:
+        """A caller got a rank's collective error: a lost peer's, once a new membership is declared, is
+        `ReplicasChanged` (run the step again); None: it is this executor's failure (reported, if no one did)."""
+        ex = self._ex()
+        if ex is None or not peer_gone(error.error_type, error.message):
+            return None
+        seen = self.wanted
+        lv = ex.liveness
+        until = time.monotonic() + (lv.verdict_s() if lv is not None else 0.0) + _CHANGE_SLACK_S
+        while time.monotonic() < until and not ex.is_failed:
+            if self.wanted != seen or (self.wanted is not None and self.wanted != self.formed):
+                at, members = self.wanted  # type: ignore[misc]
+                return ReplicasChanged(at, members, f"RPC {name} met a lost DP replica ({error.error_type})")
+            self.changed.wait(0.02)
+            self.changed.clear()
+        if not ex.is_failed:  # no replica was lost: the rank's error is this executor's failure
+            lv.policy.report(f"rank {error.rank}", error, Severity.FATAL, ex)
+        return None
