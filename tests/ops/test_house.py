@@ -233,3 +233,33 @@ def test_inside_a_layer_modules_import_each_other_relatively() -> None:
                 f"{os.path.relpath(path, ROOT)}:{node.lineno} {m}" for m in mods if m == own or m.startswith(own + ".")
             ]
     assert not bad, "absolute imports of the module's own layer:\n" + "\n".join(bad)
+
+
+def _dead_overrides(path: str, base: type) -> list[str]:
+    """Methods a subclass of `base` (named in its bases) defines that `base` has no method of: nothing calls them."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    out = []
+    for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
+        if base.__name__ not in {getattr(b, "id", getattr(b, "attr", None)) for b in cls.bases}:
+            continue
+        for fn in cls.body:
+            if isinstance(fn, ast.FunctionDef) and not hasattr(base, fn.name):
+                out.append(f"{os.path.relpath(path, ROOT)}:{fn.lineno} {cls.name}.{fn.name}")
+    return out
+
+
+def test_a_subclass_of_the_executor_overrides_only_what_the_executor_calls() -> None:
+    """The vLLM integration's cleanup once its workers are gone lived in a method the executor stopped calling."""
+    from rayfree.executor.multiproc import MultiprocExecutor
+
+    bad = [d for p in _modules().values() for d in _dead_overrides(p, MultiprocExecutor)]
+    assert not bad, f"methods MultiprocExecutor never calls: {bad}"
+
+
+def test_the_override_check_sees_a_method_the_executor_lacks(tmp_path) -> None:
+    from rayfree.executor.multiproc import MultiprocExecutor
+
+    f = tmp_path / "m.py"
+    f.write_text("class E(MultiprocExecutor):\n    def release(self): ...\n    def _shutdown(self): ...\n")
+    assert [d.split()[-1] for d in _dead_overrides(str(f), MultiprocExecutor)] == ["E._shutdown"]

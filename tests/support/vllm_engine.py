@@ -23,6 +23,8 @@ import time
 from typing import Any
 
 PROMPTS = ["w1 w2 w3 w4", "w10 w20 w30", "w5 w5 w5 w5 w5"]
+#: how long vLLM's client gives its engine process to stop before it kills it
+SHUTDOWN_S = 30.0
 #: what the engines need on this CPU-only machine (see docs/vllm.md)
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
@@ -218,8 +220,8 @@ def main() -> int:
             say("STEPPING", t=time.monotonic())
             r = _step_until_dead(llm, time.monotonic())
             say("DEAD", t_dead=time.monotonic(), **r)
-    try:
-        llm.llm_engine.engine_core.shutdown()
+    try:  # vLLM's default deadline for its engine process is 5 s, which a starved CI machine can miss
+        llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_S)
     except Exception:  # noqa: BLE001 - a dead engine may already be gone
         pass
     return 0

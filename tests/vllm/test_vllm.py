@@ -103,7 +103,13 @@ def run_engine(model: str, backend: str, mode: str, *flags: str, timeout: float 
     )
     assert p.returncode == 0, out[-5000:]
     if mode == "generate":
-        assert "leaked shared_memory" not in out, out[-3000:]
+        forced = "force killing" in out
+        # vLLM's client kills an engine process that outlives its deadline (SHUTDOWN_S here), and the resource
+        # tracker then reports what the killed process held. rayfree must stop within it; when vLLM's own
+        # executor (mp) does not, on a starved machine, what the tracker reports is vLLM's.
+        assert not (forced and backend == "rayfree"), f"vLLM had to force-kill rayfree's engine:\n{out[-3000:]}"
+        if not forced:
+            assert "leaked shared_memory" not in out, out[-3000:]
     return out, p.returncode
 
 

@@ -140,9 +140,10 @@ def _chain(aggregators: list[Any], rank: int) -> Callable[[list[Any]], Any]:
 class _Executor(MultiprocExecutor):
     """rayfree's executor, which also removes what vLLM's workers leave behind when they are killed."""
 
-    def _shutdown(self) -> None:
+    def release(self) -> None:
+        """Run by the staged shutdown once every worker has exited, cleanly or killed (a stop or a failure)."""
         try:
-            super()._shutdown()
+            super().release()
         finally:
             _remove_cpu_segments(vllm_init_method(self.distributed_init_method, self.config))
 
