@@ -76,8 +76,8 @@ def _cpu_segments() -> set[str]:
 
 
 def run_engine(model: str, backend: str, mode: str, *flags: str, timeout: float = 300) -> tuple[str, int]:
-    """One engine process in its own session: its output, after checking it left no process or segment
-    (and, when nothing was killed, that multiprocessing's resource tracker did not have to remove one)."""
+    """One engine process in its own session: its output, after checking it left no process or segment (and,
+    for rayfree's engine stopped cleanly, that multiprocessing's resource tracker did not have to remove one)."""
     before = _cpu_segments()
     p = subprocess.Popen(
         [sys.executable, "-m", "tests.support.vllm_engine", model, backend, mode, *flags],
@@ -102,14 +102,12 @@ def run_engine(model: str, backend: str, mode: str, *flags: str, timeout: float 
         f"shared memory left by the {backend} engine: {sorted(new)} (rayfree-<creator pid>-...)\n{out[-4000:]}"
     )
     assert p.returncode == 0, out[-5000:]
-    if mode == "generate":
-        forced = "force killing" in out
-        # vLLM's client kills an engine process that outlives its deadline (SHUTDOWN_S here), and the resource
-        # tracker then reports what the killed process held. rayfree must stop within it; when vLLM's own
-        # executor (mp) does not, on a starved machine, what the tracker reports is vLLM's.
-        assert not (forced and backend == "rayfree"), f"vLLM had to force-kill rayfree's engine:\n{out[-3000:]}"
-        if not forced:
-            assert "leaked shared_memory" not in out, out[-3000:]
+    if mode == "generate" and backend == "rayfree":
+        # vLLM's client kills an engine process that outlives its deadline (SHUTDOWN_S), and the resource tracker
+        # then reports what the killed process held. rayfree's engine stops within it and leaves the tracker
+        # nothing. (vLLM's own executor, the reference for the tokens, missed vLLM's 5 s default on CI.)
+        assert "force killing" not in out, f"vLLM had to kill rayfree's engine:\n{out[-3000:]}"
+        assert "leaked shared_memory" not in out, out[-3000:]
     return out, p.returncode
 
 
