@@ -23,6 +23,11 @@ import os
 import sys
 import time
 
+# Here, not in the entry: `rayfree node` imports the entry's module before the cluster forms, while an import in
+# the entry runs with the heartbeats live, and torch's (its libraries load holding the GIL) stalls them for
+# seconds on a starved machine: the nodes then lose each other (docs/operations.md, "Entry points").
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from simnodes import NodeRuns, echo_node_env, has_netns, secret, write_json  # noqa: E402
@@ -39,8 +44,6 @@ _STOP = 10**7
 
 def replica_loop(ex) -> int:
     """A replica leader's entry: checked steps until the bench makes the file COUPLED_STOP."""
-    import torch
-
     from rayfree import ReplicasChanged
     from rayfree.cli.toy_engine import make_batch, reference_forward
 

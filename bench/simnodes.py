@@ -120,6 +120,7 @@ class NodeRuns:
         self.lock = threading.Lock()
         self.popen: dict[int, subprocess.Popen] = {}
         self.outs: dict[int, list[str]] = {}
+        self.readers: dict[int, threading.Thread] = {}
         self.everyone: list[subprocess.Popen] = []
 
     def launch(self, k: int, env: dict[str, str]) -> None:
@@ -135,8 +136,9 @@ class NodeRuns:
                 with self.lock:
                     sink.append(line)
 
-        threading.Thread(target=read, daemon=True).start()
-        self.popen[k], self.outs[k] = p, sink
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        self.popen[k], self.outs[k], self.readers[k] = p, sink, reader
         self.everyone.append(p)
 
     def said(self, k: int, tag: str) -> dict | None:
@@ -162,9 +164,17 @@ class NodeRuns:
         """When the last of these nodes' entries said STEPPING (seconds after `since`)."""
         while not all(self.said(k, "STEPPING") for k in ks):
             if any(self.popen[k].poll() is not None for k in ks) or time.monotonic() > since + 300:
-                raise RuntimeError("the nodes did not start:\n" + "".join(self.outs[ks[0]])[-4000:])
+                raise RuntimeError("the nodes did not start:\n" + self.told(ks))
             time.sleep(0.05)
         return max(self.said(k, "STEPPING")["t"] for k in ks) - since  # type: ignore[index]
+
+    def told(self, ks: list[int]) -> str:
+        """Each node's exit code (None: still running) and the end of its output (all of it, once it exited)."""
+        for k in ks:
+            if self.popen[k].poll() is not None:
+                self.readers[k].join(5)
+        with self.lock:
+            return "".join(f"--- node {k} (exit {self.popen[k].poll()}):\n" + "".join(self.outs[k])[-3000:] for k in ks)
 
     def reap(self) -> None:
         """Every process started, ended (killed after 30 s)."""
