@@ -8,6 +8,7 @@ Each engine runs in a process of its own (tests/support/vllm_engine.py) on a tin
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -98,6 +99,11 @@ def run_engine(model: str, backend: str, mode: str, *flags: str, timeout: float 
     assert not left, f"processes left by the {backend} engine: {left}\n{out[-3000:]}"
     # (a segment whose creator still lives is not this dead engine's: another test's, on a shared machine)
     new = {n for n in _cpu_segments() - before if creator_pid(n) is None or not creator_alive(n)}
+    if backend == "mp":  # vLLM's own executor, the tokens' reference: what it leaves is vLLM's (CI: SIGTERMed
+        for n in new:  # workers left their CPU collectives' segments), removed here, not judged
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", n))
+        new = set()
     assert not new, (
         f"shared memory left by the {backend} engine: {sorted(new)} (rayfree-<creator pid>-...)\n{out[-4000:]}"
     )
