@@ -25,7 +25,7 @@ from rayfree.transport.net import get_open_port
 from rayfree.transport.shm.segment import SHM_DIR, creator_alive, entries
 
 WORKER = "rayfree.cli.toy_engine:ToyWorker"
-ENTRY = "rayfree.cli.demo:drive"
+ENTRY = "rayfree.cli.demo_driver:drive"
 
 
 def node_command() -> list[str]:
@@ -92,16 +92,27 @@ def _group_members(pgid: int, wait_s: float = 5.0) -> list[str]:
 
 def _lose_replica_1(par: ParallelConfig, sim: SimulatedCluster, procs: list, launch, marks: str, deadline: float):
     """Once every leader steps: SIGKILL replica 1's last node, wait for its other nodes to leave (non-zero, as a
-    lost replica's nodes do), and start them all again with the same command: they rejoin. Their exit codes."""
+    lost replica's nodes do), and start them all again with the same command: they rejoin. Their exit codes.
+    A replica 1 that was lost before that (its nodes left on their own) is started again the same way, as its
+    launcher would; a node of another replica that leaves ends the demo."""
     ours = par.nodes_of_replica(1)
     while len(os.listdir(marks)) < par.data_parallel_size:
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+        if time.monotonic() > deadline or any(p.poll() is not None for k, p in enumerate(procs) if k not in ours):
             return {}
+        if any(procs[k].poll() is not None for k in ours):
+            print("  DP replica 1 was lost before the demo took a node of it away (see the nodes' log)", flush=True)
+            break
         time.sleep(0.05)
-    victim = ours[-1]
-    print(f"  losing DP replica 1: SIGKILL to node {victim} (of its nodes {ours}) while all replicas step", flush=True)
-    sim.nodes[victim].kill()
-    codes = {k: procs[k].wait(max(1.0, deadline - time.monotonic())) for k in ours}
+    else:
+        victim = ours[-1]
+        print(
+            f"  losing DP replica 1: SIGKILL to node {victim} (of its nodes {ours}) while all replicas step", flush=True
+        )
+        sim.nodes[victim].kill()
+    try:
+        codes = {k: procs[k].wait(max(1.0, deadline - time.monotonic())) for k in ours}
+    except subprocess.TimeoutExpired:
+        return {}
     print(f"  replica 1's nodes left ({codes}); starting nodes {ours} again with the same command ...", flush=True)
     for k in ours:
         procs[k] = launch(k)
@@ -157,6 +168,7 @@ def run_cluster_demo(
             "RAYFREE_SECRET_FILE": secret,
             "RAYFREE_DEMO_STEPS": str(steps),
             "RAYFREE_DEMO_T0": repr(t0),
+            "RAYFREE_DEMO_TIMEOUT_S": repr(timeout_s),
             "RAYFREE_LOG_LEVEL": os.environ.get("RAYFREE_LOG_LEVEL", "WARNING"),
             # torch warns that a namespace has no reverse DNS for its peers: true, and harmless here
             "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),

@@ -17,7 +17,7 @@ ENV = {"PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": 
 #: one command for every node: the launcher says which node this is (node 0 runs the entry, the others not)
 NODE = [
     sys.executable, "-m", "rayfree.cli", "node", "--worker", "rayfree.cli.toy_engine:ToyWorker",
-    "--entry", "rayfree.cli.demo:drive", "--tp", "2", "--insecure",
+    "--entry", "rayfree.cli.demo_driver:drive", "--tp", "2", "--insecure",
 ]  # fmt: skip
 
 

@@ -131,7 +131,7 @@ def test_a_gpu_node_short_of_devices_or_given_a_wrong_device_setting_says_so_in_
 
     port = get_open_port("127.0.0.1")
     env = {"RAYFREE_TOPOLOGY_ROOT": str(fake_topology(tmp_path, [0, 1], {0: "0", 1: "1"}))}
-    worker = ["--worker", "rayfree.cli.toy_engine:ToyWorker", "--entry", "rayfree.cli.demo:drive"]
+    worker = ["--worker", "rayfree.cli.toy_engine:ToyWorker", "--entry", "rayfree.cli.demo_driver:drive"]
     r = run(["node", *args, "--master-port", str(port), *worker], env=env)
     errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("rayfree node:")]
     assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith(says), r.stdout + r.stderr

@@ -72,3 +72,23 @@ def test_the_node_process_does_not_import_torch_to_check_the_toy_engine_s_class(
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "entry",
+    [
+        "rayfree.cli.demo_driver:drive",  # the demo's, and the shipped recipes'
+        "tests.support.multinode_entry:steps_through_rejoins",  # the multi-node tests'
+        "bench.coupled:replica_loop",
+    ],
+)
+def test_an_entry_we_ship_or_test_with_has_torch_once_rayfree_node_has_loaded_it(entry: str) -> None:
+    # `rayfree node` loads the entry before its heartbeats start; torch imported later, in the entry, would load
+    # libtorch holding Python's lock with them live (operations.md, "Entry points"; a CI run lost node 0 so).
+    code = (
+        "import sys; from rayfree.cli.node_options import load_entry; "
+        f"load_entry({entry!r}); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert out.stdout.strip() == "True", out.stdout + out.stderr
