@@ -45,6 +45,8 @@ ByeCallback = Callable[[int, bool, str], None]
 RECONNECT_S = 0.3
 #: the longest a heartbeat thread sleeps when nothing is due (what is due, arrives or stops wakes it sooner)
 IDLE_LOOK_S = 1.0
+#: a heartbeat thread that did not run for this share of the bound says so: its peers may call its node lost
+STALL_SHARE = 1 / 3
 
 
 def wait_ms(due: float) -> int:
@@ -75,6 +77,11 @@ class Beater:
         self._bye: Bye | None = None
         self._name = name
         self._thread: Supervised | None = None
+        #: which node this thread beats for, in what it logs
+        self.who = "this node"
+        #: when the thread last came back from waiting for messages (None: not yet)
+        self._ran_at: float | None = None
+        self._stall_logged_at: float | None = None
 
     def _start(self) -> None:
         self._thread = supervisor().start(self._name, self._run_guarded, stop=self.stop)
@@ -120,10 +127,35 @@ class Beater:
 
     def _receive(self, sock: ControlSocket, poll_ms: int) -> list[list[bytes]]:
         """Wait up to `poll_ms` for messages; a dropped connection makes the peer(s) suspect."""
+        start = time.monotonic()
         got = sock.receive(poll_ms)
+        now = time.monotonic()
+        if self._ran_at is not None:
+            # (the time between two looks, less the wait asked for: what the thread spent not running)
+            stalled = start - self._ran_at + max(0.0, now - start - poll_ms / 1000)
+            if stalled > self.timeout * STALL_SHARE:
+                self._stalled(stalled)
+        self._ran_at = now
         if sock.take_dropped():
             self.suspect_at = time.monotonic()
         return got
+
+    def _stalled(self, seconds: float) -> None:
+        """This thread did not run for `seconds`: the peers heard nothing from it meanwhile, and a stall past the
+        bound reads to them as this node lost. Said (once per WAIT_LOG_S at most), so such a loss names its cause."""
+        now = time.monotonic()
+        if self._stall_logged_at is not None and now - self._stall_logged_at < WAIT_LOG_S:
+            return
+        self._stall_logged_at = now
+        logger.warning(
+            "%s: its heartbeat thread did not run for %.1fs (heartbeat_timeout_s=%s): the process was starved of "
+            "CPU or stopped, or another thread held Python's lock that long (an entry point that imports torch "
+            "inside the function does: import it at the top of the entry's module); past the bound, the other "
+            "nodes call this one lost",
+            self.who,
+            seconds,
+            self.timeout,
+        )
 
     def _silence_due(self, last: float | None, dropped_at: float | None) -> float:
         """When `_silent` would first call this peer lost if it stays silent (armed only)."""

@@ -52,6 +52,7 @@ class HeartbeatClient(Beater):
         super().__init__(interval, timeout, "RayfreeHeartbeatClient")
         self.endpoint = tcp_endpoint(master_addr, port)
         self.node_rank = node_rank
+        self.who = f"node {node_rank}"
         self.ranks = ranks
         self.ip = ip
         self.on_lost = on_lost

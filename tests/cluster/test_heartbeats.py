@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import sys
 import threading
+import time
 
 import pytest
 import zmq
@@ -16,6 +19,7 @@ from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.cluster.heartbeat_messages import _decode, _encode
 from rayfree.transport import get_open_port
 from rayfree.transport.zmq.sockets import make_dealer
+from tests.support.waits import wait_until
 
 
 def _server(port: int, lost: list[int]) -> HeartbeatServer:
@@ -132,5 +136,39 @@ def test_node_0_drops_what_only_node_0_sends_and_beats_on() -> None:
         assert server.dropped == 3 and server.running() and not lost, (server.dropped, lost)
         assert sum(isinstance(m, Beat) for m in got) >= 1, got  # its beats are still answered
     finally:
+        follower.close(linger=0)
+        server.close(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_thread_that_could_not_run_says_so_and_for_how_long(caplog) -> None:
+    """Another thread holds Python's lock for 2.5 s (as one importing torch does): node 0's heartbeat thread says
+    it did not run, and how long; answering beats as usual, it says nothing."""
+    port = get_open_port("127.0.0.1")
+    server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 3.0, lambda n, r, ip, why: None)  # (1 s: said)
+    follower = _follower(port)
+    switch = sys.getswitchinterval()
+    try:
+        with caplog.at_level(logging.WARNING, logger="rayfree.cluster"):
+            t_end, beats, slowest = time.monotonic() + 1.5, 1, 0.0
+            while time.monotonic() < t_end:  # answered beats for 1.5 s: the thread runs
+                beats += 1
+                sent = time.monotonic()
+                follower.send(_encode(Beat(1, [1], "127.0.0.1", os.getpid(), beats)))
+                assert follower.poll(20_000), "node 0 did not answer"
+                follower.recv()
+                slowest = max(slowest, time.monotonic() - sent)
+            if slowest < 0.8:  # (else a busy machine did stall it: nothing to judge)
+                assert "did not run" not in caplog.text, caplog.text
+            sys.setswitchinterval(10.0)  # the heartbeat thread waits for the lock until this thread lets go
+            t_end = time.monotonic() + 2.5
+            while time.monotonic() < t_end:
+                pass
+            sys.setswitchinterval(switch)
+            wait_until(lambda: "did not run" in caplog.text, 20, "node 0's word on its stall")
+        said = re.search(r"node 0: its heartbeat thread did not run for ([0-9.]+)s", caplog.text)
+        assert said and 1.0 < float(said.group(1)) < 15.0, caplog.text
+    finally:
+        sys.setswitchinterval(switch)
         follower.close(linger=0)
         server.close(timeout=10)
