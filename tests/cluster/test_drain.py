@@ -71,7 +71,12 @@ def test_a_drained_replica_stops_cleanly_and_comes_back_while_the_other_serves_o
     assert re.search(r"DP replica 1 is drain(ing|ed) \(", why0["reason"]), why0
     assert again.returncode == 1 and "DP replica 1 is drained, not serving" in again.stderr, again
     assert "replica 1: drained, epoch 0" in status.stdout, status.stdout
-    assert "PROBE 503" not in ready1_text, ready1_text  # replica 0's follower: its own replica served throughout
+    # Replica 0's follower: node 0 called its own replica serving throughout, from its first 200 on (its status
+    # rides on its next beat once it is ready, so node 0 may still call it starting while its replica's first
+    # steps run). Its own doubt while node 0's answer is late (a loaded machine; CI) is not node 0's word.
+    served = ready1_text[ready1_text.index("PROBE 200") :]
+    doubted = [line for line in served.splitlines() if "PROBE 503" in line and "no answer from node 0" not in line]
+    assert not doubted, ready1_text
     assert (back["epoch"], back["outcome"], back["equal"]) == (1, "served", 20), back
     assert [s[:2] for s in r0["seen"]] == [[1, "draining"], [1, "drained"], [1, "serving"]], r0["seen"]
     assert r0["equal"] == r0["steps"] and r0["states"] == {"0": ["serving", 0], "1": ["serving", 1]}, r0

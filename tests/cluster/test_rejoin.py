@@ -154,8 +154,12 @@ def test_a_replacement_that_fails_mid_rejoin_restarts_the_rejoin_and_its_partner
         everyone = list(procs.values())
         procs[2], procs[3] = restart(nodes, 2), restart(nodes, 3)
         everyone += [procs[2], procs[3]]
-        admitted = rf"node 3's replacement \(pid {procs[3].p.pid}\) is admitted: DP replica 1 rejoins in epoch 1"
-        procs[0].expect(admitted, 60)
+        admitted: dict[int, int] = {}  # both, before node 3's dies: node 2 must be waiting in epoch 1
+        said = r"node ([23])'s replacement \(pid (\d+)\) is admitted: DP replica 1 rejoins in epoch 1"
+        while len(admitted) < 2:
+            m = procs[0].expect(said, 60)
+            admitted[int(m.group(1))] = int(m.group(2))
+        assert admitted == {2: procs[2].p.pid, 3: procs[3].p.pid}, admitted
         sim.nodes[3].kill()  # the replacement dies while it starts
         procs[3] = restart(nodes, 3)
         everyone.append(procs[3])

@@ -79,7 +79,6 @@ def test_the_node_process_does_not_import_torch_to_check_the_toy_engine_s_class(
     "entry",
     [
         "rayfree.cli.demo_driver:drive",  # the demo's, and the shipped recipes'
-        "tests.support.multinode_entry:steps_through_rejoins",  # the multi-node tests'
         "bench.coupled:replica_loop",
     ],
 )

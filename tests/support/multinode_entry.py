@@ -13,10 +13,6 @@ import threading
 import time
 from typing import Any
 
-# With the module, not inside an entry: `rayfree node` imports this before the node joins, and an import
-# inside an entry stalls this node's heartbeats while libtorch loads (docs/operations.md, "Entry points").
-import torch
-
 
 def say(tag: str, **kw: Any) -> None:
     """One line in one write (so no log line from another thread lands inside it)."""
@@ -46,6 +42,8 @@ def tensor_home(worker: Any, t: Any) -> dict:
 
 def shared_arguments(ex) -> int:
     """A 32 MiB argument, eight times, to every rank: where each rank found its bytes."""
+    import torch
+
     t = torch.arange(8 << 20, dtype=torch.float32)
     homes = [ex.collective_rpc(tensor_home, args=(t,), timeout=120) for _ in range(8)]
     say("RESULT", homes=homes[-1], sums_ok=all(h["sum"] == float(t.double().sum()) for r in homes for h in r))
@@ -67,6 +65,8 @@ def nap(worker: Any, seconds: float) -> int:
 def check(ex) -> int:
     """Toy engine equals the 1-process model; replies from remote ranks; unique_reply_rank on a remote rank;
     a remote rank's exception; the tiny round trip to remote and to local ranks."""
+    import torch
+
     from rayfree.cli.toy_engine import make_batch, reference_forward
     from rayfree.executor import WorkerError
 
@@ -224,7 +224,9 @@ def steps_through_rejoins(ex) -> int:
     try:
         until = time.monotonic() + 300
         while time.monotonic() < until:
-            if (ex.dp_rank != 0 and epoch > 0 and steps >= 20) or [x[1] for x in seen].count("serving") >= want:
+            # (a rejoined replica hears its own return too, when its callback is in place before node 0 says so)
+            back = [x[1] for x in seen if x[0] != ex.dp_rank].count("serving")
+            if (ex.dp_rank != 0 and epoch > 0 and steps >= 20) or (ex.dp_rank == 0 and back >= want):
                 break
             batch = make_batch(steps, replica=ex.dp_rank)
             equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
@@ -347,6 +349,8 @@ def coupled_steps(ex) -> int:
 
 
 def torch_equal(a: Any, b: Any) -> int:
+    import torch
+
     return int(torch.equal(a, b))
 
 
@@ -383,6 +387,8 @@ def outsiders(ex) -> int:
     import subprocess
     import sys
 
+    import torch
+
     from rayfree.cli.toy_engine import make_batch, reference_forward
     from rayfree.transport.secure.policy import process_secret
 
@@ -412,6 +418,8 @@ def outsiders(ex) -> int:
 
 def dp_check(ex) -> int:
     """One DP replica's leader: its own batches through its ranks, the cross-replica all-reduce, its topology."""
+    import torch
+
     from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
 
     dp = ex.parallel_config.data_parallel_size
@@ -470,6 +478,8 @@ def _tx_bytes() -> int:
 def relay_bytes(ex) -> int:
     """The toy engine equals the 1-process model; then 1 MiB broadcasts, and the bytes node 0 sent for each;
     the relays as node 0 sees them (their parents, children and bytes)."""
+    import torch
+
     from rayfree.cli.toy_engine import make_batch, reference_forward
 
     steps = 20
