@@ -111,8 +111,7 @@ class HeartbeatServer(Beater):
         on_lost: LostCallback,
         join_timeout: float | None = None,
     ) -> None:
-        super().__init__(interval, timeout, "RayfreeHeartbeatServer")
-        self.who = "node 0"
+        super().__init__(interval, timeout, "RayfreeHeartbeatServer", "node 0")
         #: how long the followers have to join (the progress lines say how much of it has passed)
         self.join_timeout = join_timeout
         self.endpoint = tcp_endpoint(bind_ip, port)

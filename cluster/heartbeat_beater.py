@@ -60,7 +60,7 @@ class Beater:
 
     _sock: ControlSocket
 
-    def __init__(self, interval: float, timeout: float, name: str) -> None:
+    def __init__(self, interval: float, timeout: float, name: str, who: str) -> None:
         if not 0 < interval < timeout:
             raise ValueError(f"heartbeat interval {interval}s must be positive and below the timeout {timeout}s")
         self.interval = interval
@@ -78,7 +78,7 @@ class Beater:
         self._name = name
         self._thread: Supervised | None = None
         #: which node this thread beats for, in what it logs
-        self.who = "this node"
+        self.who = who
         #: when the thread last came back from waiting for messages (None: not yet)
         self._ran_at: float | None = None
         self._stall_logged_at: float | None = None
@@ -137,7 +137,7 @@ class Beater:
                 self._stalled(stalled)
         self._ran_at = now
         if sock.take_dropped():
-            self.suspect_at = time.monotonic()
+            self.suspect_at = now
         return got
 
     def _stalled(self, seconds: float) -> None:

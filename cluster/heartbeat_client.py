@@ -49,10 +49,9 @@ class HeartbeatClient(Beater):
         on_lost: Callable[[str], None],
         on_bye: ByeCallback,
     ) -> None:
-        super().__init__(interval, timeout, "RayfreeHeartbeatClient")
+        super().__init__(interval, timeout, "RayfreeHeartbeatClient", f"node {node_rank}")
         self.endpoint = tcp_endpoint(master_addr, port)
         self.node_rank = node_rank
-        self.who = f"node {node_rank}"
         self.ranks = ranks
         self.ip = ip
         self.on_lost = on_lost

@@ -145,8 +145,8 @@ def test_transport_bench_puts_shared_reads_beside_private_copies_and_memcpy() ->
     assert all(int(r[1]) > 0 and int(r[2]) > 0 and int(r[4]) >= 0 for r in rows), out.stdout
 
 
-#: the failover benches' nodes beside the rest of the suite on two cores: the multi-node tests' link bound (1 s,
-#: not 0.4), else a start-up starved of CPU reads as a dropped link (these tests check the plumbing, not timing)
+#: the failover benches' nodes beside the rest of the suite on two cores: a link bound of 1 s, not 0.4, else a
+#: start-up starved of CPU reads as a dropped link (these tests check the plumbing, not timing)
 STARVED = {**os.environ, "RAYFREE_LINK_TIMEOUT_S": "1.0"}
 
 
