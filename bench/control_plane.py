@@ -37,7 +37,7 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from simnodes import has_netns, secret, write_json  # noqa: E402
+from simnodes import has_netns, pythonpath, secret, write_json  # noqa: E402
 
 PORT, HB_PORT, FANOUT = 29500, 29501, 8
 INTERVAL, TIMEOUT = 0.5, 3.0  # the heartbeats' defaults
@@ -251,7 +251,7 @@ def run(n: int, procs: int, rounds: int, load_s: float) -> dict:
     with SimulatedCluster(2, shm_size="8g") as sim:  # (each relay's ring is allocated whole: 96 MiB)
         master, ip = sim.nodes[0].ip, sim.nodes[1].ip
         go = os.path.join(os.path.dirname(secret()), f"go-{n}")
-        env = {"PYTHONPATH": ROOT, "RAYFREE_SECRET_FILE": secret(), "RAYFREE_LOG_LEVEL": "WARNING",
+        env = {"PYTHONPATH": pythonpath(), "RAYFREE_SECRET_FILE": secret(), "RAYFREE_LOG_LEVEL": "WARNING",
                "TORCH_CPP_LOG_LEVEL": "ERROR", "SIM_GO": go, "SIM_MASTER": master,
                "SIM_IP": ip}  # fmt: skip
         me = [sys.executable, os.path.abspath(__file__), "--n", str(n), "--rounds", str(rounds)]

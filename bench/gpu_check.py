@@ -162,6 +162,163 @@ def two_nodes(n_gpus: int) -> None:
     print("  two simulated nodes, TP=2 across them, one GPU each: 20 steps, tokens equal the reference")
 
 
+def replica_steps(executor) -> int:
+    """The one-GPU simulated nodes' entry (two independent DP replicas of TP=1 sharing the GPU): replica 0 steps
+    until replica 1 was lost and is back, then 20 more; replica 1 steps until it is lost (its node is killed), or,
+    rejoined, 20 steps. Every step's tokens checked."""
+    import json
+    import threading
+
+    from rayfree import ExecutorFailed
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+
+    k, epoch = executor.dp_rank, executor.parallel_config.replica_epoch
+    seen: list[str] = []
+    changed = threading.Event()
+    executor.register_replica_callback(lambda r, st: (seen.append(f"{r}:{st.state}:{st.epoch}"), changed.set()))
+    print(f"STEPPING:{json.dumps({'replica': k, 'epoch': epoch})}", flush=True)
+    steps, after, until = 0, 0, time.monotonic() + 240
+    try:
+        while time.monotonic() < until:
+            back = k == 0 and any(s.startswith("1:serving:") for s in seen)
+            if (k == 0 and back and after >= 20) or (k == 1 and epoch > 0 and steps >= 20):
+                break
+            batch = make_batch(steps, replica=k)
+            executor.collective_rpc("execute_model", args=(batch,), timeout=120)
+            tokens = executor.collective_rpc("sample_tokens", timeout=120, unique_reply_rank=0)
+            assert tokens == reference_forward(batch["x"]).argmax(dim=-1).tolist(), (k, steps)
+            steps += 1
+            after += back
+    except ExecutorFailed as e:
+        print(f"RESULT:{json.dumps({'replica': k, 'epoch': epoch, 'failed': type(e).__name__})}", flush=True)
+        return 1
+    print(f"RESULT:{json.dumps({'replica': k, 'epoch': epoch, 'steps': steps, 'seen': seen})}", flush=True)
+    return 0
+
+
+def replicas_on_one_gpu() -> None:
+    """Two simulated nodes as two independent DP replicas of TP=1, both on GPU 0 (no NCCL between them: a world
+    each): replica 1's node is killed while replica 0 steps, and started again it rejoins in epoch 1."""
+    import json
+
+    from rayfree.testing import simulated_cluster
+
+    t0 = time.monotonic()
+    one = {k: {"CUDA_VISIBLE_DEVICES": "0"} for k in range(2)}  # (ignored on a node without GPUs)
+    with simulated_cluster(
+        2, worker="rayfree.cli.toy_engine:ToyWorker", entry="bench.gpu_check:replica_steps", dp=2, cwd=ROOT,
+        node_env=one, env={"RAYFREE_LOG_LEVEL": "INFO"},
+    ) as c:  # fmt: skip
+        for node in c.nodes:
+            node.expect(r"^STEPPING:", 180)
+        t_kill = time.monotonic()
+        c.nodes[1].kill()
+        c.nodes[0].expect(r"DP replica 1 was lost", 60)
+        lost = time.monotonic() - t_kill
+        again = c.restart(1)
+        r1 = json.loads(again.expect(r"^RESULT:(.*)$", 180).group(1))
+        r0 = json.loads(c.nodes[0].expect(r"^RESULT:(.*)$", 180).group(1))
+        codes = c.wait(timeout=120)
+    assert codes == [0, 0] and r1["epoch"] == 1 and r1["steps"] == 20, (codes, r1, c.output())
+    assert "1:lost:0" in r0["seen"] and "1:serving:1" in r0["seen"], r0
+    print(
+        f"  two simulated nodes as DP=2 replicas of TP=1 sharing one GPU: replica 1's node killed, known lost "
+        f"after {lost:.2f}s while replica 0 stepped on ({r0['steps']} steps, tokens checked, none failed); started "
+        f"again it rejoined in epoch 1 (20 steps); {time.monotonic() - t0:.0f}s"
+    )
+
+
+def hf_worker_class():  # noqa: ANN201 - the class is made where transformers imports
+    from rayfree import WorkerBase
+
+    class HfLlamaWorker(WorkerBase):
+        """A tiny random Hugging Face Llama, one step a call: the next token for each sequence (greedy), and the
+        worker's own compute time for it (the step's cost outside it is the call's wall time minus this)."""
+
+        def load_model(self) -> None:
+            from transformers import LlamaForCausalLM
+
+            self.model = LlamaForCausalLM.from_pretrained(self.kwargs["path"]).to(self.device).eval()
+
+        def execute_model(self, ids):  # noqa: ANN001, ANN201
+            import torch
+
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                logits = self.model(ids.to(self.device)).logits[:, -1]
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            if nxt.is_cuda:
+                torch.cuda.synchronize()
+            return nxt.cpu(), time.perf_counter() - t0
+
+        def cuda_tensor(self):  # noqa: ANN201
+            import torch
+
+            return torch.arange(4, device=self.device) * (self.rank + 1)
+
+    return HfLlamaWorker
+
+
+def hf_llama(gpu: bool, steps: int = 32) -> None:
+    """A tiny random Llama (transformers, made here) through MultiprocExecutor at TP=1: greedy tokens equal to
+    generate() in one process; per step, the cost outside the worker (the call's wall time minus the worker's own
+    compute), p50 and p99, beside a direct call of the same step in one process; a CUDA tensor returned."""
+    try:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        print("  tiny Llama: transformers is not installed here: skipped")
+        return
+    import tempfile
+
+    from rayfree import ClusterConfig, MultiprocExecutor, ParallelConfig
+
+    with tempfile.TemporaryDirectory(prefix="rayfree-gpu-check-llama-") as d:
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)  # fmt: skip
+        LlamaForCausalLM(cfg).save_pretrained(d)
+        prompt = torch.tensor([[1, 5, 9, 17, 33, 2, 7, 11]])
+        device = "cuda" if gpu else "cpu"
+        ref = LlamaForCausalLM.from_pretrained(d).to(device).eval()
+        with torch.no_grad():
+            want = ref.generate(prompt.to(device), max_new_tokens=steps, do_sample=False)[0, prompt.shape[1] :]
+        direct = []
+        ids = prompt.to(device)
+        with torch.no_grad():
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                nxt = ref(ids).logits[:, -1].argmax(dim=-1, keepdim=True)
+                if gpu:
+                    torch.cuda.synchronize()
+                direct.append(time.perf_counter() - t0)
+                ids = torch.cat([ids, nxt], dim=1)
+        del ref
+        config = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=1), device=device)
+        outside, got = [], []
+        with MultiprocExecutor(config, hf_worker_class(), {"path": d}) as ex:
+            ids = prompt
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                nxt, inside = ex.collective_rpc("execute_model", args=(ids,), timeout=120, unique_reply_rank=0)
+                outside.append(time.perf_counter() - t0 - inside)
+                got.append(int(nxt[0, 0]))
+                ids = torch.cat([ids, nxt], dim=1)
+            t = ex.collective_rpc("cuda_tensor", timeout=120, unique_reply_rank=0)
+    assert got == want.cpu().tolist(), (got, want)
+    assert str(t.device).startswith(device) and t.tolist() == [0, 1, 2, 3], t
+    o, dr = sorted(outside[4:]), sorted(direct[4:])
+
+    def pct(xs: list[float], q: float) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1e6
+
+    print(
+        f"  tiny Llama (4 layers, hidden 256) on {device} through MultiprocExecutor: {steps} greedy tokens equal "
+        f"generate()'s; per step outside the worker p50 {pct(o, 0.5):.0f} us, p99 {pct(o, 0.99):.0f} us (the "
+        f"step itself in one process: p50 {pct(dr, 0.5):.0f} us); a {t.device} tensor returned by the worker"
+    )
+
+
 def _vllm(model: str, backend: str, mode: str, tp: int, gpu: bool) -> str:
     out = subprocess.run(
         [sys.executable, "-m", "tests.support.vllm_engine", model, backend, mode, "--tp", str(tp)]
@@ -222,8 +379,9 @@ def main() -> int:
         STEPS = 30
         print(f"gpu-check --on-cpu: TP=2 per step p50 {statistics.median(run(2, False)) * 1e6:.0f} us")
         coupled(False)
-        if os.geteuid() == 0:
-            two_nodes(1)
+        hf_llama(False, steps=8)
+        two_nodes(1)  # (network namespaces where root and `ip` are here; else loopback, said so)
+        replicas_on_one_gpu()
         return 0
     n = cuda_devices()
     if n == 0:
@@ -234,12 +392,10 @@ def main() -> int:
         gpu, cpu = run(tp, True), run(tp, False)
         g, c = statistics.median(gpu[20:]) * 1e6, statistics.median(cpu[20:]) * 1e6
         print(f"  TP={tp}: per step (execute + sample, p50) {g:.0f} us on CUDA, {c:.0f} us on the CPU path")
+    hf_llama(True)
     if n >= 2:
         coupled(True)
-    if os.geteuid() == 0:
-        two_nodes(n)
-    else:
-        print("  two simulated nodes: skipped (needs root for network namespaces)")
+    two_nodes(n) if n >= 2 else replicas_on_one_gpu()  # (TP=2 across two nodes needs a GPU each: NCCL)
     vllm_compare(min(n, 2))
     print(f"gpu-check: done in {time.monotonic() - t0:.0f}s")
     return 0

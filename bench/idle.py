@@ -24,6 +24,9 @@ from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from rayfree.cluster.simulate import netns_missing  # noqa: E402 - (once the checkout is on the path)
+from tests.support.paths import pythonpath  # noqa: E402
+
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 ENTRY = """
@@ -146,7 +149,13 @@ def _expect(p: subprocess.Popen, word: str, timeout: float = 300) -> None:
 
 
 def _env(**more: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "WARNING", **more}
+    return {
+        **os.environ,
+        "PYTHONPATH": pythonpath(),
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        "RAYFREE_LOG_LEVEL": "WARNING",
+        **more,
+    }
 
 
 def rayfree(sim, entry_dir: str, seconds: float) -> tuple[float, float, Counter, Counter]:
@@ -233,8 +242,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=20.0)
     a = ap.parse_args()
-    if os.geteuid() != 0:
-        print("bench/idle.py: needs root (two simulated nodes)")
+    if netns_missing():
+        print(f"bench/idle.py: two simulated nodes need network namespaces; this machine lacks {netns_missing()}")
         return 0
     from rayfree.cluster.simulate import SimulatedCluster
 

@@ -212,10 +212,11 @@ def main() -> int:
         _floor_role(*args.floor_role)
         return 0
     sys.path.insert(0, ROOT)
-    from rayfree.cluster.simulate import can_use_netns
+    from rayfree.cluster.simulate import can_use_netns, netns_missing
 
     if not can_use_netns():
-        print("bench/scale.py needs root (network namespaces)", file=sys.stderr)
+        print(f"bench/scale.py: simulated nodes need network namespaces; this machine lacks {netns_missing()}",
+              file=sys.stderr)  # fmt: skip
         return 2
     fl = floor()
     print(

@@ -21,6 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SECRET: list[str] = []
 
 
+def pythonpath(*first: str) -> str:
+    """`first` (default: the checkout), then the caller's PYTHONPATH (rayfree's dependencies may come from there):
+    prepended, never replaced."""
+    parts = [*(first or (ROOT,)), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return os.pathsep.join(dict.fromkeys(p for p in parts if p))
+
+
 def secret() -> str:
     """A cluster secret for this run (the streams are sealed, as in production), removed at exit."""
     if not _SECRET:
@@ -34,12 +41,13 @@ def secret() -> str:
 
 
 def has_netns(bench: str) -> bool:
-    """Root (network namespaces), or a line saying this bench needs it."""
-    from rayfree.cluster.simulate import can_use_netns
+    """Network namespaces can be made here, or a line saying exactly what this bench lacks for them."""
+    from rayfree.cluster.simulate import netns_missing
 
-    if not can_use_netns():
-        print(f"bench/{bench}: needs root (network namespaces)")
-    return can_use_netns()
+    missing = netns_missing()
+    if missing:
+        print(f"bench/{bench}: simulated nodes need network namespaces; this machine lacks {missing}")
+    return not missing
 
 
 def write_json(path: str | None, figures: Any) -> None:
@@ -52,7 +60,7 @@ def write_json(path: str | None, figures: Any) -> None:
 def echo_node_env(sim: Any, k: int, **extra: str) -> dict[str, str]:
     """`rayfree node` k of `sim` (sealed; the echo worker in a gloo world), over `extra`."""
     return {
-        "PYTHONPATH": ROOT,
+        "PYTHONPATH": pythonpath(),
         "RAYFREE_SECRET_FILE": secret(),
         "RAYFREE_NNODES": str(len(sim.nodes)),
         "RAYFREE_NODE_RANK": str(k),
@@ -99,7 +107,7 @@ def pair_env(sim: Any, k: int, entry: str, entry_dir: str, base: dict[str, str])
     module in `entry_dir`), over the environment `base`."""
     return {
         **base,
-        "PYTHONPATH": f"{ROOT}:{entry_dir}",
+        "PYTHONPATH": pythonpath(ROOT, entry_dir),
         "RAYFREE_SECRET_FILE": secret(),
         "RAYFREE_NNODES": "2",
         "RAYFREE_NODE_RANK": str(k),

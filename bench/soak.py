@@ -63,10 +63,11 @@ def main() -> int:
     ap.add_argument("--bound", type=float, default=1.0, help="detection bound after the kill, seconds")
     args = ap.parse_args()
     sys.path.insert(0, ROOT)
-    from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
+    from rayfree.cluster.simulate import SimulatedCluster, can_use_netns, netns_missing
 
     if not can_use_netns():
-        print("bench/soak.py needs root (network namespaces)", file=sys.stderr)
+        print(f"bench/soak.py: simulated nodes need network namespaces; this machine lacks {netns_missing()}",
+              file=sys.stderr)  # fmt: skip
         return 2
     n = args.nodes
     burners: list[subprocess.Popen] = []

@@ -23,6 +23,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from rayfree.cluster.simulate import netns_missing  # noqa: E402 - (once the checkout is on the path)
+from tests.support.paths import pythonpath  # noqa: E402
 
 FLOOR = """
 import os, sys, time
@@ -55,7 +57,13 @@ def entry(ex):
 
 
 def _env(**more: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "WARNING", **more}
+    return {
+        **os.environ,
+        "PYTHONPATH": pythonpath(),
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        "RAYFREE_LOG_LEVEL": "WARNING",
+        **more,
+    }
 
 
 def floor(popen=None, addr: str = "127.0.0.1") -> float:
@@ -137,8 +145,8 @@ def main() -> int:
         print(f"    round {i + 1}: rayfree 1x2 {ours[-1]:.2f} s, floor {base[-1]:.2f} s", flush=True)
     print(_ratio_line("1 x 2", ours, base))
     print(f"  clean stop 1 x 2: p50 {statistics.median(stops):.2f} s (max {max(stops):.2f})")
-    if a.no_nodes or os.geteuid() != 0:
-        print("  2 x 1: skipped" + ("" if a.no_nodes else " (needs root for network namespaces)"))
+    if a.no_nodes or netns_missing():
+        print("  2 x 1: skipped" + ("" if a.no_nodes else f" (network namespaces need {netns_missing()})"))
         return 0
     import tempfile
 

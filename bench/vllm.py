@@ -28,13 +28,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns  # noqa: E402
 from rayfree.transport.secure import policy as security  # noqa: E402
+from tests.support.paths import pythonpath  # noqa: E402 - (once the checkout is on the path)
 from tests.support.vllm_engine import ENV, TIMED_WORKER, engine_args  # noqa: E402
 from tests.support.vllm_tiny_model import make  # noqa: E402
 
-ENV = {**ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+ENV = {**ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath(), "TORCH_CPP_LOG_LEVEL": "ERROR"}
 PORT = 29500
 
 

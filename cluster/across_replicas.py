@@ -25,8 +25,6 @@ from __future__ import annotations
 import datetime
 import logging
 
-import torch.distributed as dist
-from torch.distributed import distributed_c10d
 from torch.distributed.distributed_c10d import PrefixStore
 
 from rayfree import settings
@@ -71,17 +69,22 @@ def regroup(par: ParallelConfig, rank: int, at: int, members: list[int], wait_s:
     timeout = datetime.timedelta(seconds=bound)
     drop()
     for kind, ranks in _ranks(par, rank, members).items():
-        pg = dev = None
-        if len(ranks) > 1:
-            name, index = f"rayfree/across/e{at}/{kind}/{ranks[0]}/", ranks.index(me)
+        name, index = f"rayfree/across/e{at}/{kind}/{ranks[0]}/", ranks.index(me)
+        if len(ranks) == 1:  # (a group of one is a real group of one: group=None would be torch's whole world)
+            pg, dev = ps.solo_pair(name.rstrip("/"))
+        else:
             group = PrefixStore(name, store)
             _meet(group, len(ranks), wait_s or bound, f"rank {me}: the {kind} group across replicas {members}")
-            pg = dev = _backend("gloo", group, index, len(ranks), timeout)
-            _known(pg, group, "gloo", name, index)
+            pg = dev = ps.make_process_group("gloo", group, index, len(ranks), timeout)
+            ps.known(pg, group, "gloo", name, index)
             if ps._DEVICE_BACKEND is not None:  # (the device half: its own connections, under its own name)
                 half = PrefixStore("device/", group)
-                dev = _backend(ps._DEVICE_BACKEND, half, index, len(ranks), timeout)
-                _known(dev, half, ps._DEVICE_BACKEND, name + "device", index)
+                dev = ps.make_process_group(ps._DEVICE_BACKEND, half, index, len(ranks), timeout)
+                ps.known(dev, half, ps._DEVICE_BACKEND, name + "device", index)
+            ps._OWN.extend({id(pg): pg, id(dev): dev}.values())
+        old = ps._GROUPS.pop(kind, None)  # (the replica world's own group of the kind, before the first regroup)
+        if old is not None:
+            ps.release(old)
         ps._GROUPS[kind] = ps._make_group(kind, ranks, pg, rank=me)  # (global ranks, not the replica world's)
         ps._GROUPS[kind].device_group = dev
     _AT = (at, list(members))
@@ -98,41 +101,11 @@ def _meet(store: PrefixStore, size: int, wait_s: float, what: str) -> None:
         raise GroupError(f"{what}: not every member came within {wait_s:.0f}s ({e})") from e
 
 
-def _backend(backend: str, store: PrefixStore, index: int, size: int, timeout: datetime.timedelta) -> object:
-    """A process group of `backend` over `size` ranks meeting on `store` (this rank at `index`): no world under it."""
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, index, size, timeout)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, index, size, options)
-    raise GroupError(f"device_backend={backend!r}: the groups across DP replicas are made with gloo or nccl")
-
-
-def _known(pg: object, store: PrefixStore, backend: str, name: str, index: int) -> None:
-    """Tell torch.distributed of the process group (this rank's place in it only), so that its collectives (and
-    their error logging, which looks the group up) take it like any group."""
-    w = distributed_c10d._world
-    w.pg_map[pg], w.pg_names[pg], w.pg_backend_config[pg] = (backend, store), name, backend
-    w.pg_group_ranks[pg] = {dist.get_rank(): index}
-
-
 def drop() -> None:
     """Release this rank's groups across replicas (their sockets close: peers waiting on them err at once)."""
     global _AT
-    w = distributed_c10d._world
     for kind in ("dp", "ep"):
         g = ps._GROUPS.pop(kind, None) if _AT is not None else None
-        halves = [] if g is None else [g.cpu_group] + ([g.device_group] if g.device_group is not g.cpu_group else [])
-        for pg in (h for h in halves if h is not None):
-            backend = w.pg_backend_config.get(pg)
-            for known in (w.pg_map, w.pg_names, w.pg_backend_config, w.pg_group_ranks):
-                known.pop(pg, None)
-            try:  # (its sockets close now, not when the last reference goes; NCCL's communicator is aborted, as
-                # its graceful end would wait for a peer that may be gone)
-                pg.abort() if backend == "nccl" else pg.shutdown()
-            except Exception as e:  # noqa: BLE001 - it goes with its last reference anyway
-                logger.debug("shutting the %s group across replicas down: %s", kind, e)
         if g is not None:
-            g.cpu_group = g.device_group = None
+            ps.release(g)
     _AT = None

@@ -223,8 +223,7 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The parallel layout plus every timeout the cluster uses (seconds)."""
 
     parallel: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
-    #: joining torch.distributed: how long a rank waits for the others (long enough for a late node still
-    #: pulling its image: a node that comes within it is normal)
+    #: joining torch.distributed: how long a rank waits for the others (a late node pulling its image is normal)
     join_timeout_s: float = 900.0
     #: workers becoming ready after spawn (the join and the model load included)
     ready_timeout_s: float = 1800.0
@@ -257,8 +256,7 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     collective_methods: list[str] = msgspec.field(
         default_factory=lambda: ["execute_model", "sample_tokens", "compile_or_warm_up_model"]
     )
-    #: a worker gets big tensor arguments as views of its node's ring, not as its own copy: it must not change
-    #: them, and one it keeps holds the ring (docs/architecture.md, "Shared arguments")
+    #: big tensor arguments as views of the node's ring, not copies: not to change, and one kept holds the ring
     shared_arguments: bool = False
     #: GPU nodes (devices.py, docs/gpu.md): which visible devices the workers use (None: all); CPU binding at
     #: spawn ("none", "auto": the GPU's NUMA node, or NUMA ids by worker); a CUDA_VISIBLE_DEVICES per worker;
@@ -267,6 +265,8 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     numa_bind: str = "none"
     per_rank_visible_devices: bool = False
     gpu_nics: str | None = None
+    #: where the workers run: "auto" (a GPU each if the node has enough, else the CPU), "cpu", "cuda" (devices.py)
+    device: str = "auto"
 
     def validate(self, check_local_master: bool = False) -> ClusterConfig:
         """Raise ConfigError on the first wrong or inconsistent value (naming the field and the value); return
@@ -279,7 +279,7 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check_types(self)
         self.parallel.validate(check_local_master)
         try:
-            check_settings(self.numa_bind, self.device_ids, self.gpu_nics)
+            check_settings(self.numa_bind, self.device_ids, self.gpu_nics, self.device)
         except DeviceError as e:
             raise ConfigError(str(e)) from None
         timeouts = ("join_timeout_s", "ready_timeout_s", "shutdown_grace_s", "shutdown_term_s")

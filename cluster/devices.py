@@ -27,6 +27,8 @@ __all__ = [
     "place",
     "parse_cpulist",
     "check_settings",
+    "resolve_device",
+    "DEVICES",
 ]
 
 
@@ -231,8 +233,37 @@ def place(
     return out
 
 
-def check_settings(numa_bind: str, device_ids: str | None, gpu_nics: str | None) -> None:
+#: where workers can run (ClusterConfig.device, RAYFREE_DEVICE, --device; a worker class's `runs_on`)
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(setting: str, n_visible: int, n_workers: int, node: int = 0) -> tuple[str, str]:
+    """Where a node's `n_workers` workers run, "cpu" or "cuda", and a line saying why when `auto` chose the CPU
+    on a node with GPUs ("" otherwise). `cuda` on a node with fewer devices than workers is refused (DeviceError,
+    one line); `cpu` never places or counts GPUs."""
+    if setting == "cpu":
+        return "cpu", ""
+    if setting == "cuda":
+        if n_workers > n_visible:
+            raise DeviceError(
+                f"node {node} runs {n_workers} worker(s) but sees {n_visible} device(s) (device=cuda): give it "
+                f"more GPUs or fewer ranks per node, or run them on the CPU with --device cpu"
+            )
+        return "cuda", ""
+    if n_visible and n_workers <= n_visible:
+        return "cuda", ""
+    if not n_visible:
+        return "cpu", ""
+    return "cpu", (
+        f"node {node} runs {n_workers} worker(s) but sees {n_visible} GPU(s): they run on the CPU (device=auto; "
+        f"--device cuda refuses instead)"
+    )
+
+
+def check_settings(numa_bind: str, device_ids: str | None, gpu_nics: str | None, device: str = "auto") -> None:
     """The device settings' syntax, before anything reads the node's devices (DeviceError naming the field)."""
+    if device not in DEVICES:
+        raise DeviceError(f"device={device!r}: use auto, cpu or cuda")
     if numa_bind not in ("auto", "none") and not re.fullmatch(r"\d+(,\d+)*", numa_bind.replace(" ", "")):
         raise DeviceError(f"numa_bind={numa_bind!r}: use auto, none, or NUMA node ids by worker, e.g. 0,0,1,1")
     if device_ids is not None and not [x for x in device_ids.split(",") if x.strip()]:

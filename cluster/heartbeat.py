@@ -128,8 +128,8 @@ class HeartbeatServer(Beater):
         self._verdict_at = 0.0
         #: after a failure, how long followers that have not beaten yet are waited for, to be told
         self.tell_late_s = TELL_LATE_S
-        #: a lost node beats again from another process: its epoch if node 0 admits it, else None (the layer above)
-        self.admit: Callable[[int, int], int | None] | None = None
+        #: a lost node beats again from another process (node, pid, its shape): its epoch if admitted, why if refused
+        self.admit: Callable[[int, int, str], int | str | None] | None = None
         #: node 0's first answer to a follower (a Welcome, encoded; the layer above), or None
         self.welcome_fn: Callable[[int], bytes] | None = None
         #: what other threads asked this one to send: (to which nodes, what), sent at its next turn
@@ -203,7 +203,9 @@ class HeartbeatServer(Beater):
             return
         if peer.gone:
             epoch = self._admitted(peer, msg)
-            if epoch is None:
+            if epoch is None or isinstance(epoch, str):  # (refused: it is told why, and leaves)
+                if epoch is not None:
+                    sock.try_send([identity, _encode(msgs.Refused(epoch))])
                 return
             peer.reincarnate(msg.pid, epoch)  # type: ignore[union-attr]
             self._look_at = 0.0  # (its deadline counts again)
@@ -231,11 +233,11 @@ class HeartbeatServer(Beater):
         # False: its queue is full: it is not reading, and its own timeout will tell it
         sock.try_send([identity, _encode(Beat(0, [], "", me, seq))])
 
-    def _admitted(self, peer: _Peer, msg: Beat | Bye) -> int | None:
-        """A lost node beats again: from another process, a replacement node 0 may admit (its epoch)."""
+    def _admitted(self, peer: _Peer, msg: Beat | Bye) -> int | str | None:
+        """A lost node beats again: from another process, a replacement node 0 may admit (epoch) or refuse (why)."""
         if not isinstance(msg, Beat) or msg.pid == peer.pid or self.admit is None:
             return None
-        return self.admit(peer.node_rank, msg.pid)
+        return self.admit(peer.node_rank, msg.pid, msg.shape)
 
     def _next_due(self, next_log: float) -> float:
         """When the loop must look again if nothing arrives (a beat, a dropped connection and a stop wake it):

@@ -19,6 +19,7 @@ from .heartbeat_messages import (
     Beat,
     Bye,
     DrainReplica,
+    Refused,
     Regroup,
     ReplicaDown,
     ReplicaUp,
@@ -48,6 +49,7 @@ class HeartbeatClient(Beater):
         timeout: float,
         on_lost: Callable[[str], None],
         on_bye: ByeCallback,
+        shape: str = "",
     ) -> None:
         super().__init__(interval, timeout, "RayfreeHeartbeatClient", f"node {node_rank}")
         self.endpoint = tcp_endpoint(master_addr, port)
@@ -64,6 +66,10 @@ class HeartbeatClient(Beater):
         #: node 0's first answer (the epochs of this node's replicas), once it came
         self.welcome: Welcome | None = None
         self.welcomed = threading.Event()
+        #: the cluster's shape as this node was started (sent until node 0 welcomes it), and node 0's refusal
+        #: of this node as a replacement (why), which also sets `welcomed`
+        self.shape = shape
+        self.refused: str | None = None
         self.contact = threading.Event()
         self.last_reply: float | None = None
         #: node 0's last word on the cluster's readiness ("" ready; see Verdict)
@@ -94,9 +100,9 @@ class HeartbeatClient(Beater):
                 now = time.monotonic()
                 if now >= next_beat:
                     seq += 1
-                    if sock.try_send(
-                        [_encode(Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status()))]
-                    ):
+                    shape = "" if self.welcomed.is_set() else self.shape
+                    beat = Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status(), shape)
+                    if sock.try_send([_encode(beat)]):
                         self._sent_at = time.monotonic()
                     # (else not connected yet, or the link is down: the timeout decides)
                     next_beat = now + self.interval
@@ -106,6 +112,15 @@ class HeartbeatClient(Beater):
                 for frames in self._receive(sock, wait_ms(due)):
                     if len(frames) == 1 and self._on_message(frames[0]):
                         return
+                if self.refused is None and not self.contact.is_set() and sock.key_refused():
+                    # (a node waiting for its welcome leaves with it; one that joins first hears it there too,
+                    # on both sides, by address: join.py)
+                    self.refused = (
+                        f"node 0 at {self.endpoint} refused this node's key in the CURVE handshake: it was "
+                        f"started with another secret than node 0 (give every node the same --secret-file; "
+                        f"`rayfree doctor` prints the secret's fingerprint)"
+                    )
+                    self.welcomed.set()
                 if sock.take_connected() or self.suspect_at != dropped:  # (re)connected, or dropped: beat now
                     dropped, next_beat = self.suspect_at, 0.0
                 now = time.monotonic()
@@ -162,6 +177,10 @@ class HeartbeatClient(Beater):
             return False
         if isinstance(msg, Welcome):
             self.welcome = msg
+            self.welcomed.set()
+            return False
+        if isinstance(msg, Refused):
+            self.refused = msg.reason  # (the layer above says it, once, and leaves)
             self.welcomed.set()
             return False
         if isinstance(msg, (ReplicaDown, ReplicaUp, DrainReplica, Regroup)):

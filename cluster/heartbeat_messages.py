@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "DrainReplica", "Regroup", "Welcome"]
+__all__ = [
+    "Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "DrainReplica", "Regroup", "Welcome", "Refused"
+]  # fmt: skip
 
 
 class Beat(msgspec.Struct, tag="beat", array_like=True):
@@ -19,6 +21,9 @@ class Beat(msgspec.Struct, tag="beat", array_like=True):
     done: bool = False
     #: the node's own status, opaque here (the executor layer's NodeStatus, encoded): node 0 keeps the last
     status: bytes = b""
+    #: the cluster's shape as this node was started (join.shape_of), sent until node 0 welcomes it: a lost
+    #: node's replacement is admitted only with the shape of the cluster it replaces a node of
+    shape: str = ""
 
 
 class Bye(msgspec.Struct, tag="bye", array_like=True):
@@ -78,11 +83,18 @@ class Welcome(msgspec.Struct, tag="welcome", array_like=True):
     lost: list[ReplicaDown] = []
 
 
+class Refused(msgspec.Struct, tag="refused", array_like=True):
+    """Node 0 to a lost node's replacement it will not admit (another shape or coupling): why, in one line; the
+    replacement exits 2."""
+
+    reason: str
+
+
 class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
     """`rayfree status` asks node 0 for the cluster's status (it must hold the secret to get through)."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(
-    Beat | Bye | Verdict | ReplicaDown | ReplicaUp | DrainReplica | Regroup | Welcome | StatusQuery
+    Beat | Bye | Verdict | ReplicaDown | ReplicaUp | DrainReplica | Regroup | Welcome | Refused | StatusQuery
 ).decode

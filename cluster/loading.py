@@ -119,20 +119,42 @@ def _parse_value(name: str, text: str) -> Any:
         ) from None
 
 
+#: the fields an operator sets (the docs name each): shown by --help, with what they do, and printed by --dry-run;
+#: every other field has its flag too, unlisted
+_SHOWN = {
+    "tensor_parallel_size": "ranks of a tensor-parallel group",
+    "pipeline_parallel_size": "pipeline stages",
+    "data_parallel_size": "DP replicas",
+    "prefill_context_parallel_size": "prefill context-parallel ranks",
+    "decode_context_parallel_size": "decode context-parallel ranks",
+    "nnodes": "nodes in the cluster",
+    "node_rank": "this node's rank (0: the driver's node)",
+    "master_addr": "node 0's address",
+    "master_port": "node 0's rendezvous port (the heartbeats use the next one)",
+    "device": "where the workers run: auto (a GPU each when the node has enough, else the CPU), cpu or cuda",
+    "device_ids": "the GPUs this node's workers use, by index or UUID (default: all it sees)",
+    "numa_bind": "bind each worker to its GPU's NUMA node (docs/gpu.md)",
+    "replica_coupling": "how DP replicas are tied: independent, coupled, one-world or auto",
+    "shared_arguments": "1: local workers read big tensor arguments as views of the node's ring",
+    "broadcast": "how calls reach other nodes' workers: relay or direct",
+    "force_remote": "1: no shared memory between ranks (every rank as on another node)",
+    "gpu_nics": "the RDMA NICs next to each GPU, for NCCL",
+    "spin_us": "how long a waiting queue call spins before it parks, in microseconds",
+}
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per config field (strings, typed on load) and --config FILE."""
     parser.add_argument("--config", metavar="FILE", help="TOML or JSON file with the cluster configuration")
     for name in sorted(_PARALLEL_FIELDS | _CLUSTER_FIELDS):
         flags = ["--" + name.replace("_", "-")] + ([_SHORT[name]] if name in _SHORT else [])
+        shown = _SHOWN.get(name)
         parser.add_argument(
             *flags,
             dest=name,
             metavar="V",
             default=None,
-            help=argparse.SUPPRESS
-            if name not in _SHORT
-            and name not in ("nnodes", "node_rank", "master_addr", "master_port", "device_ids", "numa_bind")
-            else None,
+            help=argparse.SUPPRESS if shown is None and name not in _SHORT else f"{shown} [RAYFREE_{name.upper()}]",
         )
 
 

@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.distributed.distributed_c10d import PrefixStore
 
 from rayfree.transport import get_ip
@@ -57,6 +58,9 @@ _FORCE_REMOTE: bool | None = None
 _MASTER = "127.0.0.1"
 #: the backend of the groups' device halves (None: they are the gloo groups)
 _DEVICE_BACKEND: str | None = None
+#: the process groups made outside torch's world (`make_process_group`: one-rank groups, the groups across
+#: replicas), released by `release`
+_OWN: list[Any] = []
 
 
 def _parse_init_method(method: str) -> tuple[str, int]:
@@ -206,18 +210,80 @@ def initialize_model_parallel(parallel_config: ParallelConfig) -> None:
     layout = _layout(parallel_config, world.world_size)
     for kind, groups in layout.items():
         for ranks in groups:
-            # new_group is collective: every rank creates every group and keeps its own.
-            # One-rank groups need no process group; whole-world ones reuse the world's.
-            if len(ranks) == 1:
-                pg = dev = None
-            elif len(ranks) == world.world_size:
+            # new_group is collective: every rank creates every group and keeps its own. Whole-world ones reuse
+            # the world's; a one-rank group is a real group of one, made by its rank alone (group=None would be
+            # read by torch as the default group: the whole world).
+            if len(ranks) == world.world_size:
                 pg, dev = world.cpu_group, world.device_group
+            elif len(ranks) == 1:
+                pg = dev = None
+                if world.rank in ranks:
+                    pg, dev = solo_pair(f"rayfree/solo/{kind}/{ranks[0]}")
             else:
                 pg = _new_group(ranks, "gloo")
                 dev = _new_group(ranks, _DEVICE_BACKEND) if _DEVICE_BACKEND else pg
             if world.rank in ranks:
                 _GROUPS[kind] = _make_group(kind, ranks, pg)
                 _GROUPS[kind].device_group = dev
+
+
+def make_process_group(backend: str, store: Any, index: int, size: int, timeout: datetime.timedelta) -> Any:
+    """A process group of `backend` over `size` ranks meeting on `store` (this rank at `index`), outside
+    torch's world bookkeeping (`known` registers it)."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, index, size, timeout)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, index, size, options)
+    raise GroupError(f"device_backend={backend!r}: groups made outside the world are gloo or nccl")
+
+
+def known(pg: Any, store: Any, backend: str, name: str, index: int) -> None:
+    """Tell torch.distributed of a process group made by `make_process_group` (this rank's place in it only), so
+    that its collectives (and their error logging, which looks the group up) take it like any group."""
+    w: Any = distributed_c10d._world
+    w.pg_map[pg], w.pg_names[pg], w.pg_backend_config[pg] = (backend, store), name, backend
+    w.pg_group_ranks[pg] = {dist.get_rank(): index}
+
+
+def forget(pg: Any) -> None:
+    """Release a process group that `known` registered: its sockets close now (NCCL's communicator is aborted,
+    as its graceful end would wait for a peer that may be gone)."""
+    w = distributed_c10d._world
+    backend = w.pg_backend_config.get(pg)
+    for table in (w.pg_map, w.pg_names, w.pg_backend_config, w.pg_group_ranks):
+        table.pop(pg, None)
+    try:
+        pg.abort() if backend == "nccl" else pg.shutdown()
+    except Exception as e:  # noqa: BLE001 - it goes with its last reference anyway
+        logger.debug("shutting a process group down: %s", e)
+
+
+def solo_pair(name: str) -> tuple[Any, Any]:
+    """A group of this rank alone, as a pair (gloo, and the device backend's when the world has one): collectives
+    on it are this rank's own values, as on vLLM's GroupCoordinator of one rank."""
+    store = PrefixStore(name + "/", getattr(dist, "HashStore")())  # noqa: B009 - (not in torch's stubs' exports)
+    timeout = datetime.timedelta(seconds=_TIMEOUT_S)
+    pg = dev = make_process_group("gloo", store, 0, 1, timeout)
+    known(pg, store, "gloo", name, 0)
+    if _DEVICE_BACKEND is not None and _DEVICE_BACKEND != "gloo":
+        half = PrefixStore("device/", store)
+        dev = make_process_group(_DEVICE_BACKEND, half, 0, 1, timeout)
+        known(dev, half, _DEVICE_BACKEND, name + "/device", 0)
+    _OWN.extend({id(pg): pg, id(dev): dev}.values())
+    return pg, dev
+
+
+def release(g: Group) -> None:
+    """Release the halves of `g` that were made outside torch's world (one-rank groups, the groups across
+    replicas): `forget`, not destroy_process_group, which knows nothing of them."""
+    own = [pg for pg in _OWN if pg is g.cpu_group or pg is g.device_group]
+    for pg in own:
+        _OWN[:] = [p for p in _OWN if p is not pg]
+        forget(pg)
+    if own:
+        g.cpu_group = g.device_group = None
 
 
 def model_parallel_is_initialized() -> bool:
@@ -274,6 +340,7 @@ def destroy_model_parallel() -> None:
     groups = list(_GROUPS.values())
     _GROUPS.clear()
     for g in groups:
+        release(g)
         g.destroy()
 
 

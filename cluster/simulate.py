@@ -27,7 +27,7 @@ import time
 import weakref
 from collections.abc import Sequence
 
-__all__ = ["SimulatedCluster", "SimulatedNode", "can_use_netns"]
+__all__ = ["SimulatedCluster", "SimulatedNode", "can_use_netns", "netns_missing"]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -37,9 +37,18 @@ _seq = 0
 _seq_lock = threading.Lock()
 
 
+def netns_missing() -> str:
+    """What simulated nodes with a network namespace each lack here ("" when nothing): root, `ip` (iproute2)
+    or `unshare` (util-linux)."""
+    lack = [] if os.geteuid() == 0 else ["root"]
+    tools = (("ip", "iproute2"), ("unshare", "util-linux"))
+    lack += [f"`{tool}` ({pkg})" for tool, pkg in tools if not shutil.which(tool)]
+    return " and ".join(lack)
+
+
 def can_use_netns() -> bool:
     """Root, and `ip` and `unshare` present."""
-    return os.geteuid() == 0 and bool(shutil.which("ip")) and bool(shutil.which("unshare"))
+    return not netns_missing()
 
 
 def _ip(*args: str) -> None:
@@ -192,8 +201,9 @@ class SimulatedCluster:
     def __enter__(self) -> SimulatedCluster:
         if not self.use_netns:
             logger.warning(
-                "simulated nodes without root: all nodes share loopback and /dev/shm, and ranks are "
-                "forced to treat each other as remote (RAYFREE_FORCE_REMOTE=1)"
+                "simulated nodes without %s: all nodes share loopback and /dev/shm, and ranks are forced to "
+                "treat each other as remote (RAYFREE_FORCE_REMOTE=1)",
+                netns_missing() or "network namespaces (use_netns=False)",
             )
             self.nodes = [SimulatedNode(self, k, "127.0.0.1", None) for k in range(self.nnodes)]
             return self

@@ -24,3 +24,23 @@ def test_a_lost_node_fails_the_whole_cluster(rayfree_cluster):
     cluster.nodes[1].kill(signal.SIGKILL)
     codes = cluster.wait(timeout=60)
     assert codes[0] != 0, cluster.output()
+
+
+def test_a_lost_replica_rejoins_when_its_node_is_started_again(rayfree_cluster):
+    """Two independent DP replicas, one node each: replica 1's node is lost and the other replica serves on;
+    started again with the same command (`restart`, as its launcher would), it rejoins in epoch 1."""
+    cluster = rayfree_cluster(
+        2,
+        worker="tp_layer:TPLinearWorker",
+        entry="tp_serve:main",
+        dp=2,
+        env={"TP_SERVE_IDLE_S": "120"},  # (each replica idles after its steps, as an engine between requests)
+    )
+    for node in cluster.nodes:
+        assert node.json_after("RESULT", timeout=300)["equal"] == 10, cluster.output()
+    cluster.nodes[1].kill(signal.SIGKILL)
+    cluster.nodes[0].expect(r"DP replica 1 was lost", timeout=60)
+    again = cluster.restart(1)
+    assert again.json_after("RESULT", timeout=300) == {"steps": 10, "equal": 10, "nodes": [1]}, cluster.output()
+    cluster.nodes[0].expect(r"DP replica 1 rejoined \(epoch 1\)", timeout=60)
+    assert cluster.nodes[0].returncode is None  # (replica 0 served on throughout)

@@ -29,7 +29,8 @@ FailureCallback = Callable[[], None]
 
 class ReplicaState(msgspec.Struct, frozen=True):
     """A DP replica as this process knows it: "serving"; "lost" (an independent replica; `why` says what it
-    lost); "draining" (`rayfree drain`: route no new calls to it, its calls in flight finish) then "drained"
+    lost); "draining" (`rayfree drain`: route no new calls to it: one made anyway raises `ReplicaDrained` at once;
+    its calls in flight finish) then "drained"
     (stopped; its nodes exited 0); or "rejoining" (node 0 admitted its replacement nodes). And its epoch (0,
     then one more at each rejoin)."""
 

@@ -24,7 +24,7 @@ from rayfree.supervisor import Failure, Severity
 from .abstract import ReplicaState
 from .errors import ReplicaDrained
 
-__all__ = ["request", "begin"]
+__all__ = ["request", "begin", "refuse_if_draining"]
 
 logger = logging.getLogger("rayfree.executor")
 
@@ -57,6 +57,15 @@ def request(lv: Any, k: int) -> str:
         f"DP replica {k} drains: its calls in flight finish, then node(s) {nodes} stop and exit 0. Start them "
         f"again with the same command to bring it back"
     )
+
+
+def refuse_if_draining(ex: Any) -> None:
+    """A call to a replica that drains is refused at once (`ReplicaDrained`): it takes no new calls."""
+    lv = ex.liveness
+    if lv is not None and ex.dp_rank in lv.replica_epochs.draining and not ex.is_failed:  # (drained: its own word)
+        par = ex.parallel_config
+        why = "it drains on the operator's request and takes no new calls; its calls in flight finish"
+        raise ReplicaDrained(ex.dp_rank, par.node_rank, par.node_ranks(par.node_rank), why)
 
 
 def begin(lv: Any, k: int) -> None:

@@ -25,10 +25,11 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from rayfree.cluster.config import ClusterConfig
+from rayfree.cluster.config import ClusterConfig, ConfigError
 from rayfree.cluster.heartbeat import Bye, HeartbeatServer
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.cluster.heartbeat_messages import ReplicaDown, ReplicaUp
+from rayfree.cluster.join import shape_of
 from rayfree.supervisor import Failure, Severity
 from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
@@ -327,6 +328,7 @@ class FollowerLiveness(NodeLiveness):
             cfg.heartbeat_timeout_s,
             lambda why: self.policy.report("the heartbeats", LeaderLost(self.node, why), Severity.FATAL),
             self._head_bye,
+            shape_of(par),  # (a replacement of a lost node is admitted only with the cluster's shape)
         )
         self.beater.status_fn = lambda: encode(node_status(self))
         if self.independent:
@@ -368,6 +370,8 @@ class FollowerLiveness(NodeLiveness):
         while not self.beater.welcomed.wait(_FINISH_POLL_S):
             if self.settled.is_set() or time.monotonic() > deadline:
                 return {}
+        if self.beater.refused is not None:
+            raise ConfigError(self.beater.refused)
         welcome = self.beater.welcome
         assert welcome is not None
         self.replica_epochs.epochs.update(welcome.epochs)

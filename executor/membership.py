@@ -78,11 +78,13 @@ class Membership:
         self.formed: tuple[int, list[int]] | None = lv.membership if ex.parallel_config.replica_epoch == 0 else None
         self.wanted = self.formed
         self.changed = threading.Event()
+        self._first = threading.Event()  # (set once a membership is wanted: a rejoined replica waits for it)
 
     def want(self, at: int, members: list[int]) -> None:
         """The policy thread: form this membership before the next call; at once if no call is under way."""
         self.wanted = (at, list(members))
         self.changed.set()
+        self._first.set()
         supervisor().start(f"RayfreeRegroup-{at}", self._now)
 
     def _now(self) -> None:
@@ -97,8 +99,18 @@ class Membership:
 
     def before_call(self) -> None:
         """Under the pipe's lock, before a call goes out: form the wanted membership if the ranks lack it."""
-        want = self.wanted
         ex = self._ex()
+        if self.wanted is None and ex is not None:  # a rejoined replica: no call before its first membership
+            bound = ex.config.join_timeout_s
+            until = time.monotonic() + bound
+            while not self._first.wait(0.05) and time.monotonic() < until:
+                if ex.is_failed or ex.stopped:
+                    return  # (the call meets the failure itself)
+            if self.wanted is None:
+                raise ReplicasChanged(
+                    -1, [], f"DP replica {ex.dp_rank} rejoined but node 0 declared no membership within {bound:.0f}s"
+                )
+        want = self.wanted
         if want is None or want == self.formed or ex is None or ex.pipe is None:
             return
         self.formed = want  # (first: the call below comes through here too)

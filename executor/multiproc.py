@@ -1,11 +1,9 @@
 """`MultiprocExecutor`: one worker process per local rank, RPCs through the broadcast queue.
 
 The leader (node_rank_within_dp 0) owns the RPC pipe (rpc.py) and reads every rank's replies; a follower node
-runs the same class headless: it spawns its workers, watches them, and relays the broadcast (broadcast.py).
-This module keeps the order of start-up (spawn, all READYs, then the queue handshakes) and what the node's
-policy (failure_policy.py) asks of an executor: what a failure is reported as, how it is marked failed, and
-the pieces of its staged shutdown, which the policy's thread runs (architecture page, "Fault model").
-"""
+runs the same class headless: it spawns its workers, watches them, and relays the broadcast (broadcast.py). This
+module keeps the order of start-up (spawn, all READYs, then the queue handshakes) and what the node's policy asks
+of an executor: what a failure is reported as, how it is marked failed, and its staged shutdown's pieces."""
 
 from __future__ import annotations
 
@@ -27,6 +25,7 @@ from rayfree.worker.messages import Fatal
 
 from .abstract import Executor
 from .broadcast import NodeBroadcast
+from .drain import refuse_if_draining
 from .errors import FatalWorkerError, NotLeaderError, WorkerDied, failed_as
 from .liveness import NodeLiveness
 from .membership import Membership
@@ -124,7 +123,7 @@ class MultiprocExecutor(Executor):
         worker_cls = self.worker_cls if isinstance(self.worker_cls, str) else cloudpickle.dumps(self.worker_cls)
         success = False
         try:
-            preflight(self.config, self.worker_cls)
+            self.config = preflight(self.config, self.worker_cls)  # (with the device the worker class declares)
             if self.liveness is None:
                 if par.nnodes > 1 and par.replicas_per_node > 1:
                     raise ValueError(
@@ -359,6 +358,7 @@ class MultiprocExecutor(Executor):
                 if self._failure is None
                 else f"the executor failed earlier and takes no more calls: {self._failure}",
             )
+        refuse_if_draining(self)  # (`rayfree drain`: a draining replica takes no new call)
         connector = kv_output_aggregator if kv_output_aggregator is not None else ec_output_aggregator
         if connector is not None:
             if kv_output_aggregator is not None and ec_output_aggregator is not None:

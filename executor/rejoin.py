@@ -16,6 +16,7 @@ import logging
 from typing import Any
 
 from rayfree.cluster.heartbeat_messages import ReplicaDown, ReplicaUp, Welcome, _encode
+from rayfree.cluster.join import shape_of
 
 from . import membership
 from .abstract import ReplicaState
@@ -80,10 +81,20 @@ class Rejoins(ReplicaEpochs):
         self._admitted: dict[int, set[int]] = {}  # the nodes admitted so far in a rejoin
         self._refused: set[int] = set()  # the processes refused (said once)
 
-    def admit(self, node: int, pid: int) -> int | None:
-        """The heartbeat thread: lost node `node` beats again from process `pid`. Its epoch if admitted: every
-        replica it runs is lost (a node of a replica that serves is not replaced under it)."""
+    def admit(self, node: int, pid: int, shape: str = "") -> int | str | None:
+        """The heartbeat thread: lost node `node` beats again from process `pid`, started as `shape`. Its epoch
+        if admitted: every replica it runs is lost (a node of a replica that serves is not replaced under it),
+        and it was started with the cluster's own shape and coupling; else why it is refused (it is told, and
+        leaves: a refusal takes no epoch), or None."""
         par, lost = self.lv.par, self.lv.policy.lost
+        ours = shape_of(par)
+        if shape and shape != ours:
+            why = (f"node {node}'s replacement (pid {pid}) was started as {shape!r} but the cluster is {ours!r}: "
+                   f"start it with the cluster's own sizes and --replica-coupling")  # fmt: skip
+            if pid not in self._refused:
+                self._refused.add(pid)
+                logger.warning("%s; refused", why)
+            return why
         replicas = par.replicas_of_node(node)
         if par.one_world or not replicas or not all(k in lost for k in replicas):
             if pid not in self._refused:

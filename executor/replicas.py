@@ -59,7 +59,11 @@ class NodeReplicas:
             on_liveness(self.liveness)
         self.executors: list[MultiprocExecutor] = []
         # a follower's independent replicas start in the epoch node 0 gives (a later one when they rejoin)
-        epochs = self.liveness.welcome_epochs(config.join_timeout_s) if self.liveness.independent else {}
+        try:
+            epochs = self.liveness.welcome_epochs(config.join_timeout_s) if self.liveness.independent else {}
+        except BaseException:  # (refused by node 0: a replacement of another shape)
+            self.liveness.close()
+            raise
         configs = [
             msgspec.structs.replace(
                 config,

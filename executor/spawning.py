@@ -4,16 +4,30 @@ re-import of the engine's main module (moved into the worker, under its lifeline
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from rayfree import settings
 from rayfree.cluster.config import ClusterConfig, ConfigError
-from rayfree.cluster.devices import DeviceError, Placement, Topology, Visible, place, visible_devices
+from rayfree.cluster.devices import (
+    DeviceError,
+    Placement,
+    Topology,
+    Visible,
+    place,
+    resolve_device,
+    visible_devices,
+)
 
-__all__ = ["start_context", "worker_env", "main_in_worker", "node_topology", "node_places", "placements", "placed"]
+__all__ = [
+    "start_context", "worker_env", "main_in_worker", "node_topology", "node_places", "NodePlaces", "placements",
+    "placed",
+]  # fmt: skip
+
+logger = logging.getLogger("rayfree.executor")
 
 
 def start_context() -> Any:
@@ -69,39 +83,54 @@ def node_topology() -> Topology:
     return Topology.read(settings.get("RAYFREE_TOPOLOGY_ROOT")).within(os.sched_getaffinity(0))
 
 
-def node_places(config: ClusterConfig, topo: Topology) -> tuple[list[Visible], list[Placement]]:
+class NodePlaces(NamedTuple):
+    """A node's visible devices, the places of all its workers, where they run ("cpu", "cuda") and, when
+    device=auto chose the CPU on a node with GPUs, the line that says so."""
+
+    visible: list[Visible]
+    places: list[Placement]
+    device: str
+    note: str
+
+
+def node_places(config: ClusterConfig, topo: Topology) -> NodePlaces:
     """The node's visible devices and the places of all its workers, every DP replica's (replica k's after
-    replica k-1's); DeviceError when they cannot hold."""
+    replica k-1's), on the device `config.device` resolves to; DeviceError when they cannot hold."""
     par = config.parallel
     replicas = par.node_replicas if par.dp_rank in par.node_replicas else [par.dp_rank]
-    visible = visible_devices(topo, os.environ, config.device_ids)
+    n = len(replicas) * par.local_ranks
+    visible = visible_devices(topo, os.environ, config.device_ids) if config.device != "cpu" else []
+    device, note = resolve_device(config.device, len(visible), n, par.node_rank)
     every = place(
         topo,
-        visible,
-        len(replicas) * par.local_ranks,
+        visible if device == "cuda" else [],
+        n,
         numa_bind=config.numa_bind,
         per_rank_visible_devices=config.per_rank_visible_devices,
-        gpu_nics=config.gpu_nics,
+        gpu_nics=config.gpu_nics if device == "cuda" else None,
         node=par.node_rank,
     )
-    return visible, every
+    return NodePlaces(visible, every, device, note)
 
 
-def placements(config: ClusterConfig) -> list[Placement]:
-    """The places of this executor's workers: the node's places for every DP replica it runs (so replicas get
-    disjoint devices), this replica's slice. Refused, before any worker starts, when the node runs more ranks
-    than it has devices (ConfigError, one line naming both)."""
+def placements(config: ClusterConfig) -> tuple[list[Placement], str]:
+    """The places of this executor's workers (the node's places for every DP replica it runs, so replicas get
+    disjoint devices: this replica's slice) and where they run ("cpu", "cuda"). Refused, before any worker
+    starts, when the node runs more ranks than it has devices and device=cuda (ConfigError, one line naming
+    both); device=auto on a node with too few GPUs runs them on the CPU and says so."""
     par = config.parallel
     try:
-        visible, every = node_places(config, node_topology())
+        node = node_places(config, node_topology())
     except DeviceError as e:
         raise ConfigError(f"{e} (refused before starting any worker)") from None
+    if node.note and par.dp_rank == (par.node_replicas or [par.dp_rank])[0]:  # (once a node)
+        logger.warning("%s", node.note)
     replicas = par.node_replicas if par.dp_rank in par.node_replicas else [par.dp_rank]
     first = replicas.index(par.dp_rank) * par.local_ranks
-    out = every[first : first + par.local_ranks]
-    if visible and "CUDA_DEVICE_ORDER" not in os.environ:  # the driver's order, which device ids follow here
+    out = node.places[first : first + par.local_ranks]
+    if node.device == "cuda" and "CUDA_DEVICE_ORDER" not in os.environ:  # the driver's order, which ids follow
         out = [Placement(p.device, p.cpus, {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", **p.env}, p.numa) for p in out]
-    return out
+    return out, node.device
 
 
 @contextlib.contextmanager

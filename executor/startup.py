@@ -12,11 +12,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from rayfree.cluster.config import ClusterConfig, ConfigError
 from rayfree.transport import get_open_port
 from rayfree.transport.net import port_holder
 from rayfree.transport.secure.policy import require_secret
-from rayfree.worker.proc import check_worker_path
+from rayfree.worker.proc import check_worker_path, declared_runs_on
 
 from .errors import WorkerStartupError
 
@@ -41,9 +43,10 @@ def init_method(config: ClusterConfig) -> str:
     return f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}"
 
 
-def preflight(config: ClusterConfig, worker_cls: type | str) -> None:
+def preflight(config: ClusterConfig, worker_cls: type | str) -> ClusterConfig:
     """Refuse, before any worker starts, what would fail in every worker: a wrong class path (one error here, not
-    one traceback per worker), a cluster of several nodes without a secret."""
+    one traceback per worker), a cluster of several nodes without a secret, a device the class cannot run on.
+    Returns `config` with the device the worker class declares (`with_declared_device`)."""
     if isinstance(worker_cls, str):
         try:
             check_worker_path(worker_cls)
@@ -52,6 +55,23 @@ def preflight(config: ClusterConfig, worker_cls: type | str) -> None:
     if config.parallel.nnodes > 1:
         require_secret(f"a cluster of {config.parallel.nnodes} nodes")
     check_master_port(config)
+    return with_declared_device(config, worker_cls)
+
+
+def with_declared_device(config: ClusterConfig, worker_cls: type | str) -> ClusterConfig:
+    """`config` with the device the worker class declares (`WorkerBase.runs_on`) where device=auto; a device
+    setting that contradicts the class is refused in one line."""
+    runs_on = declared_runs_on(worker_cls)
+    if runs_on is None or runs_on == config.device:
+        return config
+    if runs_on not in ("cpu", "cuda"):
+        raise ConfigError(f"the worker class declares runs_on={runs_on!r}: use 'cpu' or 'cuda'")
+    if config.device != "auto":
+        raise ConfigError(
+            f"device={config.device!r} but the worker class runs on {runs_on!r} only (its runs_on): "
+            f"leave device at auto, or set it to {runs_on}"
+        )
+    return msgspec.structs.replace(config, device=runs_on)
 
 
 class MasterPortInUse(ConfigError):

@@ -243,6 +243,9 @@ def cluster_status(lv: Any) -> ClusterStatus:
             ns = NodeStatus(node=node, ip=ip, pid=-1, ranks=ranks, replicas=par.replicas_of_node(node))
         ns.heartbeat_age_s = None if age is None else round(age, 3)
         ns.state = "lost" if gone else ("not joined" if age is None else ns.state)
+        if gone:  # (its last report is of processes that are gone: no call of theirs is in flight any more)
+            ns.workers = [msgspec.structs.replace(w, state="lost (last reported)") for w in ns.workers]
+            ns.leads, ns.relays = [], []
         nodes.append(ns)
     states = lv.replica_epochs.states()
     return ClusterStatus(

@@ -27,6 +27,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import msgspec
+
 from rayfree.cluster.config import ClusterConfig
 from rayfree.cluster.heartbeat_beater import WAIT_LOG_S
 from rayfree.cluster.peers import peer_gone
@@ -140,7 +142,8 @@ class WorkerGroup:
         par = self.config.parallel
         inherited: list[int] | None = [] if context.get_start_method() == "fork" else None
         policy = security.current()  # handed to each worker explicitly (never through os.environ)
-        places = placements(self.config)
+        places, device = placements(self.config)
+        self.config = config = msgspec.structs.replace(self.config, device=device)  # (the worker's: where it runs)
         with _SPAWN_LOCK, worker_env():
             for local_rank, rank in enumerate(self.ranks):
                 ready_r, ready_w = context.Pipe(duplex=False)
@@ -150,7 +153,7 @@ class WorkerGroup:
                 # Pickled by the spawn like every argument, unpickled by worker_main under its lifeline.
                 payload = Deferred(
                     dict(
-                        config=self.config,
+                        config=config,
                         worker_cls=worker_cls,
                         worker_kwargs=worker_kwargs,
                         local_rank=local_rank,

@@ -118,3 +118,30 @@ def check_spec(spec: str, what: str) -> bool | None:
     if "getattr" in kinds.values() or "*" in kinds.values():
         return None
     raise SpecError(f"{what} {spec!r}: {mod!r} has no {top!r}")
+
+
+def class_literal(spec: str, attr: str) -> object | None:
+    """The literal a class named by `spec` ('pkg.mod:Class') assigns to `attr` in its own body, read from its
+    module's source without running it (None: not found that way: no source, not a literal, or inherited)."""
+    mod, sep, name = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
+    if not sep or mod.endswith(".py") or os.sep in mod:
+        return None
+    try:
+        found = importlib.util.find_spec(mod)
+        if found is None or not found.origin or not found.origin.endswith(".py"):
+            return None
+        with open(found.origin, "rb") as f:
+            source = f.read()
+        with _PARSE_LOCK:
+            tree = ast.parse(source, found.origin)
+    except (ImportError, ValueError, OSError, SyntaxError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            for item in node.body:
+                targets = item.targets if isinstance(item, ast.Assign) else [item.target] if isinstance(
+                    item, ast.AnnAssign) else []  # fmt: skip
+                value = getattr(item, "value", None)
+                if any(isinstance(t, ast.Name) and t.id == attr for t in targets) and isinstance(value, ast.Constant):
+                    return value.value
+    return None

@@ -123,6 +123,26 @@ class SimulatedRun:
         self.sim = sim
         self.nodes = nodes
         self._secret_dir = secret_dir
+        #: how each node was started (argv, environment, directory), for `restart`
+        self._launch: dict[int, tuple[list[str], dict[str, str], str | None]] = {}
+        self._retired: list[NodeRun] = []
+
+    def restart(
+        self, k: int, *, timeout: float = 60.0, env: dict[str, str] | None = None, args: Sequence[str] = ()
+    ) -> NodeRun:
+        """Start node `k` again with the command it was started with (plus `env` and `args`), as its launcher
+        would after a loss: a lost DP replica's node rejoins this way (docs/operations.md). Its earlier process
+        must have exited (or been killed, `NodeRun.kill`) within `timeout` seconds; the new one replaces it in
+        `nodes` and is returned (its output starts empty)."""
+        old = self.nodes[k]
+        try:
+            old.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"node {k} still running after {timeout}s: stop it before restarting it") from None
+        argv, own, cwd = self._launch[k]
+        self._retired.append(old)
+        self.nodes[k] = NodeRun(self.sim.nodes[k], [*argv, *args], {**own, **(env or {})}, cwd)
+        return self.nodes[k]
 
     def wait(self, timeout: float) -> list[int]:
         """Every node's exit code, once all have exited; AssertionError naming the nodes still running (and
@@ -142,7 +162,7 @@ class SimulatedRun:
 
     def close(self) -> None:
         self.sim.close()  # kills what is left, removes the namespaces and mounts
-        for n in self.nodes:
+        for n in [*self.nodes, *self._retired]:
             if n.proc.stdout is not None:
                 n.proc.stdout.close()
         shutil.rmtree(self._secret_dir, ignore_errors=True)
@@ -208,6 +228,7 @@ def simulated_cluster(
             if worker_kwargs:
                 argv += ["--worker-kwargs", json.dumps(worker_kwargs)]
             own = {"PYTHONPATH": path, "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {}), **(node_env or {}).get(k, {})}
+            run._launch[k] = (argv, own, cwd)
             nodes.append(NodeRun(node, argv, own, cwd))
         yield run
     finally:

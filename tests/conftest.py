@@ -101,3 +101,34 @@ def leak_guard():
     assert not alive, f"child processes still running after the test: {alive}"
     assert not leaked, f"shared-memory segments leaked: {sorted(leaked)}"
     assert not open_socks, f"{len(open_socks)} ZMQ socket(s) left open"
+
+
+_CUDA_GPUS: list[int] = []
+
+
+def cuda_gpus() -> int:
+    """How many GPUs CUDA sees here, asked once, in a child (this process must not initialise CUDA: the workers
+    it starts would inherit a broken context); 0 where the driver lists none (RAYFREE_TOPOLOGY_ROOT's tree)."""
+    if not _CUDA_GPUS:
+        import subprocess
+        import sys
+
+        from rayfree import settings
+        from rayfree.cluster.devices import Topology
+
+        n = 0
+        if Topology.read(settings.get("RAYFREE_TOPOLOGY_ROOT")).gpus:
+            code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            n = int(out.stdout.strip() or 0) if out.returncode == 0 else 0
+        _CUDA_GPUS.append(n)
+    return _CUDA_GPUS[0]
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """`@pytest.mark.gpus(n)`: the test runs where CUDA sees n GPUs, and is skipped, saying so, elsewhere."""
+    marker = item.get_closest_marker("gpus")
+    if marker is not None:
+        want, have = int(marker.args[0]), cuda_gpus()
+        if have < want:
+            pytest.skip(f"needs {want} NVIDIA GPU(s) that CUDA sees; this machine has {have}")

@@ -49,6 +49,11 @@ class WorkerBase:
     #: the backend of every group's device half; None: "nccl" when the worker has a CUDA device, else no second
     #: group (the device group is the gloo group)
     device_backend: str | None = None
+    #: what this worker runs on, when it can run on one thing only: "cpu" (a CPU engine: the node places and
+    #: counts no GPU for it, whatever it has) or "cuda"; None: the cluster's `device` setting decides (auto: GPUs
+    #: when the node has one for each worker). Assign it a literal in the class body: the node reads it there
+    #: without importing the worker's module.
+    runs_on: str | None = None
 
     def init_device(self) -> None:
         """Select this worker's device (`cuda:{device_index}` when CUDA is present, else the CPU), join the
@@ -61,12 +66,13 @@ class WorkerBase:
         from rayfree.cluster.parallel_state import init_distributed_environment, initialize_model_parallel
 
         backend = self.device_backend
-        if self.device_index is not None and torch.cuda.is_available():
+        on_cpu = self.config.device == "cpu"  # (the node resolved where its workers run: devices.resolve_device)
+        if self.device_index is not None and not on_cpu and torch.cuda.is_available():
             torch.cuda.set_device(self.device_index)
             self.device = torch.device("cuda", self.device_index)
             backend = backend or "nccl"
         else:
-            if self.device_index is None and torch.cuda.is_available():
+            if self.device_index is None and not on_cpu and torch.cuda.is_available():
                 logger.warning(
                     "rank %d: CUDA is available but this node placed no GPU on it (the driver's "
                     "/proc/driver/nvidia/gpus lists none): it runs on the CPU",

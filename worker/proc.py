@@ -76,6 +76,24 @@ def check_worker_path(spec: str) -> None:
         logger.debug("worker class %s: not importable here (%s); the workers resolve it", spec, e)
 
 
+def declared_runs_on(worker_cls: type | str) -> str | None:
+    """What a worker class declares it runs on (`WorkerBase.runs_on`: "cpu", "cuda"), seen without importing
+    its module where the workers are not: the class itself, its module if already imported, or the literal
+    its class body assigns (class_literal); None: it declares nothing (or only where it is imported)."""
+    import sys
+
+    from rayfree.imports import class_literal
+
+    if not isinstance(worker_cls, str):
+        value = getattr(worker_cls, "runs_on", None)
+    else:
+        mod, _, name = worker_cls.rpartition(":") if worker_cls.count(":") > 1 else worker_cls.partition(":")
+        loaded = sys.modules.get(mod)
+        cls = getattr(loaded, name, None) if loaded is not None else None
+        value = getattr(cls, "runs_on", None) if cls is not None else class_literal(worker_cls, "runs_on")
+    return value if isinstance(value, str) else None
+
+
 class WorkerProc:
     """Runs one worker in this (child) process. `lifeline.watch(mq)` learns of every queue it makes."""
 

@@ -9,6 +9,7 @@ the master, binding ports).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import socket
 import sys
@@ -204,13 +205,37 @@ def _is_rayfree_node(cmdline: str) -> bool:
     return "rayfree" in cmdline
 
 
+def hostname_address() -> tuple[str, str | None]:
+    """This host's name and the address it resolves to (None: it does not), as gloo finds its own address."""
+    host = socket.gethostname()
+    try:
+        return host, socket.gethostbyname(host)
+    except OSError:
+        return host, None
+
+
 def check_ifnames(ip: str) -> Check:
     from rayfree.transport.net import interface_of
 
     gloo, nccl = os.environ.get("GLOO_SOCKET_IFNAME"), os.environ.get("NCCL_SOCKET_IFNAME")
     if not gloo and not nccl:
+        host, addr = hostname_address()
+        if addr is None or ipaddress.ip_address(addr).is_loopback:
+            mine = interface_of(ip)
+            seen = f"resolves to {addr}, a loopback address" if addr else "does not resolve"
+            return Check(
+                "socket ifname",
+                "warn",
+                f"GLOO_SOCKET_IFNAME unset and the hostname {host!r} {seen}: gloo binds there, and every "
+                f"multi-node world fails in gloo's connectFullMesh",
+                f"set GLOO_SOCKET_IFNAME={mine or '<the cluster network interface>'}"
+                + (f" (the interface of {ip})" if mine else "")
+                + " on every node, or map the hostname to the node's address in /etc/hosts",
+            )
         return Check(
-            "socket ifname", "ok", "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset: gloo uses the hostname's address"
+            "socket ifname",
+            "ok",
+            f"GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME unset: gloo uses the hostname's address ({host} is {addr})",
         )
     try:
         import netifaces

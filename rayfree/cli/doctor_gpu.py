@@ -27,14 +27,22 @@ def _cpus(cpus: tuple[int, ...] | None) -> str:
 
 def check_devices(config: ClusterConfig, topo: Topology) -> Check:
     try:
-        visible, places = node_places(config, topo)
+        visible, places, device, note = node_places(config, topo)
     except DeviceError as e:
-        return Check("devices", "FAIL", str(e), "set CUDA_VISIBLE_DEVICES / device_ids, or run fewer ranks per node")
+        return Check(
+            "devices", "FAIL", str(e), "set CUDA_VISIBLE_DEVICES / device_ids, fewer ranks per node, or --device cpu"
+        )
+    setting = f"device={config.device}" + (" (cpu)" if config.device == "auto" and device == "cpu" else "")
     if not topo.gpus:
-        return Check("devices", "ok", "no NVIDIA GPU (the driver lists none): the workers run on the CPU")
+        return Check("devices", "ok", f"{setting}: no NVIDIA GPU (the driver lists none): the workers run on the CPU")
+    if device == "cpu":
+        why = note or f"device={config.device}: no GPU is placed or counted"
+        return Check("devices", "ok", f"{setting}: {len(topo.gpus)} GPU(s) on this node; {why}")
     seen = ", ".join(f"{v.spec} ({v.gpu.uuid if v.gpu else 'MIG'}, NUMA {v.numa})" for v in visible)
     workers = "; ".join(f"worker {i}: device {p.device}, {_cpus(p.cpus)}" for i, p in enumerate(places))
-    return Check("devices", "ok", f"{len(visible)} visible: {seen}; numa_bind={config.numa_bind}: {workers}")
+    return Check(
+        "devices", "ok", f"{setting} (cuda): {len(visible)} visible: {seen}; numa_bind={config.numa_bind}: {workers}"
+    )
 
 
 def check_gpu_shm() -> Check:

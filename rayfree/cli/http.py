@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socketserver
+import sys
 
 from rayfree.supervisor import supervisor
 
 __all__ = ["Served"]
+
+logger = logging.getLogger("rayfree.node")
 
 
 class Served:
@@ -18,6 +22,8 @@ class Served:
 
     def __init__(self, server: socketserver.BaseServer, name: str) -> None:
         self.server = server
+        self._name = name
+        server.handle_error = self._handle_error  # type: ignore[method-assign]
         self._wake_r, self._wake_w = os.pipe()
         self._thread = supervisor().start(name, self._serve)
 
@@ -27,6 +33,15 @@ class Served:
             if self._wake_r in ready:
                 return
             self.server.handle_request()
+
+    def _handle_error(self, request: object, client_address: object) -> None:
+        """A client that hung up before its answer (a probe's timeout, a load balancer) is no error; anything else
+        is logged in one line, not printed as a traceback into the node's log."""
+        e = sys.exc_info()[1]
+        if isinstance(e, ConnectionError):
+            logger.debug("%s: %s left before its answer: %s", self._name, client_address, e)
+            return
+        logger.warning("%s: a request from %s failed: %s: %s", self._name, client_address, type(e).__name__, e)
 
     def close(self) -> None:
         os.write(self._wake_w, b"x")

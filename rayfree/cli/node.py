@@ -36,6 +36,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+import msgspec
+
 from rayfree import logs
 from rayfree.cluster.config import ConfigError
 from rayfree.procs import exit_now
@@ -76,6 +78,15 @@ def print_plan(p: NodePlan) -> None:
     print(f"rayfree node: launcher {launch.launcher if launch else 'none detected'}")
     for line in p.placement.describe():
         print(f"  {line}")
+    from rayfree.cluster.join import coupling_of
+    from rayfree.cluster.loading import _SHOWN
+
+    shown = {**msgspec.structs.asdict(p.config), **msgspec.structs.asdict(par)}
+    if par.data_parallel_size > 1 and par.replica_coupling == "auto":
+        shown["replica_coupling"] = f"auto ({coupling_of(par)})"
+    for name in _SHOWN:
+        if name not in ("nnodes", "node_rank", "master_addr", "master_port"):  # (the placement's lines say them)
+            print(f"  {name:<11} = {shown[name]}")
     role = "leader, runs " + str(p.entry) if p.entry else "follower (headless)"
     hosts = f"; hosts {', '.join(launch.hosts)}" if launch and launch.hosts else ""
     print(

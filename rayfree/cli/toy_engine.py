@@ -92,7 +92,9 @@ class ToyWorker(WorkerBase):
         t0 = time.perf_counter()
         pp, dp = self.pp, get_dp_group()  # (coupled DP replicas: formed again when one is lost or rejoins)
         x = scheduler_output["x"]
-        if dp.world_size > 1:  # across replicas: every rank of every replica takes part (a tensor: the device half)
+        par = self.parallel_config
+        if par.data_parallel_size > 1 and (par.coupled or par.one_world):  # across replicas: every rank of every
+            # serving replica takes part (a tensor: the device half); a replica left alone sums its own
             total = x.sum().reshape(1).to(self.dev)
             dist.all_reduce(total, group=dp.device_group)
             self.last_dp_sum = float(total.item())

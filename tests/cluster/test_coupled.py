@@ -1,7 +1,10 @@
-"""Coupled DP replicas (`replica_coupling="coupled"`) on three simulated nodes, DP=3 x TP=1, one replica a node,
-the toy model's all-reduce across replicas at every step: replica 2's node is lost and the survivors' groups
-across replicas shrink (the same processes, every step checked against the model in one process and against
-the members its all-reduce summed); its node started again rejoins and the groups grow back."""
+"""Coupled DP replicas (`replica_coupling="coupled"`) on two simulated nodes, DP=2 x TP=2, one replica a node,
+the toy model's all-reduce across replicas at every step: replica 1's node is lost and the survivor's groups
+across replicas shrink to a group of one (the same processes, every step checked against the model in one
+process and against the members its all-reduce summed); its node started again rejoins and the groups grow
+back. At start, after the shrink, after the grow and in the rejoined replica, every rank checks every group
+the docs show, both halves, as the docs use them: with TP=2, a DP group of one that torch read as the default
+group would sum across TP instead (the replica's own world)."""
 
 from __future__ import annotations
 
@@ -26,36 +29,42 @@ ENV = {
 
 @pytest.mark.timeout(400)
 def test_a_lost_replica_shrinks_the_groups_across_replicas_and_its_rejoin_grows_them() -> None:
-    with SimulatedCluster(3) as sim:
+    with SimulatedCluster(2) as sim:
         nodes = Nodes(sim, **FAST)
-        procs = start(nodes, 3, 3, 1, ENTRY, **ENV)
-        for k in range(3):
+        procs = start(nodes, 2, 2, 2, ENTRY, **ENV)
+        for k in range(2):
             procs[k].expect(r"^ACROSS:", 180)
         t_kill = time.monotonic()
-        sim.nodes[2].kill()
+        sim.nodes[1].kill()
         shrunk = procs[0].result("SHRUNK", 60)
         everyone = list(procs.values())
         t_back = time.monotonic()
-        procs[2] = nodes.start(2, "leader", RAYFREE_NNODES="3", RAYFREE_DATA_PARALLEL_SIZE="3",
-                               RAYFREE_TENSOR_PARALLEL_SIZE="1", RAYFREE_PIPELINE_PARALLEL_SIZE="1",
+        procs[1] = nodes.start(1, "leader", RAYFREE_NNODES="2", RAYFREE_DATA_PARALLEL_SIZE="2",
+                               RAYFREE_TENSOR_PARALLEL_SIZE="2", RAYFREE_PIPELINE_PARALLEL_SIZE="1",
                                RAYFREE_ENTRY=ENTRY, **ENV)  # fmt: skip
-        everyone.append(procs[2])
-        r2 = procs[2].result("RESULT", 180)
-        r0, r1 = procs[0].result("RESULT", 120), procs[1].result("RESULT", 120)
+        everyone.append(procs[1])
+        r1 = procs[1].result("RESULT", 180)
+        r0 = procs[0].result("RESULT", 120)
         codes = {k: p.wait(60) for k, p in procs.items()}
         assert_nothing_left(sim, everyone)
-    for r in (r0, r1):  # the survivors: every step right, across all three, then two, then all three again
-        assert r["steps"] == r["equal"] and [run[0] for run in r["runs"]] == [[0, 1, 2], [0, 1], [0, 1, 2]], r
-        assert r["hooks"] == [[1, [0, 1]], [2, [0, 1, 2]]], r["hooks"]  # (the engine's hook, on every rank)
-        assert all(c[:2] in ([1, [0, 1]], [2, [0, 1, 2]]) for c in r["changes"]), r["changes"]  # (run again)
-        assert r["states"] == {"0": ["serving", 0], "1": ["serving", 0], "2": ["serving", 1]}, r["states"]
-        assert r["halves"] == {"dp": True, "ep": True}, r["halves"]  # (a device half of their own: NCCL's place)
-    assert r2["epoch"] == 1 and r2["steps"] == r2["equal"] and r2["runs"][-1][0] == [0, 1, 2], r2
-    assert [h[1] for h in r2["hooks"]] == [[0, 1, 2]], r2["hooks"]
-    assert r2["halves"] == {"dp": True, "ep": True}, r2["halves"]
-    assert codes == {0: 0, 1: 0, 2: 0}, codes
+    # the survivor: every step right, across both, then itself alone (a group of one), then both again
+    assert r0["steps"] == r0["equal"] and [run[0] for run in r0["runs"]] == [[0, 1], [0], [0, 1]], r0
+    assert r0["hooks"] == [[1, [0]], [2, [0, 1]]], r0["hooks"]  # (the engine's hook)
+    assert all(c[:2] in ([1, [0]], [2, [0, 1]]) for c in r0["changes"]), r0["changes"]  # (run again)
+    assert r0["states"] == {"0": ["serving", 0], "1": ["serving", 1]}, r0["states"]
+    assert r0["halves"] == {"dp": True, "ep": True}, r0["halves"]  # (a device half of their own: NCCL's place)
+    # every group right on both TP ranks: at start (DP [0, 1]), after the shrink ([0]) and after the grow
+    assert [[c["dp"] for c in rank] for rank in r0["checks"]] == [[[0, 2], [0], [0, 2]], [[1, 3], [1], [1, 3]]]
+    assert [c["wrong"] for rank in r0["checks"] for c in rank] == [[]] * 6, r0["checks"]
+    # the rejoined replica: no step before its first membership, every one across both replicas
+    assert r1["epoch"] == 1 and r1["steps"] == r1["equal"] and [run[0] for run in r1["runs"]] == [[0, 1]], r1
+    assert [h[1] for h in r1["hooks"]] == [[0, 1]], r1["hooks"]
+    assert r1["halves"] == {"dp": True, "ep": True}, r1["halves"]
+    assert [[c["dp"] for c in rank] for rank in r1["checks"]] == [[[0, 2]], [[1, 3]]], r1["checks"]
+    assert [c["wrong"] for rank in r1["checks"] for c in rank] == [[], []], r1["checks"]
+    assert codes == {0: 0, 1: 0}, codes
     shrink = shrunk["t"] - t_kill
     assert shrink < HB_TIMEOUT + SLACK, f"the survivors' first step over two replicas came {shrink:.2f}s after"
     grow = r0["runs"][2][2] - t_back
-    print(f"\nreplica 2 lost: the survivors' first correct step over replicas [0, 1] {shrink:.2f}s after the kill; "
-          f"replica 2's node started again: their first over [0, 1, 2] {grow:.2f}s after its start")  # fmt: skip
+    print(f"\nreplica 1 lost: the survivor's first correct step over replica [0] {shrink:.2f}s after the kill; "
+          f"replica 1's node started again: its first over [0, 1] {grow:.2f}s after its start")  # fmt: skip

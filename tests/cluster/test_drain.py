@@ -65,6 +65,7 @@ def test_a_drained_replica_stops_cleanly_and_comes_back_while_the_other_serves_o
     ), drained  # fmt: skip
     assert r1["outcome"] == "drained" and r1["steps"] == r1["equal"] > 0, r1  # every step it began finished right
     assert "DP replica 1 was drained (drained by the operator)" in r1["refused"], r1
+    assert not r1["early"] or "takes no new calls" in r1["early"], r1  # (a call before the callback: refused)
     assert [s[1] for s in r1["seen"]] == ["draining", "drained"], r1["seen"]
     # (the probe polls: its first 503 may come while replica 1 drains, or once it has: CI saw the latter)
     assert "1 of 2 DP replicas serve, fewer than 2" in why0["reason"], why0

@@ -17,14 +17,20 @@ import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
 from rayfree.procs import cmdline, group_members, stat_fields
-from tests.support.nodes import ROOT, NodeProc, shm_files, wait_group_empty
+from tests.support.nodes import NodeProc, shm_files, wait_group_empty
+from tests.support.paths import PYTHONPATH
 
 pytestmark = pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
 
 PORT = 8480
 #: "within 1 s" on an idle machine; this one has two cores shared with the rest of the suite
 SLACK = 1.0
-ENV = {"PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO", "RAYFREE_STALL_REPORT_S": "2"}
+ENV = {
+    "PYTHONPATH": PYTHONPATH,
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "RAYFREE_LOG_LEVEL": "INFO",
+    "RAYFREE_STALL_REPORT_S": "2",
+}
 
 
 def node_argv(sim: SimulatedCluster, k: int) -> list[str]:
@@ -167,3 +173,30 @@ def test_a_stopped_rank_turns_readyz_503_within_stall_report_s_and_200_once_it_r
     assert "rank 2" in why0["reason"], why0
     assert t_n0 - t0 < 2.0 + SLACK and t_n1 - t0 < 2.0 + SLACK  # stall_report_s=2
     assert t_back > t0
+
+
+@pytest.mark.timeout(60)
+def test_a_probe_that_hangs_up_early_leaves_no_traceback_in_the_node_log(capfd) -> None:
+    """A probe that disconnects before its answer (a kubelet's timeout, a load balancer's check) is not an error:
+    the node's log gets no BrokenPipeError traceback, and the next probe is answered."""
+    import socket
+    import struct
+    import urllib.request
+
+    from rayfree.cli.probes import HealthServer
+    from rayfree.transport import get_open_port
+
+    port = get_open_port("127.0.0.1")
+    server = HealthServer(port, 0)
+    try:
+        for _ in range(30):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # (a reset, not a FIN)
+            s.close()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=10) as r:
+            assert r.status in (200, 503)
+    finally:
+        server.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "ConnectionResetError" not in err, err

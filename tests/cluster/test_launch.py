@@ -9,11 +9,17 @@ import sys
 import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
-from tests.support.nodes import ROOT, NodeProc, shm_files, wait_group_empty
+from tests.support.nodes import NodeProc, shm_files, wait_group_empty
+from tests.support.paths import PYTHONPATH
 
 pytestmark = pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
 
-ENV = {"PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO", "RAYFREE_DEMO_STEPS": "30"}
+ENV = {
+    "PYTHONPATH": PYTHONPATH,
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "RAYFREE_LOG_LEVEL": "INFO",
+    "RAYFREE_DEMO_STEPS": "30",
+}
 #: one command for every node: the launcher says which node this is (node 0 runs the entry, the others not)
 NODE = [
     sys.executable, "-m", "rayfree.cli", "node", "--worker", "rayfree.cli.toy_engine:ToyWorker",

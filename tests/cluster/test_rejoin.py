@@ -15,7 +15,9 @@ from rayfree.cluster.simulate import SimulatedCluster
 from rayfree.transport.secure.policy import write_secret
 from tests.cluster.test_dp import start
 from tests.cluster.test_multinode import FAST, assert_nothing_left, needs_root
+from tests.executor.test_observe import _status
 from tests.support.nodes import ROOT, NodeProc, Nodes
+from tests.support.paths import PYTHONPATH
 
 pytestmark = needs_root
 
@@ -49,8 +51,9 @@ def three_replicas(sim: SimulatedCluster, lose: tuple[int, ...]) -> tuple[Nodes,
 
 def restart3(nodes: Nodes, k: int, **env: str) -> NodeProc:
     """Node k of the three-replica layout, started again."""
-    shape = {"RAYFREE_NNODES": "3", "RAYFREE_DATA_PARALLEL_SIZE": "3", "RAYFREE_TENSOR_PARALLEL_SIZE": "1"}
-    return nodes.start(k, "leader", **shape, RAYFREE_PIPELINE_PARALLEL_SIZE="1", RAYFREE_ENTRY=ENTRY, **env)
+    shape = {"RAYFREE_NNODES": "3", "RAYFREE_DATA_PARALLEL_SIZE": "3", "RAYFREE_TENSOR_PARALLEL_SIZE": "1",
+             "RAYFREE_PIPELINE_PARALLEL_SIZE": "1", "RAYFREE_ENTRY": ENTRY}  # fmt: skip
+    return nodes.start(k, "leader", **{**shape, **env})
 
 
 @pytest.mark.timeout(400)
@@ -93,7 +96,8 @@ def test_a_lost_replica_rejoins_twice_while_the_other_serves_on() -> None:
 @pytest.mark.timeout(400)
 def test_a_replacement_with_another_secret_changes_nothing_and_the_lost_incarnation_is_refused(tmp_path) -> None:
     """Node 3 stopped (SIGSTOP) is lost, and replica 1 with it. A replacement holding another secret cannot even
-    reach node 0's heartbeats (CURVE) and changes nothing; one with the cluster's secret rejoins. A beat of the
+    reach node 0's heartbeats (CURVE) and changes nothing: both sides say so in one line naming the secret, and it
+    exits 2; one with the cluster's secret rejoins. A beat of the
     stopped incarnation (its old pid) is then refused, naming both epochs; resumed, the old process finds node 0
     deaf to it and leaves non-zero."""
     wrong, tail = str(tmp_path / "other.secret"), str(tmp_path / "tail-done")
@@ -108,16 +112,18 @@ def test_a_replacement_with_another_secret_changes_nothing_and_the_lost_incarnat
         assert procs[2].wait(60) != 0, procs[2].text()[-3000:]
         everyone = list(procs.values())
         procs[2] = restart(nodes, 2)
+        t_stranger = time.monotonic()
         stranger = restart(nodes, 3, RAYFREE_SECRET_FILE=wrong)
-        stranger.expect(r"still waiting for the leader \(node 0\) to answer", 60)  # (its CURVE handshake fails)
-        os.killpg(stranger.p.pid, signal.SIGKILL)
-        stranger.p.wait(30)
+        assert stranger.wait(60) == 2, stranger.text()[-3000:]  # (its CURVE handshake is refused: it says so)
+        took = time.monotonic() - t_stranger
+        refused = stranger.expect(r"rayfree node: node 0 at \S+ refused this node's key.*", 5).group(0)
+        told = procs[0].expect(r"refused a connection whose CURVE handshake failed.*", 30).group(0)
         procs[3] = restart(nodes, 3)
         everyone += [procs[2], stranger, procs[3]]
         r2 = procs[2].result("RESULT", 180)
         beat = sim.nodes[3].popen(
             [sys.executable, "-m", "tests.support.stale_beat", sim.nodes[0].ip, nodes.env["RAYFREE_HEARTBEAT_PORT"],
-             "3", str(old3.p.pid)], env={"PYTHONPATH": ROOT}, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+             "3", str(old3.p.pid)], env={"PYTHONPATH": PYTHONPATH}, stdout=subprocess.PIPE, text=True, cwd=ROOT,
         )  # fmt: skip
         assert beat.wait(60) == 0
         stale = procs[0].expect(r"dropped a message from node 3's earlier incarnation.*", 30).group(0)
@@ -131,6 +137,10 @@ def test_a_replacement_with_another_secret_changes_nothing_and_the_lost_incarnat
         codes = {k: p.wait(60) for k, p in procs.items()}
         assert_nothing_left(sim, everyone)
     assert (r2["epoch"], r2["outcome"], r2["equal"]) == (1, "served", 20), r2
+    assert "another secret than node 0" in refused and "--secret-file" in refused, refused
+    assert "does not hold this cluster's secret" in told, told
+    assert "still waiting for the leader" not in stranger.text(), stranger.text()[-3000:]
+    print(f"\na replacement with another secret exited 2 after {took:.1f}s")
     assert "(epoch 0 or before), after its replacement" in stale and "joined in epoch 1" in stale, stale
     assert [(k, state, e) for k, state, e, _t in r0["seen"]] == [(1, "lost", 0), (1, "serving", 1)], r0["seen"]
     assert r0["equal"] == r0["steps"] + r0["after"] and codes == {0: 0, 1: 0, 2: 0, 3: 0}, (codes, r0)
@@ -183,18 +193,37 @@ def test_a_replacement_that_fails_mid_rejoin_restarts_the_rejoin_and_its_partner
 
 
 @pytest.mark.timeout(400)
-def test_a_replacement_knows_the_replicas_lost_before_it_started() -> None:
-    """DP=3 on three nodes: replicas 1 and 2 are lost; node 2 alone is started again. Its replica rejoins, and
-    from its Welcome it knows replica 1 is lost (its engine would not route there), as the nodes that heard it."""
+def test_a_replacement_knows_the_replicas_lost_before_it_started_and_one_of_another_shape_is_refused() -> None:
+    """DP=3 on three nodes, independent: replicas 1 and 2 are lost. Node 2 started again with --tp 2, then as
+    coupled, is refused each time by node 0 (one line on each side; the replacement exits 2), and replica 2 stays
+    lost, shown so by `rayfree status`; started with the cluster's own shape it rejoins in epoch 1 (the refusals
+    took no epoch), and from its Welcome it knows replica 1 is lost (its engine would not route there), as the
+    nodes that heard it."""
     with SimulatedCluster(3) as sim:
         nodes, procs = three_replicas(sim, lose=(1, 2))
         everyone = list(procs.values())
+        lines = []
+        for env in ({"RAYFREE_TENSOR_PARALLEL_SIZE": "2"}, {"RAYFREE_REPLICA_COUPLING": "coupled"}):
+            wrong = restart3(nodes, 2, **env)
+            everyone.append(wrong)
+            assert wrong.wait(120) == 2, wrong.text()[-3000:]
+            lines.append(wrong.expect(r"rayfree node: node 2's replacement .*", 5).group(0))
+            lines.append(procs[0].expect(rf"node 2's replacement \(pid {wrong.p.pid}\) was started as .*", 30).group(0))
+        code, table, err = _status(sim, 0, nodes)  # (what an operator reads while replica 2 is lost)
         procs[2] = restart3(nodes, 2)
         everyone.append(procs[2])
         back = procs[2].result("RESULT", 180)
         r0 = procs[0].result("RESULT", 120)
         codes = {k: procs[k].wait(60) for k in (0, 2)}
         assert_nothing_left(sim, everyone)
+    assert code == 0, err
+    # the lost node's workers are not shown as alive, nor its replica's last call as still in flight
+    assert "lost (last reported)" in table and "replica 2 (led by node 2)" not in table, table
+    assert "replica 2: lost, epoch 0" in table, table
+    assert "'tp=2 pp=1" in lines[0] and "but the cluster is 'tp=1 pp=1" in lines[0], lines
+    assert "replicas=coupled" in lines[2] and "replicas=independent" in lines[2], lines
+    assert all(line.endswith("refused") for line in lines[1::2]), lines
+    assert procs[0].text().count("is admitted") == 1, procs[0].text()[-3000:]
     assert (back["epoch"], back["outcome"], back["equal"]) == (1, "served", 20), back
     assert back["states"] == {"0": ["serving", 0], "1": ["lost", 0], "2": ["serving", 1]}, back["states"]
     assert r0["states"] == {"0": ["serving", 0], "1": ["lost", 0], "2": ["serving", 1]}, r0["states"]

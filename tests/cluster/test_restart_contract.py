@@ -13,7 +13,8 @@ import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
 from rayfree.procs import cmdline, descendants, is_alive
-from tests.support.nodes import ROOT, NodeProc, shm_files, wait_group_empty
+from tests.support.nodes import NodeProc, shm_files, wait_group_empty
+from tests.support.paths import PYTHONPATH
 from tests.support.waits import wait_until
 
 pytestmark = pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
@@ -23,7 +24,7 @@ PORT = 8490
 SLACK = 1.0
 #: how long torchrun's agent may take to leave after its child (node 0) did: its poll, its own teardown
 TORCHRUN_AGENT_S = 10.0
-ENV = {"PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO", "RF_SERVE_S": "120"}
+ENV = {"PYTHONPATH": PYTHONPATH, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO", "RF_SERVE_S": "120"}
 NODE = [
     "rayfree.cli", "node", "--worker", "tests.support.sample_workers:EchoWorker", "--tp", "2", "--insecure",
     "--worker-kwargs", '{"distributed": true}', "--health-port", str(PORT),

@@ -15,6 +15,7 @@ import pytest
 from rayfree.cluster.simulate import SimulatedCluster
 from tests.cluster.test_multinode import FAST, assert_nothing_left, needs_root
 from tests.support.nodes import ROOT, Nodes
+from tests.support.paths import PYTHONPATH
 
 JOIN_S = 30.0
 
@@ -34,7 +35,7 @@ def test_a_stranger_at_the_store_changes_nothing_or_fails_the_join_naming_the_st
         spec = {"host": sim.nodes[0].ip, "port": int(nodes.values["RAYFREE_MASTER_PORT"]), "how": how}
         stranger = sim.nodes[1].popen(
             [sys.executable, "-m", "tests.support.store_intruder", json.dumps(spec)],
-            cwd=ROOT, env={"PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR"},
+            cwd=ROOT, env={"PYTHONPATH": PYTHONPATH, "TORCH_CPP_LOG_LEVEL": "ERROR"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         try:

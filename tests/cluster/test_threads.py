@@ -12,10 +12,11 @@ import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
 from tests.support.nodes import ROOT, NodeProc
+from tests.support.paths import PYTHONPATH
 
 pytestmark = pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
 
-ENV = {"PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO"}
+ENV = {"PYTHONPATH": PYTHONPATH, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO"}
 
 
 def documented() -> list[str]:

@@ -29,6 +29,7 @@ from rayfree import (
     WorkerStartupError,
 )
 from tests.support.config import cfg
+from tests.support.paths import PYTHONPATH, pythonpath
 
 ECHO = "tests.support.sample_workers:EchoWorker"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -155,7 +156,7 @@ def test_a_class_only_the_workers_could_import_shows_the_first_workers_error_onc
         "except WorkerStartupError as e:\n"
         "    print('RAISED', str(e).splitlines()[0])\n"
     )
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    env = {**os.environ, "PYTHONPATH": pythonpath(ROOT, str(tmp_path))}
     r = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert "RAISED worker rank" in r.stdout and "has no 'Missing'" in r.stdout, r.stdout + r.stderr
     assert r.stderr.count("Traceback") == 0, r.stderr  # the workers did not each log theirs
@@ -266,7 +267,7 @@ def test_the_secret_can_be_given_from_python(tmp_path) -> None:
         "    print('REFUSED', type(e).__name__, e)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAYFREE_SECRET_FILE"}
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = PYTHONPATH
     r = subprocess.run(
         [sys.executable, "-c", script, str(key)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=100
     )

@@ -15,6 +15,7 @@ from rayfree.cluster.config import ClusterConfig
 from rayfree.executor import ExecutorFailed, FatalWorkerError, MultiprocExecutor, WorkerDied
 from rayfree.procs import is_alive
 from tests.support.config import cfg as base_cfg
+from tests.support.paths import pythonpath
 from tests.support.waits import wait_until
 
 ECHO = "tests.support.sample_workers:EchoWorker"
@@ -152,7 +153,7 @@ def test_an_engine_script_without_a_main_guard_is_told_so(tmp_path) -> None:
     r = subprocess.run(
         [sys.executable, str(script)],
         cwd=root,
-        env={**os.environ, "PYTHONPATH": root},
+        env={**os.environ, "PYTHONPATH": pythonpath(root)},
         capture_output=True,
         text=True,
         timeout=100,

@@ -21,6 +21,7 @@ from rayfree.executor import MultiprocExecutor
 from rayfree.transport import get_open_port
 from rayfree.transport.secure.policy import SECRET_FILE_ENV, write_secret
 from tests.support.nodes import ROOT, NodeProc, Nodes, shm_files, wait_group_empty
+from tests.support.paths import PYTHONPATH
 
 FAST = {
     "RAYFREE_HEARTBEAT_INTERVAL_S": "0.2",
@@ -182,7 +183,9 @@ def test_the_metrics_endpoint_counts_the_calls_made() -> None:
         "127.0.0.1",
     ]
     with SimulatedCluster(1, use_netns=False) as sim:
-        node = NodeProc(sim.nodes[0], argv, {"PYTHONPATH": ROOT, "RF_CALLS": "25", "RAYFREE_FORCE_REMOTE": "0", **FAST})
+        node = NodeProc(
+            sim.nodes[0], argv, {"PYTHONPATH": PYTHONPATH, "RF_CALLS": "25", "RAYFREE_FORCE_REMOTE": "0", **FAST}
+        )
         called = node.result("CALLED", 120)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()

@@ -85,14 +85,63 @@ def test_a_worker_gets_its_own_cuda_visible_devices_only_when_asked(two_gpus) ->
 
 
 @pytest.mark.timeout(60)
-def test_more_ranks_than_devices_is_refused_before_any_worker_starts(two_gpus) -> None:
+def test_more_ranks_than_devices_is_refused_before_any_worker_starts_with_device_cuda(two_gpus) -> None:
     import multiprocessing
 
-    config = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=4))
-    with pytest.raises(ConfigError, match=r"node 0 runs 4 worker\(s\) but sees 2 device\(s\) \(0, 1\)") as e:
+    config = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=4), device="cuda")
+    with pytest.raises(ConfigError, match=r"node 0 runs 4 worker\(s\) but sees 2 device\(s\) \(device=cuda\)") as e:
         MultiprocExecutor(config, ECHO)
     assert "\n" not in str(e.value) and "refused before starting any worker" in str(e.value)
+    assert "--device cpu" in str(e.value)
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(120)
+def test_device_auto_runs_more_ranks_than_gpus_on_the_cpu_and_says_so(two_gpus, caplog) -> None:
+    """A CPU engine (or the demo) on a box with too few GPUs: device=auto places none of them, counts nothing,
+    and says so in one line; each worker's `self.device` is the CPU."""
+    config = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=4))
+    with caplog.at_level("WARNING", logger="rayfree.executor"):
+        with MultiprocExecutor(config, ECHO, {"distributed": True}) as ex:
+            got = ex.collective_rpc(placement_of, timeout=60)
+    assert [g["device"] for g in got] == [None] * 4 and [g["torch_device"] for g in got] == ["cpu"] * 4, got
+    assert all("RAYFREE_LOCAL_DEVICE" not in g["env"] and "CUDA_DEVICE_ORDER" not in g["env"] for g in got)
+    said = [r.getMessage() for r in caplog.records if "run on the CPU" in r.getMessage()]
+    assert said == ["node 0 runs 4 worker(s) but sees 2 GPU(s): they run on the CPU (device=auto; --device cuda "
+                    "refuses instead)"], said  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+def test_device_cpu_and_a_cpu_worker_class_place_no_gpu_whatever_the_node_has(two_gpus) -> None:
+    """device=cpu, and a worker class that declares runs_on = "cpu" (read from its class body, its module not
+    imported here): no GPU placed although there is one for each worker. A setting that contradicts the class
+    is refused in one line."""
+    for config, worker in (
+        (ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=2), device="cpu"), ECHO),
+        (ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=2)), "tests.support.sample_workers:CpuEchoWorker"),
+    ):
+        with MultiprocExecutor(config, worker, {"distributed": True}) as ex:
+            got = ex.collective_rpc(placement_of, timeout=60)
+        assert [(g["device"], g["torch_device"]) for g in got] == [(None, "cpu")] * 2, (worker, got)
+        assert all("RAYFREE_LOCAL_DEVICE" not in g["env"] for g in got)
+    wrong = ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=2), device="cuda")
+    with pytest.raises(ConfigError, match=r"device='cuda' but the worker class runs on 'cpu' only"):
+        MultiprocExecutor(wrong, "tests.support.sample_workers:CpuEchoWorker")
+
+
+def test_the_device_setting_resolves_as_the_docs_say() -> None:
+    from rayfree.cluster.devices import DeviceError, resolve_device
+
+    assert resolve_device("auto", 0, 2) == ("cpu", "")  # (no GPU: the CPU, nothing to say)
+    assert resolve_device("auto", 8, 2) == ("cuda", "")
+    assert resolve_device("auto", 1, 2)[0] == "cpu" and "sees 1 GPU(s): they run on the CPU" in resolve_device(
+        "auto", 1, 2)[1]  # fmt: skip
+    assert resolve_device("cpu", 8, 2) == ("cpu", "")
+    assert resolve_device("cuda", 2, 2) == ("cuda", "")
+    with pytest.raises(DeviceError, match=r"runs 2 worker\(s\) but sees 0 device\(s\) \(device=cuda\)"):
+        resolve_device("cuda", 0, 2)
+    with pytest.raises(ConfigError, match="device='gpu': use auto, cpu or cuda"):
+        ClusterConfig(device="gpu").validate()
 
 
 @pytest.mark.timeout(180)

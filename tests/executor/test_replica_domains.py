@@ -142,7 +142,8 @@ def slow_rank(worker, seconds: float) -> int:
 @pytest.mark.timeout(180)
 def test_a_drained_replica_finishes_its_call_in_flight_then_stops_while_the_other_serves_on() -> None:
     """`rayfree drain` on one node (NodeReplicas.drain, what node 0 runs for the command): replica 1 is marked
-    draining at once, its call in flight returns its answer, then it stops and refuses calls with ReplicaDrained;
+    draining at once and takes no new call (ReplicaDrained at once, as the docs say), its call in flight returns
+    its answer, then it stops and refuses calls with ReplicaDrained;
     replica 0 serves on with the same processes, and the node itself has not failed."""
     reps = start("independent")
     try:
@@ -168,6 +169,9 @@ def test_a_drained_replica_finishes_its_call_in_flight_then_stops_while_the_othe
         assert reps.drain(0).startswith("refused: DP replica 0 is the last one node 0 serves, and node 0 leads")
         assert reps.drain(2) == "refused: there is no DP replica 2 (replicas 0-1)"
         assert ex0.replica_states()[1].state in ("draining", "drained")
+        with pytest.raises(ReplicaDrained, match="DP replica 1 was drained") as early:  # (no new call, at once)
+            ex1.collective_rpc("echo", args=(1,), timeout=30)
+        assert "takes no new calls" in str(early.value) or drained.is_set(), early.value
         assert drained.wait(30), heard
         call.join(30)
         assert answer == [[0, 1]], answer  # the call in flight finished with its answer

@@ -186,3 +186,33 @@ def test_coupled_bench_shrinks_and_grows_with_every_step_right() -> None:
     assert all(int(r[1]) > 0 and r[2] == "0" for r in rows), out.stdout  # steps taken, none wrong
     assert all(re.fullmatch(r"[\d.]+", r[4]) and re.fullmatch(r"[\d.]+", r[6]) for r in rows[:2]), out.stdout
     assert re.fullmatch(r"[\d.]+", rows[2][6]), out.stdout
+
+
+@pytest.mark.timeout(180)
+def test_gpu_check_offline_names_the_wheel_its_wheelhouse_lacks(tmp_path) -> None:
+    """`make gpu-check` on an offline machine installs from the wheelhouse alone: an empty one is said in one line,
+    and one without rayfree's wheel names it (pip's own error, read for the name), exit 1, no index asked."""
+    import zipfile
+
+    script = os.path.join(ROOT, "bench", "gpu_env.py")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    def run(house) -> subprocess.CompletedProcess:
+        argv = [sys.executable, script, "--offline", str(tmp_path / "venv"), str(house), "--on-cpu"]
+        return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=170)
+
+    out = run(empty)
+    assert out.returncode == 1 and f"the wheelhouse {empty} is empty: fill it with `make wheelhouse`" in out.stdout, out
+    house = tmp_path / "house"
+    house.mkdir()
+    with zipfile.ZipFile(house / "unrelated-1.0-py3-none-any.whl", "w") as z:  # (a valid wheel of something else)
+        z.writestr("unrelated/__init__.py", "")
+        z.writestr("unrelated-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: unrelated\nVersion: 1.0\n")
+        z.writestr("unrelated-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: x\nRoot-Is-Purelib: true\n"
+                   "Tag: py3-none-any\n")  # fmt: skip
+        z.writestr("unrelated-1.0.dist-info/RECORD", "")
+    out = run(house)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("gpu-check:")]
+    assert out.returncode == 1 and lines[-1].startswith(f"gpu-check: the wheelhouse {house} has no wheel for "), out
+    assert "rayfree" in lines[-1] or "numpy" in lines[-1], lines

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from rayfree.transport import get_open_port
+from tests.support.paths import PYTHONPATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TWO_NODES = [
@@ -27,7 +28,7 @@ TWO_NODES = [
 
 
 def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+    full = {**os.environ, "PYTHONPATH": PYTHONPATH, **(env or {})}
     return subprocess.run(
         [sys.executable, "-m", "rayfree.cli", *args],
         env=full,
@@ -121,7 +122,8 @@ def test_the_words_on_security_match_what_runs() -> None:
 @pytest.mark.parametrize(
     "args, says",
     [
-        (["--tp", "4"], "rayfree node: node 0 runs 4 worker(s) but sees 2 device(s) (0, 1): give it more GPUs"),
+        (["--tp", "4", "--device", "cuda"], "rayfree node: node 0 runs 4 worker(s) but sees 2 device(s) (device=cuda)"),
+        (["--tp", "2", "--device", "gpu"], "rayfree node: device='gpu': use auto, cpu or cuda"),
         (["--tp", "2", "--numa-bind", "near"], "rayfree node: numa_bind='near': use auto, none, or NUMA node ids"),
         (["--tp", "2", "--device-ids", "5"], "rayfree node: device_ids='5': position 5 is past the 2 device(s)"),
     ],

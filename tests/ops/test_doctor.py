@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -148,9 +149,16 @@ def test_on_a_gpu_node_it_shows_each_workers_device_and_cpus_and_what_nccl_needs
     assert "worker 0: device 0, cpus 1; worker 1: device 1, cpus 0" in devices, devices
     for name in ("nccl shm", "ipc namespace", "memlock"):
         assert line(r.stdout, name), r.stdout
-    r = doctor("--quick", "--tp", "4", "--master-port", str(_free_port()), env=env)
+    assert "device=auto (cuda): 2 visible" in devices, devices
+    r = doctor("--quick", "--tp", "4", "--device", "cuda", "--master-port", str(_free_port()), env=env)
     devices = line(r.stdout, "devices")
-    assert r.returncode == 1 and "[FAIL]" in devices and "runs 4 worker(s) but sees 2 device(s) (1, 0)" in devices
+    assert r.returncode == 1 and "[FAIL]" in devices and "runs 4 worker(s) but sees 2 device(s)" in devices
+    r = doctor("--quick", "--tp", "4", "--master-port", str(_free_port()), env=env)  # (auto: the CPU, said so)
+    devices = line(r.stdout, "devices")
+    assert "[ ok ]" in devices and "device=auto (cpu)" in devices and "they run on the CPU" in devices, devices
+    r = doctor("--quick", "--tp", "2", "--device", "cpu", "--master-port", str(_free_port()), env=env)
+    devices = line(r.stdout, "devices")
+    assert "[ ok ]" in devices and "device=cpu: 2 GPU(s) on this node; device=cpu: no GPU" in devices, devices
 
 
 def test_the_collectives_address_is_warned_of_when_public() -> None:
@@ -159,3 +167,28 @@ def test_the_collectives_address_is_warned_of_when_public() -> None:
     assert check_collectives_address("10.1.2.3").status == "ok"
     public = check_collectives_address("8.8.8.8")
     assert public.status == "warn" and "neither authenticated nor encrypted" in public.detail and public.fix
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root (a UTS namespace)")
+@pytest.mark.timeout(90)
+def test_a_hostname_that_resolves_to_loopback_is_named_with_the_variable_that_fixes_it() -> None:
+    """gloo finds its own address from the hostname: one that resolves to 127.0.0.1 (a hostname of 'localhost',
+    a Debian /etc/hosts' 127.0.1.1 line) makes every multi-node world fail in connectFullMesh."""
+
+    def under(hostname: str, env: dict[str, str]) -> str:
+        env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+        r = subprocess.run(
+            ["unshare", "--uts", "sh", "-c", f'hostname {hostname} && exec "$0" -m rayfree.cli doctor --quick '
+             f'--master-port {_free_port()}', sys.executable],
+            capture_output=True, text=True, timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        return line(r.stdout, "socket ifname") + "\n" + r.stdout
+
+    bare = {"GLOO_SOCKET_IFNAME": None, "NCCL_SOCKET_IFNAME": None}
+    loop = under("localhost", bare)
+    assert "[warn] socket ifname" in loop and "'localhost' resolves to 127.0.0.1, a loopback address" in loop, loop
+    assert "connectFullMesh" in loop and "fix: set GLOO_SOCKET_IFNAME=" in loop, loop
+    unknown = under("rf-no-such-host-name", bare)
+    assert "[warn] socket ifname" in unknown and "does not resolve" in unknown, unknown
+    named = under("localhost", {"GLOO_SOCKET_IFNAME": "lo"})  # (the variable set: gloo takes that interface)
+    assert "GLOO_SOCKET_IFNAME=lo" in named.splitlines()[0] and "loopback" not in named.splitlines()[0], named

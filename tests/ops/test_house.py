@@ -263,3 +263,19 @@ def test_the_override_check_sees_a_method_the_executor_lacks(tmp_path) -> None:
     f = tmp_path / "m.py"
     f.write_text("class E(MultiprocExecutor):\n    def release(self): ...\n    def _shutdown(self): ...\n")
     assert [d.split()[-1] for d in _dead_overrides(str(f), MultiprocExecutor)] == ["E._shutdown"]
+
+
+def test_tests_and_benches_prepend_to_pythonpath_never_replace_it() -> None:
+    """rayfree's dependencies may come from PYTHONPATH (a `pip install --target` directory, an HPC module
+    system): a child process started with a PYTHONPATH of the checkout alone would not find them."""
+    replaced = re.compile(r"""["']PYTHONPATH["']\s*(?:\]\s*=|:)\s*(?:ROOT|root|f["']\{ROOT\})(?!\s*\+)""")
+    bad = []
+    for folder in ("tests", "bench", "docker", "examples", "rayfree"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(dirpath, f)
+                    with open(path) as src:
+                        bad += [f"{os.path.relpath(path, ROOT)}:{i}" for i, line in enumerate(src, 1)
+                                if replaced.search(line)]  # fmt: skip
+    assert not bad, f"a PYTHONPATH replaced, not prepended to: {bad}"

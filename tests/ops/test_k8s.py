@@ -18,6 +18,7 @@ import yaml
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
 from rayfree.transport.secure import policy as security
 from tests.support.nodes import ROOT, NodeProc, shm_files, wait_group_empty
+from tests.support.paths import PYTHONPATH
 
 K8S = os.path.join(ROOT, "deploy", "k8s")
 MANIFESTS = sorted(f for f in os.listdir(K8S) if f.endswith(".yaml"))
@@ -93,7 +94,7 @@ def pod_env(container: dict, index: int, size: int) -> dict[str, str]:
         "LWS_WORKER_INDEX": str(index),
         "LWS_NAME": "rayfree",
         **env,
-        "PYTHONPATH": ROOT,
+        "PYTHONPATH": PYTHONPATH,
         "TORCH_CPP_LOG_LEVEL": "ERROR",
         "RAYFREE_LOG_LEVEL": "INFO",
     }
@@ -155,7 +156,7 @@ def sts_env(container: dict, index: int, namespace: str) -> dict[str, str]:
         for k, v in env.items():
             value = value.replace(f"$({k})", v)
         env[e["name"]] = value
-    return {**env, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO"}
+    return {**env, "PYTHONPATH": PYTHONPATH, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO"}
 
 
 @pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")

@@ -13,6 +13,7 @@ from rayfree.cli.node_options import NodeUsageError, add_node_arguments, plan
 from rayfree.launch.hostlist import HostlistError, expand_hostlist
 from rayfree.launch.launchers import LaunchError, detect, read_launcher
 from rayfree.launch.placement import place
+from tests.support.paths import PYTHONPATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -182,7 +183,7 @@ def test_under_a_launcher_one_command_serves_every_node() -> None:
 
 
 def test_dry_run_prints_the_placement_and_its_sources() -> None:
-    env = {**os.environ, **STEP, "SLURM_NODEID": "0", "RAYFREE_INSECURE": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, **STEP, "SLURM_NODEID": "0", "RAYFREE_INSECURE": "1", "PYTHONPATH": PYTHONPATH}
     r = subprocess.run(
         [sys.executable, "-m", "rayfree.cli", "node", "--dry-run", "--worker", "a:B", "--entry", "a:f", "--tp", "4"],
         env=env,
@@ -198,7 +199,7 @@ def test_dry_run_prints_the_placement_and_its_sources() -> None:
 
 
 def test_a_refused_placement_is_one_line_and_exit_2() -> None:
-    env = {**os.environ, **STEP, "RAYFREE_INSECURE": "1", "PYTHONPATH": ROOT}
+    env = {**os.environ, **STEP, "RAYFREE_INSECURE": "1", "PYTHONPATH": PYTHONPATH}
     r = subprocess.run(
         [sys.executable, "-m", "rayfree.cli", "node", "--worker", "a:B", "--node-rank", "1"],
         env=env,
@@ -212,7 +213,7 @@ def test_a_refused_placement_is_one_line_and_exit_2() -> None:
 
 def test_the_doctor_prints_the_placement_and_refuses_what_disagrees() -> None:
     env = {**os.environ, **STEP, "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "localhost"}
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = PYTHONPATH
     r = subprocess.run(
         [sys.executable, "-m", "rayfree.cli", "doctor", "--quick"], env=env, capture_output=True, text=True, timeout=60
     )
@@ -234,7 +235,7 @@ def test_entry_takes_a_script_as_torchrun_does(tmp_path) -> None:
         "    print('ECHO', ex.collective_rpc('echo', args=(5,)), flush=True)\n    return CODE\n"
     )
     argv = ["node", "--worker", "tests.support.sample_workers:EchoWorker", "--entry", f"{tmp_path}/driver.py:main"]
-    env = {**os.environ, "PYTHONPATH": ROOT, "RAYFREE_MASTER_PORT": "0"}
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RAYFREE_MASTER_PORT": "0"}
     r = subprocess.run(
         [sys.executable, "-m", "rayfree.cli", *argv], env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path
     )

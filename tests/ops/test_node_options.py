@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -101,3 +102,36 @@ def test_the_metrics_port_comes_from_the_flag_or_the_environment(argv, env, want
 def test_a_metrics_port_that_is_not_a_port_is_refused(value) -> None:
     with pytest.raises(NodeUsageError, match=f"--metrics-port '{value}' is not a TCP port"):
         port_option(parse("--metrics-port", value), "metrics_port", env={})
+
+
+@pytest.mark.timeout(120)
+def test_every_setting_the_docs_give_is_in_help_and_in_dry_run() -> None:
+    """Each cluster field the docs name (as --flag or RAYFREE_<FIELD>) is listed by `rayfree node --help` and
+    printed by --dry-run: an operator who read of it can find it, and see the value a node will use."""
+    import glob
+    import re
+    import subprocess
+    import sys
+
+    from rayfree.cluster import loading
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    docs = "".join(open(p).read() for p in glob.glob(os.path.join(root, "docs", "**", "*.md"), recursive=True))
+    named = [
+        n for n in sorted(loading._PARALLEL_FIELDS | loading._CLUSTER_FIELDS)
+        if re.search(rf"(--{n.replace('_', '-')}|RAYFREE_{n.upper()})(?![\w-])", docs)
+    ]  # fmt: skip
+    assert "replica_coupling" in named and "shared_arguments" in named, named
+
+    def node(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "rayfree.cli", "node", *args], capture_output=True, text=True,
+                           timeout=60, cwd=root, env={**os.environ, "RAYFREE_INSECURE": "1"})  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    help_text = node("--help")
+    plan = node("--dry-run", "--dp", "2", "--replica-coupling", "coupled", "--worker", "x.y:Z", "--entry", "x.y:f")
+    for n in named:
+        assert re.search(rf"--{n.replace('_', '-')}(?![\w-])", help_text), f"--{n.replace('_', '-')} not in --help"
+        assert re.search(rf"^  {n} +=", plan, re.M), f"{n} not in --dry-run:\n{plan}"
+    assert re.search(r"^  replica_coupling += coupled$", plan, re.M), plan

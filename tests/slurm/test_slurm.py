@@ -22,6 +22,7 @@ from rayfree.launch.hostlist import expand_hostlist
 from rayfree.procs import group_members
 from rayfree.transport.secure import policy as security
 from tests.support.nodes import ROOT
+from tests.support.paths import PYTHONPATH
 from tests.support.slurm import SlurmCluster, have_slurm, install_slurm
 
 if os.environ.get("RAYFREE_TEST_SLURM") != "1":
@@ -47,7 +48,12 @@ def job_env(slurm, tmp_path):
     secret = str(tmp_path / "secret")
     security.write_secret(secret)
     return slurm.client_env(
-        {"RAYFREE_SECRET_FILE": secret, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO"}
+        {
+            "RAYFREE_SECRET_FILE": secret,
+            "PYTHONPATH": PYTHONPATH,
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+            "RAYFREE_LOG_LEVEL": "INFO",
+        }
     )
 
 

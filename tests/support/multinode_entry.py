@@ -266,8 +266,13 @@ def steps_through_drain(ex) -> int:
         steps += 1
 
     if ex.dp_rank == 1 and epoch == 0:
+        early = ""  # (a call made once the replica drains, before its callback was heard, is refused at once)
         while not any(s[1] == "draining" for s in seen) and time.monotonic() < until:
-            step()
+            try:
+                step()
+            except ReplicaDrained as e:
+                early = str(e)
+                break
         while not any(s[1] == "drained" for s in seen) and time.monotonic() < until:
             time.sleep(0.02)
         try:
@@ -275,7 +280,8 @@ def steps_through_drain(ex) -> int:
             refused = ""
         except ReplicaDrained as e:
             refused = str(e)
-        say("RESULT", replica=1, epoch=epoch, outcome="drained", steps=steps, equal=equal, refused=refused, seen=seen)
+        say("RESULT", replica=1, epoch=epoch, outcome="drained", steps=steps, equal=equal, refused=refused, seen=seen,
+            early=early)  # fmt: skip
         return 0
     while time.monotonic() < until and not (
         (ex.dp_rank == 0 and any(s[1] == "serving" for s in seen)) or (ex.dp_rank == 1 and steps >= 20)
@@ -343,8 +349,10 @@ def coupled_steps(ex) -> int:
                 say(said, replica=ex.dp_rank, members=members, t=runs[-1][2])
     hooks = ex.collective_rpc("hook_calls", unique_reply_rank=0, timeout=60)
     halves = ex.collective_rpc("device_halves", unique_reply_rank=0, timeout=60)
+    checks = ex.collective_rpc("group_checks", timeout=60)  # (every rank's: TP's second rank sums too)
     say("RESULT", replica=ex.dp_rank, epoch=epoch, steps=steps, equal=equal, runs=runs, changes=changes,
-        hooks=hooks, halves=halves, states={k: [v.state, v.epoch] for k, v in ex.replica_states().items()})  # fmt: skip
+        hooks=hooks, halves=halves, checks=checks,
+        states={k: [v.state, v.epoch] for k, v in ex.replica_states().items()})  # fmt: skip
     return 0
 
 

@@ -19,6 +19,7 @@ import yaml
 from rayfree.cluster.simulate import SimulatedCluster, SimulatedNode
 from rayfree.procs import group_members
 from rayfree.testing import NodeRun
+from tests.support.paths import PYTHONPATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMPOSE = os.path.join(ROOT, "docker-compose.yml")
@@ -101,7 +102,7 @@ class Nodes:
             port, hb = get_open_port("127.0.0.1"), get_open_port("127.0.0.1")
         self.values = {"RAYFREE_MASTER_ADDR": master, "RAYFREE_MASTER_PORT": str(port)}
         self.env = {
-            "PYTHONPATH": ROOT,
+            "PYTHONPATH": PYTHONPATH,
             "RAYFREE_HEARTBEAT_PORT": str(hb),
             "TORCH_CPP_LOG_LEVEL": "ERROR",
             "RAYFREE_LOG_LEVEL": "INFO",

@@ -199,3 +199,9 @@ class PairedGroupsWorker(EchoWorker):
     """Builds every group as a pair with a second backend, as a GPU worker does with NCCL (gloo here)."""
 
     device_backend = "gloo"
+
+
+class CpuEchoWorker(EchoWorker):
+    """A CPU engine's worker: the node places and counts no GPU for it."""
+
+    runs_on = "cpu"

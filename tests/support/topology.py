@@ -30,3 +30,23 @@ def fake_topology(root: Path, numa_of_gpu: list[int], cpus_of_numa: dict[int, st
         node.mkdir(parents=True)
         (node / "cpulist").write_text(cpulist + "\n")
     return root
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tests.support.topology N DIR`: a node with N GPUs (all on NUMA node 0, with every CPU this
+    process may use), for RAYFREE_TOPOLOGY_ROOT: CI runs the suite's representative paths on 1 and 8."""
+    import os
+
+    if len(argv) != 2 or not argv[0].isdigit():
+        print("usage: python -m tests.support.topology N_GPUS DIR", file=sys.stderr)
+        return 2
+    cpus = sorted(os.sched_getaffinity(0))
+    fake_topology(Path(argv[1]), [0] * int(argv[0]), {0: ",".join(map(str, cpus))})
+    print(argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

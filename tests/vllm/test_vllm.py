@@ -25,6 +25,7 @@ from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
 from rayfree.transport.secure import policy as security
 from rayfree.transport.shm.segment import creator_alive, creator_pid
 from tests.support.nodes import ROOT, NodeProc, wait_group_empty
+from tests.support.paths import PYTHONPATH
 from tests.support.vllm_engine import ENV, engine_args
 from tests.support.vllm_tiny_model import make
 
@@ -64,7 +65,7 @@ def model(tmp_path_factory) -> str:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, **ENV, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", **extra}
+    return {**os.environ, **ENV, "PYTHONPATH": PYTHONPATH, "TORCH_CPP_LOG_LEVEL": "ERROR", **extra}
 
 
 def _lines(out: str, tag: str) -> list[dict]:
@@ -266,7 +267,7 @@ def test_the_shipped_slurm_script_serves_vllm_on_two_slurm_nodes_with_mp_s_token
     with SlurmCluster(2) as slurm:
         env = slurm.client_env(
             {
-                **ENV, "PYTHONPATH": ROOT, "TORCH_CPP_LOG_LEVEL": "ERROR", "MODEL": model, "TP": "2",
+                **ENV, "PYTHONPATH": PYTHONPATH, "TORCH_CPP_LOG_LEVEL": "ERROR", "MODEL": model, "TP": "2",
                 "VLLM_ARGS": " ".join(SERVE[4:]), "ENGINE_ARGS": json.dumps(engine_args(model)),
                 "RAYFREE_SECRET_FILE": secret, **FAST,
             }

@@ -15,7 +15,9 @@ the owner's current `receive` at once: a stop needs no polling slice.
 
 from __future__ import annotations
 
+import logging
 import struct
+import time
 
 import zmq
 
@@ -26,10 +28,20 @@ __all__ = ["ControlSocket"]
 
 
 _SENT, _FULL, _GONE = 0, 1, 2
+logger = logging.getLogger("rayfree.security")
+#: handshakes closed by the peer in a row, none made, before a connecting side calls its key refused (a CURVE
+#: server that cannot read a client's hello, one with another secret, closes the connection without a word)
+_REFUSED_AFTER = 3
+#: libzmq's ZMQ_PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: a CURVE hello the server could not open (another secret)
+_CRYPTOGRAPHIC = 0x11000001
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_REFUSED_LOG_S = 10.0
 
 
-def _event_id(frame: bytes) -> int:
-    return int(struct.unpack_from("=H", frame)[0])
+def _event(frame: bytes) -> tuple[int, int]:
+    return struct.unpack_from("=HI", frame)  # type: ignore[return-value]
 
 
 class ControlSocket:
@@ -41,6 +53,10 @@ class ControlSocket:
         #: a connection dropped (or was made) since `take_dropped` (`take_connected`) last looked
         self._dropped = False
         self._connected = False
+        #: handshakes failed since the last one made, and whether the peer refused this side's key outright
+        self._failed_handshakes = 0
+        self._key_refused = False
+        self._refused_logged_at = -_REFUSED_LOG_S
         self._monitor: zmq.Socket | None = None
         self._poller: zmq.Poller | None = None
         self._again = zmq_errors(f"a control message at {endpoint}", again=True)
@@ -59,7 +75,9 @@ class ControlSocket:
     def watch(self) -> None:
         """Start noting dropped connections (from the thread that will use the socket)."""
         with zmq_errors(f"watching {self.endpoint}"):
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._monitor = self._sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
+            )
             self._poller = zmq.Poller()
             self._poller.register(self._sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
@@ -107,10 +125,7 @@ class ControlSocket:
             while True:
                 with self._again:
                     event = self._monitor.recv_multipart(zmq.NOBLOCK)  # [event id + value, endpoint]
-                    if _event_id(event[0]) == zmq.EVENT_DISCONNECTED:
-                        self._dropped = True
-                    else:
-                        self._connected = True
+                    self._on_event(*_event(event[0]))
                     continue
                 break
         if self._sock in events:
@@ -120,6 +135,31 @@ class ControlSocket:
                     continue
                 break
         return got
+
+    def _on_event(self, kind: int, value: int) -> None:
+        if kind == zmq.EVENT_DISCONNECTED:
+            self._dropped = True
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._connected, self._failed_handshakes = True, 0
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # (the peer's ZAP handler refused this side's key)
+            self._key_refused = True
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # (the peer closed it mid-handshake)
+            self._failed_handshakes += 1
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == _CRYPTOGRAPHIC:
+            now = time.monotonic()  # (a listening side: a peer's hello it could not open; one line per 10 s)
+            if now - self._refused_logged_at >= _REFUSED_LOG_S:
+                self._refused_logged_at = now
+                logger.warning(
+                    "%s: refused a connection whose CURVE handshake failed: its peer does not hold this "
+                    "cluster's secret (start it with the same --secret-file; `rayfree doctor` prints each "
+                    "secret's fingerprint)",
+                    self.endpoint,
+                )
+
+    def key_refused(self) -> bool:
+        """A connecting side: did the peer refuse this side's key (its ZAP handler said no, or it closed
+        `_REFUSED_AFTER` handshakes in a row, none made: a CURVE server with another secret)?"""
+        return self._key_refused or self._failed_handshakes >= _REFUSED_AFTER
 
     def take_dropped(self) -> bool:
         """Did a connection drop since the last look?"""
