@@ -105,9 +105,9 @@ bench-failover: $(STAMP)
 # The suite's representative paths on a node whose driver shows 1 GPU, then 8 (a tree of our own as
 # RAYFREE_TOPOLOGY_ROOT; torch here has no CUDA): the demo, simulated clusters, executor start-up, DP replicas,
 # doctor. A CPU engine on a GPU box runs where device=auto says, and nothing counts GPUs it does not use.
-TOPOLOGY_TESTS ?= tests/ops/test_cli.py tests/ops/test_doctor.py tests/executor/test_executor.py \
-	tests/executor/test_replica_domains.py tests/executor/test_placement.py tests/cluster/test_dp.py \
-	tests/cluster/test_multinode.py tests/ops/test_examples.py
+TOPOLOGY_TESTS ?= tests/ops/test_doctor.py tests/executor/test_executor.py tests/executor/test_replica_domains.py \
+	tests/executor/test_placement.py tests/executor/test_gpu.py tests/cluster/test_dp.py \
+	tests/ops/test_examples.py::test_the_simulated_cluster_example_test_passes
 test-topologies: $(STAMP)
 	for n in 1 8; do \
 		d=$$(mktemp -d) && $(PY) -m tests.support.topology $$n $$d/tree >/dev/null || exit 1; \

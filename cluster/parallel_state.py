@@ -267,7 +267,7 @@ def solo_pair(name: str) -> tuple[Any, Any]:
     timeout = datetime.timedelta(seconds=_TIMEOUT_S)
     pg = dev = make_process_group("gloo", store, 0, 1, timeout)
     known(pg, store, "gloo", name, 0)
-    if _DEVICE_BACKEND is not None and _DEVICE_BACKEND != "gloo":
+    if _DEVICE_BACKEND is not None:  # (a pair like every other group's: the device half its own group)
         half = PrefixStore("device/", store)
         dev = make_process_group(_DEVICE_BACKEND, half, 0, 1, timeout)
         known(dev, half, _DEVICE_BACKEND, name + "/device", 0)

@@ -15,6 +15,7 @@ the owner's current `receive` at once: a stop needs no polling slice.
 
 from __future__ import annotations
 
+import errno
 import logging
 import struct
 import time
@@ -38,6 +39,8 @@ _HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 _REFUSED_LOG_S = 10.0
+#: the errors of a handshake the peer closed (a CURVE server that could not open this side's hello)
+_CLOSED = (errno.EPIPE, errno.ECONNRESET)
 
 
 def _event(frame: bytes) -> tuple[int, int]:
@@ -143,8 +146,8 @@ class ControlSocket:
             self._connected, self._failed_handshakes = True, 0
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:  # (the peer's ZAP handler refused this side's key)
             self._key_refused = True
-        elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:  # (the peer closed it mid-handshake)
-            self._failed_handshakes += 1
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL and value in _CLOSED:  # (the peer closed it mid-way,
+            self._failed_handshakes += 1  # not a slow peer's timeout)
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == _CRYPTOGRAPHIC:
             now = time.monotonic()  # (a listening side: a peer's hello it could not open; one line per 10 s)
             if now - self._refused_logged_at >= _REFUSED_LOG_S:
