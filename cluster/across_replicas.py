@@ -75,11 +75,11 @@ def regroup(par: ParallelConfig, rank: int, at: int, members: list[int], wait_s:
         else:
             group = PrefixStore(name, store)
             _meet(group, len(ranks), wait_s or bound, f"rank {me}: the {kind} group across replicas {members}")
-            pg = dev = ps.make_process_group("gloo", group, index, len(ranks), timeout)
+            pg = dev = ps.make_process_group("gloo", group, index, len(ranks), timeout, name)
             ps.known(pg, group, "gloo", name, index)
             if ps._DEVICE_BACKEND is not None:  # (the device half: its own connections, under its own name)
                 half = PrefixStore("device/", group)
-                dev = ps.make_process_group(ps._DEVICE_BACKEND, half, index, len(ranks), timeout)
+                dev = ps.make_process_group(ps._DEVICE_BACKEND, half, index, len(ranks), timeout, name + "device")
                 ps.known(dev, half, ps._DEVICE_BACKEND, name + "device", index)
             ps._OWN.extend({id(pg): pg, id(dev): dev}.values())
         old = ps._GROUPS.pop(kind, None)  # (the replica world's own group of the kind, before the first regroup)

@@ -227,16 +227,30 @@ def initialize_model_parallel(parallel_config: ParallelConfig) -> None:
                 _GROUPS[kind].device_group = dev
 
 
-def make_process_group(backend: str, store: Any, index: int, size: int, timeout: datetime.timedelta) -> Any:
+def make_process_group(
+    backend: str, store: Any, index: int, size: int, timeout: datetime.timedelta, name: str = ""
+) -> Any:
     """A process group of `backend` over `size` ranks meeting on `store` (this rank at `index`), outside
-    torch's world bookkeeping (`known` registers it)."""
+    torch's world bookkeeping (`known` registers it). Its backend sits in a `ProcessGroup`, as torch's own
+    groups' do: torch (inductor's compile, vLLM's CPU path) walks every group it knows as one."""
+    kind = dist.ProcessGroup.BackendType
+    devices: tuple[str, ...]
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, index, size, timeout)
-    if backend == "nccl":
+        impl: Any = dist.ProcessGroupGloo(store, index, size, timeout)
+        devices, which = ("cpu", "cuda"), kind.GLOO
+    elif backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, index, size, options)
-    raise GroupError(f"device_backend={backend!r}: groups made outside the world are gloo or nccl")
+        impl, devices, which = dist.ProcessGroupNCCL(store, index, size, options), ("cuda",), kind.NCCL
+    else:
+        raise GroupError(f"device_backend={backend!r}: groups made outside the world are gloo or nccl")
+    pg: Any = dist.ProcessGroup(store, index, size)
+    pg._set_default_backend(which)
+    for device in devices:
+        pg._register_backend(torch.device(device), which, impl)
+    pg._set_group_name(name or f"rayfree/{id(pg)}")
+    pg._set_group_desc(name or "rayfree")
+    return pg
 
 
 def known(pg: Any, store: Any, backend: str, name: str, index: int) -> None:
@@ -265,11 +279,11 @@ def solo_pair(name: str) -> tuple[Any, Any]:
     on it are this rank's own values, as on vLLM's GroupCoordinator of one rank."""
     store = PrefixStore(name + "/", getattr(dist, "HashStore")())  # noqa: B009 - (not in torch's stubs' exports)
     timeout = datetime.timedelta(seconds=_TIMEOUT_S)
-    pg = dev = make_process_group("gloo", store, 0, 1, timeout)
+    pg = dev = make_process_group("gloo", store, 0, 1, timeout, name)
     known(pg, store, "gloo", name, 0)
     if _DEVICE_BACKEND is not None:  # (a pair like every other group's: the device half its own group)
         half = PrefixStore("device/", store)
-        dev = make_process_group(_DEVICE_BACKEND, half, 0, 1, timeout)
+        dev = make_process_group(_DEVICE_BACKEND, half, 0, 1, timeout, name + "/device")
         known(dev, half, _DEVICE_BACKEND, name + "/device", 0)
     _OWN.extend({id(pg): pg, id(dev): dev}.values())
     return pg, dev

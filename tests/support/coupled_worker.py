@@ -66,4 +66,9 @@ def group_check(worker) -> dict:
             dist.all_reduce(t, group=getattr(g, half))
             if t.item() != want:
                 wrong.append([kind, half, t.item(), want])
+    from torch.distributed import distributed_c10d
+
+    # every group torch knows is a ProcessGroup, as its own walks (inductor's, under vLLM) take them
+    wrong += [["not a ProcessGroup", type(pg).__name__] for pg in distributed_c10d._world.pg_map
+              if not hasattr(pg, "_device_types")]  # fmt: skip
     return {"dp": ps.get_dp_group().ranks, "wrong": wrong}
