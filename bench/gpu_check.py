@@ -80,10 +80,12 @@ def run(tp: int, gpu: bool) -> list[float]:
 
 
 def across_halves(worker) -> str:
-    """The kind of the device half of this rank's DP group across coupled replicas (NCCL's on a GPU)."""
+    """The backend of the device half of this rank's DP group across coupled replicas (NCCL on a GPU)."""
+    import torch.distributed as dist
+
     from rayfree.cluster.parallel_state import get_dp_group
 
-    return type(get_dp_group().device_group).__name__
+    return str(dist.get_backend(get_dp_group().device_group))
 
 
 def coupled(gpu: bool) -> None:
@@ -128,7 +130,7 @@ def coupled(gpu: bool) -> None:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
     assert not wrong and not any(t.is_alive() for t in threads), wrong
     if gpu:
-        assert set(kinds.values()) == {"ProcessGroupNCCL"}, kinds
+        assert set(kinds.values()) == {"nccl"}, kinds
     print(f"  DP=2 coupled replicas: 20 steps each, the all-reduce across them on {kinds[0]}, every sum right")
 
 

@@ -129,7 +129,7 @@ def test_gpu_check_says_there_is_no_gpu_and_runs_its_plumbing_on_the_cpu(tmp_pat
         [sys.executable, script, "--on-cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=200
     )
     assert out.returncode == 0 and re.search(r"TP=2 per step p50 \d+ us", out.stdout), f"{out.stdout}\n{out.stderr}"
-    assert "DP=2 coupled replicas: 20 steps each, the all-reduce across them on ProcessGroupGloo" in out.stdout
+    assert "DP=2 coupled replicas: 20 steps each, the all-reduce across them on gloo" in out.stdout
     if os.geteuid() == 0:
         assert "two simulated nodes, TP=2 across them" in out.stdout, out.stdout
 
