@@ -22,10 +22,10 @@ _SECRET: list[str] = []
 
 
 def pythonpath(*first: str) -> str:
-    """`first` (default: the checkout), then the caller's PYTHONPATH (rayfree's dependencies may come from there):
-    prepended, never replaced."""
-    parts = [*(first or (ROOT,)), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-    return os.pathsep.join(dict.fromkeys(p for p in parts if p))
+    """`first` (default: the checkout), then the caller's PYTHONPATH: prepended, never replaced."""
+    from rayfree.testing import prepended_pythonpath
+
+    return prepended_pythonpath(*(first or (ROOT,)))
 
 
 def secret() -> str:

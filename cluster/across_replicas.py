@@ -81,7 +81,6 @@ def regroup(par: ParallelConfig, rank: int, at: int, members: list[int], wait_s:
                 half = PrefixStore("device/", group)
                 dev = ps.make_process_group(ps._DEVICE_BACKEND, half, index, len(ranks), timeout, name + "device")
                 ps.known(dev, half, ps._DEVICE_BACKEND, name + "device", index)
-            ps._OWN.extend({id(pg): pg, id(dev): dev}.values())
         old = ps._GROUPS.pop(kind, None)  # (the replica world's own group of the kind, before the first regroup)
         if old is not None:
             ps.release(old)

@@ -121,7 +121,7 @@ def _parse_value(name: str, text: str) -> Any:
 
 #: the fields an operator sets (the docs name each): shown by --help, with what they do, and printed by --dry-run;
 #: every other field has its flag too, unlisted
-_SHOWN = {
+OPERATOR_FIELDS = {
     "tensor_parallel_size": "ranks of a tensor-parallel group",
     "pipeline_parallel_size": "pipeline stages",
     "data_parallel_size": "DP replicas",
@@ -148,7 +148,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML or JSON file with the cluster configuration")
     for name in sorted(_PARALLEL_FIELDS | _CLUSTER_FIELDS):
         flags = ["--" + name.replace("_", "-")] + ([_SHORT[name]] if name in _SHORT else [])
-        shown = _SHOWN.get(name)
+        shown = OPERATOR_FIELDS.get(name)
         parser.add_argument(
             *flags,
             dest=name,

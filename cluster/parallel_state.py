@@ -58,7 +58,7 @@ _FORCE_REMOTE: bool | None = None
 _MASTER = "127.0.0.1"
 #: the backend of the groups' device halves (None: they are the gloo groups)
 _DEVICE_BACKEND: str | None = None
-#: the process groups made outside torch's world (`make_process_group`: one-rank groups, the groups across
+#: the process groups made outside torch's world and registered by `known` (one-rank groups, the groups across
 #: replicas), released by `release`
 _OWN: list[Any] = []
 
@@ -255,10 +255,12 @@ def make_process_group(
 
 def known(pg: Any, store: Any, backend: str, name: str, index: int) -> None:
     """Tell torch.distributed of a process group made by `make_process_group` (this rank's place in it only), so
-    that its collectives (and their error logging, which looks the group up) take it like any group."""
+    that its collectives (and their error logging, which looks the group up) take it like any group; `release`
+    lets it go."""
     w: Any = distributed_c10d._world
     w.pg_map[pg], w.pg_names[pg], w.pg_backend_config[pg] = (backend, store), name, backend
     w.pg_group_ranks[pg] = {dist.get_rank(): index}
+    _OWN.append(pg)
 
 
 def forget(pg: Any) -> None:
@@ -285,7 +287,6 @@ def solo_pair(name: str) -> tuple[Any, Any]:
         half = PrefixStore("device/", store)
         dev = make_process_group(_DEVICE_BACKEND, half, 0, 1, timeout, name + "/device")
         known(dev, half, _DEVICE_BACKEND, name + "/device", 0)
-    _OWN.extend({id(pg): pg, id(dev): dev}.values())
     return pg, dev
 
 
@@ -293,8 +294,8 @@ def release(g: Group) -> None:
     """Release the halves of `g` that were made outside torch's world (one-rank groups, the groups across
     replicas): `forget`, not destroy_process_group, which knows nothing of them."""
     own = [pg for pg in _OWN if pg is g.cpu_group or pg is g.device_group]
+    _OWN[:] = [pg for pg in _OWN if all(pg is not o for o in own)]
     for pg in own:
-        _OWN[:] = [p for p in _OWN if p is not pg]
         forget(pg)
     if own:
         g.cpu_group = g.device_group = None

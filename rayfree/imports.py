@@ -10,7 +10,7 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["load_object", "SpecError", "check_spec"]
+__all__ = ["load_object", "SpecError", "check_spec", "split_spec", "class_literal"]
 
 
 class SpecError(ValueError):
@@ -42,9 +42,7 @@ def _load_script(path: str, spec: str, what: str) -> Any:
 def load_object(spec: str, what: str) -> Any:
     """The object that `spec` ('pkg.mod:Name', 'pkg.mod:Outer.inner', or a script 'path/driver.py:main')
     names; ValueError naming `what`."""
-    mod, sep, name = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
-    if not sep or not mod or not name:
-        raise SpecError(f"{what} {spec!r}: write it as 'package.module:Name' (or 'script.py:name')")
+    mod, name = split_spec(spec, what)
     obj: Any
     if mod.endswith(".py") or os.sep in mod:
         obj = _load_script(mod, spec, what)
@@ -61,9 +59,35 @@ def load_object(spec: str, what: str) -> Any:
     return obj
 
 
+def split_spec(spec: str, what: str) -> tuple[str, str]:
+    """'pkg.mod:Name' (or 'path/driver.py:name', a drive letter's colon kept) as (module, name); SpecError
+    naming `what` when it is not of that form."""
+    mod, sep, name = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
+    if not sep or not mod or not name:
+        raise SpecError(f"{what} {spec!r}: write it as 'package.module:Name' (or 'script.py:name')")
+    return mod, name
+
+
 #: CPython 3.11's AST conversion keeps its recursion depth in the interpreter, not the thread: two threads
 #: parsing at once (a node's DP replicas start side by side) fail with "AST constructor recursion depth mismatch"
 _PARSE_LOCK = threading.Lock()
+
+
+def _module_source(mod: str) -> tuple[bytes, ast.Module] | None:
+    """A module's source and its parse, found without importing it (None: a script path, no .py source here,
+    or it does not parse)."""
+    if mod.endswith(".py") or os.sep in mod:
+        return None
+    try:
+        found = importlib.util.find_spec(mod)
+        if found is None or not found.origin or not found.origin.endswith(".py"):
+            return None
+        with open(found.origin, "rb") as f:
+            source = f.read()
+        with _PARSE_LOCK:
+            return source, ast.parse(source, found.origin)
+    except (ImportError, ValueError, OSError, SyntaxError):
+        return None
 
 
 def check_spec(spec: str, what: str) -> bool | None:
@@ -72,24 +96,13 @@ def check_spec(spec: str, what: str) -> bool | None:
     at top level; SpecError: the form is wrong, or the source surely lacks the name (or defines a function
     where a class is asked for); None: it cannot tell (no source here, a module-level __getattr__ or `import
     *`, names made as it runs, a script path), and the caller imports it or leaves it to the workers."""
-    mod, sep, name = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
-    if not sep or not mod or not name:
-        raise SpecError(f"{what} {spec!r}: write it as 'package.module:Name' (or 'script.py:name')")
-    if mod.endswith(".py") or os.sep in mod or mod in sys.modules:
+    mod, name = split_spec(spec, what)
+    if mod in sys.modules:
         return None
-    try:
-        found = importlib.util.find_spec(mod)
-    except (ImportError, ValueError):
+    parsed = _module_source(mod)
+    if parsed is None:
         return None
-    if found is None or not found.origin or not found.origin.endswith(".py"):
-        return None
-    try:
-        with open(found.origin, "rb") as f:
-            source = f.read()
-        with _PARSE_LOCK:
-            tree = ast.parse(source, found.origin)
-    except (OSError, SyntaxError, ValueError):
-        return None
+    source, tree = parsed
     if any(w in source for w in (b"globals()", b"exec(", b"setattr(sys.modules", b"sys.modules[__name__]")):
         return None  # it makes names as it runs: only an import tells
     top = name.split(".")[0]
@@ -123,20 +136,12 @@ def check_spec(spec: str, what: str) -> bool | None:
 def class_literal(spec: str, attr: str) -> object | None:
     """The literal a class named by `spec` ('pkg.mod:Class') assigns to `attr` in its own body, read from its
     module's source without running it (None: not found that way: no source, not a literal, or inherited)."""
-    mod, sep, name = spec.rpartition(":") if spec.count(":") > 1 else spec.partition(":")
-    if not sep or mod.endswith(".py") or os.sep in mod:
-        return None
     try:
-        found = importlib.util.find_spec(mod)
-        if found is None or not found.origin or not found.origin.endswith(".py"):
-            return None
-        with open(found.origin, "rb") as f:
-            source = f.read()
-        with _PARSE_LOCK:
-            tree = ast.parse(source, found.origin)
-    except (ImportError, ValueError, OSError, SyntaxError):
+        mod, name = split_spec(spec, "class")
+    except SpecError:
         return None
-    for node in tree.body:
+    parsed = _module_source(mod)
+    for node in parsed[1].body if parsed is not None else []:
         if isinstance(node, ast.ClassDef) and node.name == name:
             for item in node.body:
                 targets = item.targets if isinstance(item, ast.Assign) else [item.target] if isinstance(

@@ -43,7 +43,14 @@ from rayfree.supervisor import supervisor
 from rayfree.transport.net import get_open_port
 from rayfree.transport.secure.policy import write_secret
 
-__all__ = ["simulated_cluster", "SimulatedRun", "NodeRun", "rayfree_cluster"]
+__all__ = ["simulated_cluster", "SimulatedRun", "NodeRun", "rayfree_cluster", "prepended_pythonpath"]
+
+
+def prepended_pythonpath(*first: str) -> str:
+    """`first`, then this process's PYTHONPATH: what a child started from a test needs (its dependencies may
+    come from PYTHONPATH: a `pip install --target` directory, an HPC module system). Prepend; never replace."""
+    parts = [*first, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    return os.pathsep.join(dict.fromkeys(p for p in parts if p))
 
 
 class NodeRun:
@@ -215,9 +222,7 @@ def simulated_cluster(
         else:
             port, hb = get_open_port("127.0.0.1"), get_open_port("127.0.0.1")
         layout = ParallelConfig(data_parallel_size=dp, nnodes=nnodes)
-        path = os.pathsep.join([cwd, *map(os.path.abspath, pythonpath), os.environ.get("PYTHONPATH", "")]).strip(
-            os.pathsep
-        )
+        path = prepended_pythonpath(cwd, *map(os.path.abspath, pythonpath))
         for k, node in enumerate(sim.nodes):
             argv = [
                 sys.executable, "-m", "rayfree.cli", "node", "--nnodes", str(nnodes), "--node-rank", str(k),

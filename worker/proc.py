@@ -82,12 +82,15 @@ def declared_runs_on(worker_cls: type | str) -> str | None:
     its class body assigns (class_literal); None: it declares nothing (or only where it is imported)."""
     import sys
 
-    from rayfree.imports import class_literal
+    from rayfree.imports import SpecError, class_literal, split_spec
 
     if not isinstance(worker_cls, str):
         value = getattr(worker_cls, "runs_on", None)
     else:
-        mod, _, name = worker_cls.rpartition(":") if worker_cls.count(":") > 1 else worker_cls.partition(":")
+        try:
+            mod, name = split_spec(worker_cls, "worker class")
+        except SpecError:
+            return None  # (check_worker_path says what is wrong with it)
         loaded = sys.modules.get(mod)
         cls = getattr(loaded, name, None) if loaded is not None else None
         value = getattr(cls, "runs_on", None) if cls is not None else class_literal(worker_cls, "runs_on")

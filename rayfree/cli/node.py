@@ -79,12 +79,12 @@ def print_plan(p: NodePlan) -> None:
     for line in p.placement.describe():
         print(f"  {line}")
     from rayfree.cluster.join import coupling_of
-    from rayfree.cluster.loading import _SHOWN
+    from rayfree.cluster.loading import OPERATOR_FIELDS
 
     shown = {**msgspec.structs.asdict(p.config), **msgspec.structs.asdict(par)}
     if par.data_parallel_size > 1 and par.replica_coupling == "auto":
         shown["replica_coupling"] = f"auto ({coupling_of(par)})"
-    for name in _SHOWN:
+    for name in OPERATOR_FIELDS:
         if name not in ("nnodes", "node_rank", "master_addr", "master_port"):  # (the placement's lines say them)
             print(f"  {name:<11} = {shown[name]}")
     role = "leader, runs " + str(p.entry) if p.entry else "follower (headless)"

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 
+from rayfree.testing import prepended_pythonpath
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pythonpath(*first: str) -> str:
     """`first` (default: the checkout), then the caller's PYTHONPATH."""
-    parts = [*(first or (ROOT,)), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-    return os.pathsep.join(dict.fromkeys(p for p in parts if p))
+    return prepended_pythonpath(*(first or (ROOT,)))
 
 
 #: the checkout, then the PYTHONPATH this suite runs with
