@@ -57,8 +57,13 @@ def nbytes(obj) -> int:
 # -- MessageQueue readers -------------------------------------------------------
 
 
-def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool, policy=None, zero_copy: bool = False) -> None:
+def mq_reader(
+    handle: bytes, rank: int, reply_conn, local_reply: bool, policy=None, zero_copy: bool = False, answer=None
+) -> None:
+    """Reader `rank`; reader 0 answers each message with b"ok", or with what `answer()`'s function makes of it
+    (every reader runs that function: bench/step.py's compute)."""
     __import__("torch")  # import it before timing starts: readers rebuild tensors
+    work = None if answer is None else answer()
     security.use(policy)  # the bench's cluster secret, handed over explicitly
     bq = MessageQueue.create_from_handle(handle, rank, zero_copy=zero_copy)
     rq = None
@@ -73,8 +78,9 @@ def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool, policy=No
         msg = bq.dequeue(indefinite=True)
         if type(msg) is tuple and msg == STOP:
             break
+        reply = b"ok" if work is None else work(msg)
         if rq is not None:
-            rq.enqueue(b"ok")
+            rq.enqueue(reply)
         del msg
     bq.close()
     if rq is not None:
@@ -82,7 +88,7 @@ def mq_reader(handle: bytes, rank: int, reply_conn, local_reply: bool, policy=No
 
 
 class MQRig:
-    def __init__(self, n_local: int, n_remote: int, zero_copy: bool = False) -> None:
+    def __init__(self, n_local: int, n_remote: int, zero_copy: bool = False, answer=None) -> None:
         ctx = mp.get_context("spawn")
         n = n_local + n_remote
         self.bq = MessageQueue(n, n_local, connect_ip="127.0.0.1")
@@ -90,7 +96,8 @@ class MQRig:
         self.procs, conns = [], []
         for r in range(n):
             a, b = ctx.Pipe()
-            p = ctx.Process(target=mq_reader, args=(h, r, b, n_remote == 0, security.current(), zero_copy), daemon=True)
+            args = (h, r, b, n_remote == 0, security.current(), zero_copy, answer)
+            p = ctx.Process(target=mq_reader, args=args, daemon=True)
             p.start()
             self.procs.append(p)
             conns.append(a)

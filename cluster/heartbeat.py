@@ -38,41 +38,11 @@ from rayfree.transport.zmq.control import ControlSocket
 from . import heartbeat_messages as msgs
 from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
 from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
+from .heartbeat_peer import FollowerPeer, process_of
 
 __all__ = ["Beat", "Bye", "Verdict", "HeartbeatServer"]
 
 logger = logging.getLogger("rayfree.cluster")
-
-
-class _Peer:
-    __slots__ = ("node_rank", "ranks", "ip", "identity", "last_seen", "gone", "done", "status", "dropped_at",
-                 "bye_from", "pid", "epoch", "verdict")  # fmt: skip
-
-    def __init__(self, node_rank: int, ranks: list[int]) -> None:
-        self.node_rank = node_rank
-        self.ranks = ranks
-        self.ip = "?"
-        self.identity: bytes | None = None
-        self.last_seen: float | None = None
-        self.gone = False
-        self.done = False
-        self.status = b""
-        #: when node 0 found it had no connection any more (None: it has one, as far as node 0 knows)
-        self.dropped_at: float | None = None
-        #: the connection its goodbye came on: another than `identity` when two processes claim one node rank
-        self.bye_from: bytes | None = None
-        #: its process, and its incarnation (0: the cluster's start; more once a replacement was admitted)
-        self.pid: int | None = None
-        self.epoch = 0
-        #: the readiness verdict it was last sent
-        self.verdict = "starting"
-
-    def reincarnate(self, pid: int, epoch: int) -> None:
-        """A replacement of this lost node was admitted: a node that has not beaten yet, in `epoch`."""
-        self.identity = self.last_seen = self.dropped_at = self.bye_from = None
-        self.gone = self.done = False
-        self.status = b""
-        self.pid, self.epoch, self.verdict = pid, epoch, "starting"
 
 
 #: how often node 0 says which followers it still waits for at start-up
@@ -115,7 +85,7 @@ class HeartbeatServer(Beater):
         #: how long the followers have to join (the progress lines say how much of it has passed)
         self.join_timeout = join_timeout
         self.endpoint = tcp_endpoint(bind_ip, port)
-        self.peers = {k: _Peer(k, ranks) for k, ranks in followers.items()}
+        self.peers = {k: FollowerPeer(k, ranks) for k, ranks in followers.items()}
         self.on_lost = on_lost
         #: answers a StatusQuery (set by the layer above); None: the query gets an empty reply
         self.status_fn: Callable[[], bytes] | None = None
@@ -201,15 +171,21 @@ class HeartbeatServer(Beater):
                 f"(followers: {sorted(self.peers)})"
             )
             return
+        if peer.gone and peer.lost_why and isinstance(msg, Beat) and process_of(msg) == peer.proc:
+            sock.try_send([identity, _encode(msgs.Disowned(peer.lost_why))])  # (it leaves, to be started again)
+            return
         if peer.gone:
             epoch = self._admitted(peer, msg)
             if epoch is None or isinstance(epoch, str):  # (refused: it is told why, and leaves)
                 if epoch is not None:
                     sock.try_send([identity, _encode(msgs.Refused(epoch))])
                 return
-            peer.reincarnate(msg.pid, epoch)  # type: ignore[union-attr]
+            peer.reincarnate(msg, epoch)  # type: ignore[arg-type]
             self._look_at = 0.0  # (its deadline counts again)
-        elif peer.epoch and (identity != peer.identity if isinstance(msg, Bye) else msg.pid != peer.pid):
+        elif isinstance(msg, Beat) and msg.shape and self.armed_at and peer.proc not in (None, process_of(msg)):
+            self._started_again(peer, msg)  # (its next beat is a replacement's)
+            return
+        elif peer.epoch and (identity != peer.identity if isinstance(msg, Bye) else process_of(msg) != peer.proc):
             self._dropped(
                 f"a message from node {peer.node_rank}'s earlier incarnation (epoch {peer.epoch - 1} or before), "
                 f"after its replacement (pid {peer.pid}) joined in epoch {peer.epoch}"
@@ -226,18 +202,27 @@ class HeartbeatServer(Beater):
                 sock.try_send([identity, self.welcome_fn(peer.node_rank)])
             sock.try_send([identity, _encode(Verdict(peer.verdict))])
         peer.identity, peer.ip, peer.last_seen, peer.done = identity, msg.ip, time.monotonic(), msg.done
-        peer.pid = msg.pid
-        peer.dropped_at = None
+        peer.pid, peer.proc, peer.dropped_at = msg.pid, process_of(msg), None
         if msg.status:
             peer.status = msg.status
         # False: its queue is full: it is not reading, and its own timeout will tell it
         sock.try_send([identity, _encode(Beat(0, [], "", me, seq))])
 
-    def _admitted(self, peer: _Peer, msg: Beat | Bye) -> int | str | None:
+    def _admitted(self, peer: FollowerPeer, msg: Beat | Bye) -> int | str | None:
         """A lost node beats again: from another process, a replacement node 0 may admit (epoch) or refuse (why)."""
-        if not isinstance(msg, Beat) or msg.pid == peer.pid or self.admit is None:
+        if not isinstance(msg, Beat) or process_of(msg) == peer.proc or self.admit is None:
             return None
         return self.admit(peer.node_rank, msg.pid, msg.shape)
+
+    def _started_again(self, peer: FollowerPeer, msg: Beat) -> None:
+        """A process never welcomed beats as a node node 0 counts alive: the node was started again (its launcher
+        restarted it sooner than its silence could tell), so the earlier process is lost now, not after its
+        timeout, and the new one is a replacement (until then its beats read as a stale incarnation's)."""
+        peer.gone = True  # (no lost_why: the process that beats now is another, which the next beat may admit)
+        why = (f"it was started again (pid {msg.pid}) while node 0 still counted on its earlier process "
+               f"(pid {peer.pid})")  # fmt: skip
+        logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, why)
+        self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
 
     def _next_due(self, next_log: float) -> float:
         """When the loop must look again if nothing arrives (a beat, a dropped connection and a stop wake it):
@@ -284,6 +269,7 @@ class HeartbeatServer(Beater):
                 peer.gone = True
                 if peer.last_seen is None:
                     why = f"it never sent a heartbeat to {self.endpoint} (is that port reachable from it?)"
+                peer.lost_why = why
                 logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, why)
                 self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
         self._look_at = look_at

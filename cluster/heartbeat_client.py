@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from .heartbeat_beater import BYE_LINGER_MS, STATUS_MAX_BYTES, WAIT_LOG_S, Beate
 from .heartbeat_messages import (
     Beat,
     Bye,
+    Disowned,
     DrainReplica,
     Refused,
     Regroup,
@@ -63,6 +65,10 @@ class HeartbeatClient(Beater):
         self.on_replica_up: Callable[[ReplicaUp], None] | None = None
         self.on_replica_drain: Callable[[DrainReplica], None] | None = None
         self.on_regroup: Callable[[Regroup], None] | None = None
+        #: node 0 counts this node lost and will not take this process back (Disowned): why (the layer above;
+        #: None: dropped)
+        self.on_disowned: Callable[[str], None] | None = None
+        self._disowned = False
         #: node 0's first answer (the epochs of this node's replicas), once it came
         self.welcome: Welcome | None = None
         self.welcomed = threading.Event()
@@ -88,7 +94,7 @@ class HeartbeatClient(Beater):
 
     def _run(self) -> None:
         sock = self._sock
-        pid = os.getpid()
+        pid, incarnation = os.getpid(), secrets.randbits(62)
         seq = 0
         next_beat = 0.0
         started = next_log = time.monotonic()
@@ -101,7 +107,9 @@ class HeartbeatClient(Beater):
                 if now >= next_beat:
                     seq += 1
                     shape = "" if self.welcomed.is_set() else self.shape
-                    beat = Beat(self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status(), shape)
+                    beat = Beat(
+                        self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status(), shape, incarnation
+                    )
                     if sock.try_send([_encode(beat)]):
                         self._sent_at = time.monotonic()
                     # (else not connected yet, or the link is down: the timeout decides)
@@ -178,6 +186,14 @@ class HeartbeatClient(Beater):
         if isinstance(msg, Welcome):
             self.welcome = msg
             self.welcomed.set()
+            return False
+        if isinstance(msg, Disowned):
+            if self.on_disowned is None:
+                self._dropped(f"node 0's word that it counts this node lost ({msg.reason})")
+            elif not self._disowned:
+                self._disowned = True
+                logger.error("node %d: node 0 counts this node lost: %s", self.node_rank, msg.reason)
+                self.on_disowned(msg.reason)
             return False
         if isinstance(msg, Refused):
             self.refused = msg.reason  # (the layer above says it, once, and leaves)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 
 __all__ = [
-    "Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "DrainReplica", "Regroup", "Welcome", "Refused"
+    "Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "DrainReplica", "Regroup", "Welcome",
+    "Refused", "Disowned",
 ]  # fmt: skip
 
 
@@ -24,6 +25,9 @@ class Beat(msgspec.Struct, tag="beat", array_like=True):
     #: the cluster's shape as this node was started (join.shape_of), sent until node 0 welcomes it: a lost
     #: node's replacement is admitted only with the shape of the cluster it replaces a node of
     shape: str = ""
+    #: drawn at random when the node's process starts: a process started again is another incarnation even where
+    #: its pid is the same (pid 1 in a container the launcher restarted)
+    incarnation: int = 0
 
 
 class Bye(msgspec.Struct, tag="bye", array_like=True):
@@ -90,11 +94,19 @@ class Refused(msgspec.Struct, tag="refused", array_like=True):
     reason: str
 
 
+class Disowned(msgspec.Struct, tag="disowned", array_like=True):
+    """Node 0 to a follower it counts lost (fallen silent, its connection dropped) whose same process beats
+    again: node 0 will not take that process back (its replicas were failed without it); it leaves non-zero,
+    for its launcher to start it again, instead of waiting for an answer that never comes."""
+
+    reason: str
+
+
 class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
     """`rayfree status` asks node 0 for the cluster's status (it must hold the secret to get through)."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(
-    Beat | Bye | Verdict | ReplicaDown | ReplicaUp | DrainReplica | Regroup | Welcome | Refused | StatusQuery
+    Beat | Bye | Verdict | ReplicaDown | ReplicaUp | DrainReplica | Regroup | Welcome | Refused | Disowned | StatusQuery
 ).decode

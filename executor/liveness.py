@@ -331,6 +331,10 @@ class FollowerLiveness(NodeLiveness):
             shape_of(par),  # (a replacement of a lost node is admitted only with the cluster's shape)
         )
         self.beater.status_fn = lambda: encode(node_status(self))
+        self.beater.on_disowned = lambda why: self.policy.report("node 0", NodeLost(
+            self.node, par.node_ranks(self.node), self.ip,
+            f"node 0 counts it lost ({why}) and will not take this process back: start the node again",
+        ), Severity.FATAL)  # fmt: skip
         if self.independent:
             self.beater.on_replica_down = self._replica_down
             self.beater.on_replica_up = self._replica_up

@@ -3,11 +3,11 @@ replica's replacement nodes (a rejoin).
 
 A replica starts in epoch 0. When it is lost (failure_policy.py) its nodes exit non-zero and their launcher
 starts them again with the same command. Node 0 admits such a replacement (a node whose replicas are all lost,
-beating from a new process, with the cluster's secret: its heartbeats are CURVE), gives the replica its next
-epoch, and says so in its Welcome; the replacement's workers then meet alone, under that epoch's name, at the
-store node 0's first rank still hosts, and form the replica's world again. Once every node of the replica
-reports itself ready, node 0 marks the replica serving, runs the replica callbacks and tells every follower
-(`ReplicaUp`). Messages of the lost incarnation are refused by the heartbeats, naming both epochs.
+beating from a new process: Beat.incarnation; with the cluster's secret: its heartbeats are CURVE), gives the
+replica its next epoch, and says so in its Welcome; the replacement's workers then meet alone, under that
+epoch's name, at the store node 0's first rank still hosts, and form the replica's world again. Once every
+node of the replica reports itself ready, node 0 marks the replica serving, runs the replica callbacks and
+tells every follower (`ReplicaUp`). Messages of the lost incarnation are refused by the heartbeats, naming both epochs.
 """
 
 from __future__ import annotations

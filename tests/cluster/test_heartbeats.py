@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -170,5 +171,80 @@ def test_a_heartbeat_thread_that_could_not_run_says_so_and_for_how_long(caplog) 
         assert said and 1.0 < float(said.group(1)) < 15.0, caplog.text
     finally:
         sys.setswitchinterval(switch)
+        follower.close(linger=0)
+        server.close(timeout=10)
+
+
+def _beats_until(sock: zmq.Socket, what: type, beat: Beat, tries: int = 200) -> object:
+    """Beat (again and again, as a follower does) until node 0 answers with a `what`; that answer."""
+    for seq in range(tries):
+        sock.send(_encode(msgspec.structs.replace(beat, seq=beat.seq + seq)))
+        if sock.poll(100):
+            while sock.poll(0):
+                got = _decode(sock.recv())
+                if isinstance(got, what):
+                    return got
+    raise AssertionError(f"node 0 never answered node {beat.node_rank}'s process {beat.pid} with a {what.__name__}")
+
+
+@pytest.mark.timeout(60)
+def test_a_node_started_again_is_a_replacement_at_once_even_with_the_same_pid(caplog) -> None:
+    """A launcher restarts a follower sooner than its silence could tell (the process is pid 1 again in its
+    container): node 0 takes the never-welcomed process beating as that node for the node started again, loses
+    the earlier process at once (not after its timeout) and admits the new one (its Welcome); the earlier
+    process's beats are then refused as a stale incarnation's. Before, the same pid read as the same process
+    (no loss, no Welcome, ever), and another pid's beats were dropped as stale until the timeout."""
+    from rayfree.cluster.heartbeat_messages import Welcome
+
+    port = get_open_port("127.0.0.1")
+    lost: list[tuple[int, str]] = []
+    admitted: list[tuple[int, int, str]] = []
+    server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 30.0, lambda n, r, ip, why: lost.append((n, why)))
+    server.welcome_fn = lambda node: _encode(Welcome({0: 0, 1: len(admitted)}))
+    server.admit = lambda node, pid, shape: admitted.append((node, pid, shape)) or len(admitted)
+    first = make_dealer(f"tcp://127.0.0.1:{port}")
+    again = make_dealer(f"tcp://127.0.0.1:{port}")
+    pid = 1  # (as in a container)
+    try:
+        assert _beats_until(first, Welcome, Beat(1, [1], "10.0.0.2", pid, 1, shape="tp=1", incarnation=11)).epochs
+        server.arm()  # (the cluster formed)
+        _beats_until(first, Beat, Beat(1, [1], "10.0.0.2", pid, 5, incarnation=11))  # welcomed: no shape now
+        welcome = _beats_until(again, Welcome, Beat(1, [1], "10.0.0.2", pid, 1, shape="tp=1", incarnation=22))
+        assert welcome.epochs == {0: 0, 1: 1}, welcome  # type: ignore[attr-defined]
+        assert lost and lost[0][0] == 1 and "it was started again (pid 1)" in lost[0][1], lost
+        assert admitted == [(1, 1, "tp=1")], admitted  # one loss, one admission, well within the 30 s timeout
+        dropped = server.dropped
+        first.send(_encode(Beat(1, [1], "10.0.0.2", pid, 9, incarnation=11)))  # the earlier process, resumed
+        wait_until(lambda: server.dropped > dropped, 20, "node 0 refusing the earlier process's beat")
+        assert "node 1's earlier incarnation (epoch 0 or before)" in caplog.text, caplog.text
+        assert len(lost) == 1 and len(admitted) == 1, (lost, admitted)
+    finally:
+        first.close(linger=0)
+        again.close(linger=0)
+        server.close(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_follower_node_0_lost_that_beats_again_is_told_it_was_lost() -> None:
+    """Node 0 lost a follower (silent past the timeout: a process starved, a link that dropped) and failed its
+    replicas without it; the same process then beats again (one still starting is not watching node 0's
+    silence). Node 0 tells it, with why, so it leaves (non-zero, to be started again), instead of ignoring it:
+    before, such a node still loading its model waited out ready_timeout_s, and was not even told of node 0's
+    clean stop."""
+    from rayfree.cluster.heartbeat_messages import Disowned
+
+    port = get_open_port("127.0.0.1")
+    lost: list[tuple[int, str]] = []
+    server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 0.6, lambda n, r, ip, why: lost.append((n, why)))
+    follower = make_dealer(f"tcp://127.0.0.1:{port}")
+    beat = Beat(1, [1], "127.0.0.1", os.getpid(), 1, incarnation=7)
+    try:
+        _beats_until(follower, Beat, beat)
+        server.arm()
+        wait_until(lambda: bool(lost), 20, "node 0 losing its silent follower")
+        told = _beats_until(follower, Disowned, msgspec.structs.replace(beat, seq=100))
+        assert told.reason.startswith("no heartbeat for ") and told.reason == lost[0][1], (told, lost)
+        assert len(lost) == 1, lost  # (beating again changes nothing on node 0's side)
+    finally:
         follower.close(linger=0)
         server.close(timeout=10)

@@ -245,7 +245,10 @@ def test_a_replacement_still_starting_when_node_0_stops_cleanly_exits_0_quietly(
         everyone.append(procs[2])
         procs[2].expect(r"LOADING:", 120)
         procs[0].p.send_signal(signal.SIGTERM)
-        codes = {k: procs[k].wait(60) for k in range(3)}
+        try:
+            codes = {k: procs[k].wait(60) for k in range(3)}
+        except AssertionError as e:  # (what node 0 said decides whether the node still starting was told)
+            raise AssertionError(f"{e}\nnode 0:\n{procs[0].text()[-4000:]}") from None
         assert_nothing_left(sim, everyone)
     text = procs[2].text()
     assert (codes[0], codes[2]) == (0, 0), (codes, text[-4000:])

@@ -216,3 +216,16 @@ def test_gpu_check_offline_names_the_wheel_its_wheelhouse_lacks(tmp_path) -> Non
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("gpu-check:")]
     assert out.returncode == 1 and lines[-1].startswith(f"gpu-check: the wheelhouse {house} has no wheel for "), out
     assert "rayfree" in lines[-1] or "numpy" in lines[-1], lines
+
+
+@pytest.mark.timeout(300)
+def test_step_bench_runs_every_rig_at_every_step_length() -> None:
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "step.py"), "--quick", "--rounds", "1", "--rigs",
+           "queues,pipe,rpc", "--workers", "1", "--steps-ms", "1,5"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, f"bench/step.py failed:\n{out.stdout}\n{out.stderr}"
+    rows = re.findall(r"^\s*(.+?)\s+([\d.]+)\s+(-?\d+)\s+(-?\d+)\s+([\d.]+)\s+([\d.]+)$", out.stdout, re.M)
+    assert [(r[0], r[1]) for r in rows] == [
+        (rig, ms) for ms in ("1", "5") for rig in ("rayfree queues", "blocking pipe", "collective_rpc x1")
+    ], out.stdout
+    assert "vLLM is not importable here" in out.stdout or "vLLM MessageQueue" in out.stdout, out.stdout

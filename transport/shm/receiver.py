@@ -32,7 +32,7 @@ from .bulk import BufferPool, copy_into
 from .ring import RingReader
 from .segment import ShmRingBuffer
 from .slots import KIND_OVERFLOW, ONE_FRAME_OFFSET
-from .waiting import SpinPolicy, WakePipe, note_ring_processes, spin
+from .waiting import NAP_MIN_S, SpinPolicy, WakePipe, note_ring_processes, spin
 
 __all__ = ["ShmReceiver"]
 
@@ -132,7 +132,7 @@ class ShmReceiver(Receiver):
         if not rr.ready():
             t0 = _perf()
             with self.waiters:
-                if not rr.spin_ready(self.policy):
+                if not rr.spin_ready(self.policy) and not self._nap(t0, deadline):
                     self._park(t0, deadline, indefinite)
         obj = self._get_one()
         if obj is not EMPTY:
@@ -161,6 +161,26 @@ class ShmReceiver(Receiver):
                 self._park(_perf(), deadline, indefinite)
                 got = rr.poll()
             return got
+
+    def _nap(self, t0: float, deadline: float | None) -> bool:
+        """Steady steps (SpinPolicy.expect): sleep until just before the next message is due (parked: one that
+        comes sooner wakes it), then spin a little: is the head there? (False: park as usual.)"""
+        rr, pol = self.rr, self.policy
+        nap, spin_s = pol.expect()
+        if spin_s <= 0 or rr.closed:
+            return False
+        if deadline is not None:
+            nap = min(nap, deadline - t0)
+        due = t0 + nap
+        if due - _perf() > NAP_MIN_S:
+            rr.set_parked(1)
+            if not rr.ready() and not self.own.nap(max(0.0, due - _perf())):
+                pol.record_nap(_perf() - due)
+            rr.set_parked(0)
+            if rr.ready():
+                pol.record(_perf() - t0)
+                return True
+        return rr.spin_ready(pol, spin_s, t0)
 
     def _park(self, t0: float, deadline: float | None, indefinite: bool) -> None:
         rr, pol = self.rr, self.policy

@@ -222,22 +222,27 @@ class RingReader:
         b = self._b
         return b[fo] == 1 and not b[fo + self._me]
 
-    def spin_ready(self, policy: SpinPolicy) -> bool:
+    def spin_ready(self, policy: SpinPolicy, limit: float | None = None, since: float | None = None) -> bool:
         """The hot spin of a waiting reader: until the head is published for it (True) or the policy's limit
-        passes (False). Two byte loads per check, the clock every 16 checks, the core yielded now and then."""
-        if policy.limit <= 0:
+        (or `limit` seconds) passes (False); the wait recorded counts from `since` (default: now). Two byte
+        loads per check, the clock every 16 checks, the core yielded now and then."""
+        if limit is None:
+            limit = policy.limit
+        if limit <= 0:
             return False
         b = self._b
         fo = self._flag_offs[self.idx]
         me = fo + self._me
         t0 = _perf()
-        end = t0 + policy.limit
+        end = t0 + limit
+        if since is None:
+            since = t0
         gap = policy.yield_s
         next_yield = t0 + gap
         i = 0
         while True:
             if b[fo] == 1 and not b[me]:
-                policy.record(_perf() - t0)
+                policy.record(_perf() - since)
                 return True
             i += 1
             if i >= 16:

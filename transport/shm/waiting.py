@@ -1,9 +1,12 @@
-"""How a process waits for a shared-memory flag: spin briefly, then park.
+"""How a process waits for a shared-memory flag: spin briefly, nap until the message is due, or park.
 
 Spinning answers in about a microsecond but burns a core; parking costs a
 wake-up (tens of microseconds) but nothing while idle. `SpinPolicy` spins only
 while recent waits were short enough for spinning to pay off, so a tight
-request/reply loop stays on the fast path and a paced or idle reader sleeps.
+request/reply loop stays on the fast path and an idle reader sleeps. Between
+the two, the reply to an engine's step comes after about as long as the last
+ones: the reader naps until just before then and spins across it
+(`SpinPolicy.expect`), prompt at a few percent of a core.
 
 A parked waiter blocks reading its own FIFO (`WakePipe`); a notifier writes
 one byte to it. A pipe rather than a futex because a pipe write is a *sync*
@@ -81,7 +84,7 @@ class SpinPolicy:
     never spins.
     """
 
-    __slots__ = ("max_s", "avg", "limit", "_floor", "yield_s")
+    __slots__ = ("max_s", "avg", "limit", "_floor", "yield_s", "_recent", "_i", "_late", "_j")
 
     def __init__(self, spin_us: float | None = None) -> None:
         us = settings.get("RAYFREE_SPIN_US") if spin_us is None else float(spin_us)
@@ -92,6 +95,11 @@ class SpinPolicy:
         self.avg = 0.0
         self.limit = self._floor
         self.yield_s = yield_interval()
+        #: the last RECENT waits (seconds; inf: none yet), and how late the last naps ended (`expect`)
+        self._recent = [_FOREVER] * RECENT
+        self._i = 0
+        self._late = [NAP_LEAD_S] * RECENT
+        self._j = 0
 
     def record(self, waited: float) -> None:
         """A wait of `waited` seconds just ended with a message."""
@@ -102,7 +110,45 @@ class SpinPolicy:
             self.limit = cap if lim > cap else (self._floor if lim < self._floor else lim)
         else:
             self.limit = 0.0
+        i = self._i
+        self._recent[i] = waited
+        self._i = 0 if i + 1 == RECENT else i + 1
 
+    def expect(self) -> tuple[float, float]:
+        """A wait too long to spin through, after steps (recent waits all NAP_MAX_S or shorter): (how long to nap,
+        how long to spin after it). The nap ends a lead before the shortest recent wait (the lead: how late the
+        last naps ended, and a little), and the spin goes a little past it, so a reply as prompt as the last ones
+        is caught by spinning, not by a wake-up. (0, 0): idle, waits too short to pay for the lead, or never
+        spinning (spin_us 0): park."""
+        if self.max_s <= 0 or max(self._recent) > NAP_MAX_S:
+            return 0.0, 0.0
+        shortest = min(self._recent)
+        lead = min(NAP_LEAD_MAX_S, max(self._late) + NAP_LEAD_S)
+        if shortest < NAP_LEADS * lead:  # (spinning a lead each time would cost more than parking)
+            return 0.0, 0.0
+        return shortest - lead, lead + max(NAP_LEAD_S, NAP_SPIN_SHARE * shortest)
+
+    def record_nap(self, late: float) -> None:
+        """A nap that was not woken ended `late` seconds after it was due (the timer's lateness here)."""
+        j = self._j
+        self._late[j] = late if late > 0.0 else 0.0
+        self._j = 0 if j + 1 == RECENT else j + 1
+
+
+#: `SpinPolicy.expect`: the waits (and naps) it remembers; the longest wait it naps through (after a longer one
+#: it parks); how much sooner than the expected reply a nap ends, beyond the latest recent nap's lateness
+#: (a timed wake-up's, at 1 us of timer slack: a few us on bare metal, tens in a VM), and at most; the share of
+#: the wait it may spin past the expected reply
+RECENT = 8
+NAP_MAX_S = 0.1
+#: a nap shorter than this is not worth its system call: spin through it; waits shorter than NAP_LEADS leads
+#: park (spinning a lead through each would cost a large share of a core)
+NAP_MIN_S = 10e-6
+NAP_LEADS = 8
+NAP_LEAD_S = 15e-6
+NAP_LEAD_MAX_S = 200e-6
+NAP_SPIN_SHARE = 0.02
+_FOREVER = float("inf")
 
 sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: time.sleep(0))
 _perf = time.perf_counter
@@ -165,6 +211,14 @@ class WakePipe:
         elif self._poll.poll(max(0, int(timeout * 1000 + 0.999))):
             os.read(self.fd, 4096)
 
+    def nap(self, seconds: float) -> bool:
+        """Block until woken (True) or `seconds` pass, to the microsecond (poll's timeout is whole milliseconds)."""
+        _fine_timers()
+        if select.select((self.fd,), (), (), seconds)[0]:
+            os.read(self.fd, 4096)
+            return True
+        return False
+
     def close(self) -> None:
         if self.fd >= 0:
             try:
@@ -172,3 +226,21 @@ class WakePipe:
             except OSError:
                 pass
             self.fd = -1
+
+
+_fine = threading.local()
+
+
+def _fine_timers() -> None:
+    """This thread's timed waits end within a microsecond of their time, not Linux's default 50 us of slack
+    (prctl PR_SET_TIMERSLACK; elsewhere nothing changes): a nap that ends a lead before a reply must not end
+    after it."""
+    if getattr(_fine, "set", False):
+        return
+    _fine.set = True
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0)  # PR_SET_TIMERSLACK, in nanoseconds
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,310 @@
+"""The caller's cost around a step: what a call costs beyond the worker's own compute, when the worker takes
+0.1, 1, 5 or 30 ms to answer, and what the waiting side burns meanwhile.
+
+bench/rpc.py times calls the worker answers at once; an engine's calls take milliseconds, and while the caller
+waits its reader parks, so waking it costs every step. Here the worker computes for real (torch.mm into
+tensors made before timing, one thread; no sleep), times its own compute and returns that time; the caller's
+cost is the call's wall time minus it. Rigs, alternated in rounds (a slow spell hits each alike): rayfree's
+transport queues (a broadcast queue and a reply queue, as the executor holds them), `collective_rpc` at 1 and
+4 workers, vLLM's MessageQueue both ways (as its executor holds them; when vLLM imports, e.g. with its venv),
+and a blocking pipe, each up alone in turn (vLLM's readers spin while they wait: beside another rig they would
+take its core). Beside each: the caller process's CPU while steps run, as a share of one core (its waiting),
+and the caller's and the workers' for a second once the steps stop (idle).
+
+    python bench/step.py [--quick] [--rounds R] [--steps-ms 0.1,1,5,30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from rayfree import WorkerBase  # noqa: E402
+from rayfree.cluster.config import ClusterConfig, ParallelConfig  # noqa: E402
+from rayfree.executor import MultiprocExecutor  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("bench_transport", os.path.join(ROOT, "bench", "transport.py"))
+bt = importlib.util.module_from_spec(_spec)
+sys.modules["bench_transport"] = bt
+_spec.loader.exec_module(bt)
+
+STOP = bt.STOP
+
+
+class Burner:
+    """Real compute for a given time: torch.mm into a tensor made beforehand, on one thread, calibrated here."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.a, self.b, self.c = torch.randn(48, 48), torch.randn(48, 48), torch.empty(48, 48)
+        for _ in range(200):
+            torch.mm(self.a, self.b, out=self.c)
+        n, t0 = 2000, time.perf_counter()
+        for _ in range(n):
+            torch.mm(self.a, self.b, out=self.c)
+        self.per_s = (time.perf_counter() - t0) / n
+
+    def burn(self, ms: float) -> float:
+        """Compute for about `ms` milliseconds; the seconds it took."""
+        mm, a, b, c = self.torch.mm, self.a, self.b, self.c
+        t0 = time.perf_counter()
+        for _ in range(max(1, int(ms / 1e3 / self.per_s))):
+            mm(a, b, out=c)
+        return time.perf_counter() - t0
+
+
+# -- rayfree's transport queues ------------------------------------------------------
+
+
+def step_answer():  # noqa: ANN201 - made in the reader's process
+    """A reader's answer to a step: compute for the time asked; the seconds it took."""
+    burner = Burner()
+    return lambda msg: burner.burn(msg[0])
+
+
+class QueueRig(bt.MQRig):
+    name = "rayfree queues"
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, 0, answer=step_answer)
+
+    def step(self, ms: float) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        self.bq.enqueue((ms,))
+        took = self.rq.dequeue(timeout=60)
+        return time.perf_counter() - t0, took
+
+
+# -- vLLM's MessageQueue both ways --------------------------------------------------
+
+
+def vllm_step_reader(handle, rank: int, conn) -> None:
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue as VllmQueue
+
+    burner = Burner()
+    bq = VllmQueue.create_from_handle(handle, rank)
+    rq = None
+    if rank == 0:
+        rq = VllmQueue(1, 1)
+        conn.send_bytes(pickle.dumps(rq.export_handle()))
+    ready = threading.Thread(target=rq.wait_until_ready, daemon=True) if rq is not None else None
+    if ready is not None:
+        ready.start()
+    bq.wait_until_ready()
+    if ready is not None:
+        ready.join(60)
+    conn.send_bytes(b"ready")
+    while True:
+        msg = bq.dequeue()
+        if msg == STOP:
+            break
+        took = burner.burn(msg[0])
+        if rq is not None:
+            rq.enqueue(took)
+
+
+class VllmRig(QueueRig):
+    name = "vLLM MessageQueue"
+
+    def __init__(self, n: int) -> None:
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue as VllmQueue
+
+        ctx = mp.get_context("spawn")
+        self.bq = VllmQueue(n, n)
+        h = self.bq.export_handle()
+        self.procs, conns = [], []
+        for r in range(n):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=vllm_step_reader, args=(h, r, b), daemon=True)
+            p.start()
+            self.procs.append(p)
+            conns.append(a)
+        ready = threading.Thread(target=self.bq.wait_until_ready, daemon=True)  # (collective with the readers)
+        ready.start()
+        if not conns[0].poll(120):
+            raise RuntimeError("vLLM reader 0 did not start")
+        self.rq = VllmQueue.create_from_handle(pickle.loads(conns[0].recv_bytes()), 0)
+        self.rq.wait_until_ready()
+        ready.join(60)
+        for c in conns:
+            if not c.poll(60):
+                raise RuntimeError("a vLLM reader did not become ready")
+            c.recv_bytes()
+
+    def step(self, ms: float) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        self.bq.enqueue((ms,))
+        took = self.rq.dequeue()
+        return time.perf_counter() - t0, took
+
+    def close(self) -> None:
+        self.bq.enqueue(STOP)
+        for p in self.procs:
+            p.join(30)
+
+
+# -- a blocking pipe -------------------------------------------------------------------
+
+
+def pipe_step_reader(conn) -> None:
+    burner = Burner()
+    conn.send_bytes(b"ready")
+    while True:
+        msg = pickle.loads(conn.recv_bytes())
+        if msg == STOP:
+            break
+        conn.send_bytes(pickle.dumps(burner.burn(msg[0])))
+
+
+class PipeRig:
+    name = "blocking pipe"
+
+    def __init__(self, n: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=pipe_step_reader, args=(child,), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(120):
+            raise RuntimeError("the pipe's reader did not start")
+        self.conn.recv_bytes()
+
+    def step(self, ms: float) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        self.conn.send_bytes(pickle.dumps((ms,)))
+        took = pickle.loads(self.conn.recv_bytes())
+        return time.perf_counter() - t0, took
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
+
+    def close(self) -> None:
+        self.conn.send_bytes(pickle.dumps(STOP))
+        self.proc.join(30)
+
+
+# -- collective_rpc ----------------------------------------------------------------------
+
+
+class StepWorker(WorkerBase):
+    """Computes for the time asked, and says how long it took (rank 0's answer is the call's)."""
+
+    def init_device(self) -> None:
+        self.burner = Burner()
+
+    def step(self, ms: float) -> float:
+        return self.burner.burn(ms)
+
+
+class ExecRig:
+    def __init__(self, n: int) -> None:
+        self.name = f"collective_rpc x{n}"
+        self.ex = MultiprocExecutor(ClusterConfig(parallel=ParallelConfig(tensor_parallel_size=n)), StepWorker)
+
+    def step(self, ms: float) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        took = self.ex.collective_rpc("step", args=(ms,), unique_reply_rank=0)
+        return time.perf_counter() - t0, took
+
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self.ex.workers]
+
+    def close(self) -> None:
+        self.ex.shutdown()
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+def cpu_s() -> float:
+    """The CPU time of every thread of this (the calling, waiting) process so far."""
+    return bt.run_seconds(os.getpid())
+
+
+def idle_share(pids: list[int], seconds: float) -> float:
+    """The CPU of these processes and this one over `seconds` with no call made, as a share of one core."""
+    pids = [os.getpid(), *pids]
+    c0, t0 = sum(bt.run_seconds(p) for p in pids), time.perf_counter()
+    time.sleep(seconds)
+    return (sum(bt.run_seconds(p) for p in pids) - c0) / (time.perf_counter() - t0)
+
+
+def run(makers: dict[str, object], steps_ms: list[float], rounds: int, quick: bool) -> tuple[dict, dict, dict]:
+    """Each round starts every rig in turn, alone (vLLM's readers spin while they wait: up beside another rig,
+    they would take its core), measures every step length through it, and closes it. Its costs (wall - worker),
+    its CPU share while steps run (the caller's process) and once they stopped (the caller's and the workers':
+    what waiting for the next call costs), per round, and its name."""
+    out: dict = {}
+    idle: dict = {}
+    names: dict = {}
+    for _ in range(rounds):
+        for key, make in makers.items():
+            rig = make()
+            names[key] = rig.name
+            try:
+                for ms in steps_ms:
+                    calls = max(5 if quick else 40, int((60 if quick else 300) / max(ms, 1.0)) // rounds)
+                    for _ in range(max(8, calls // 10)):
+                        rig.step(ms)  # (warm: the waiting side learns the rhythm)
+                    c0, t0, costs = cpu_s(), time.perf_counter(), []
+                    for _ in range(calls):
+                        wall, took = rig.step(ms)
+                        costs.append(wall - took)
+                    share = (cpu_s() - c0) / (time.perf_counter() - t0)
+                    got = out.setdefault((key, ms), {"costs": [], "cpu": []})
+                    got["costs"] += costs
+                    got["cpu"].append(share)
+                idle.setdefault(key, []).append(idle_share(rig.pids(), 0.3 if quick else 1.0))
+            finally:
+                rig.close()
+    return out, idle, names
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer calls (a smoke run)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps-ms", default="0.1,1,5,30")
+    ap.add_argument("--workers", default="1,4", help="collective_rpc's worker counts")
+    ap.add_argument("--rigs", default="queues,pipe,vllm,rpc", help="which rigs (rpc: collective_rpc)")
+    args = ap.parse_args()
+    steps = [float(x) for x in args.steps_ms.split(",")]
+    want = set(args.rigs.split(","))
+    makers: dict[str, object] = {"queues": lambda: QueueRig(1), "pipe": lambda: PipeRig(1)}
+    makers = {k: v for k, v in makers.items() if k in want}
+    if "vllm" in want and bt._has_vllm():
+        makers["vllm"] = lambda: VllmRig(1)
+    for n in (int(x) for x in args.workers.split(",")) if "rpc" in want else ():
+        makers[f"rpc{n}"] = lambda n=n: ExecRig(n)
+    print(
+        f"step bench: {os.cpu_count()} cores, {args.rounds} round(s), each rig alone in turn; cost = the call's "
+        f"wall time minus the worker's compute, us; cpu = the caller's process while steps run, % of a core; "
+        f"idle = the caller's and the workers' for a second after the steps stop"
+        + ("" if "vllm" in makers else " (vLLM is not importable here: run with its venv for its column)")
+    )
+    res, idle, names = run(makers, steps, args.rounds, args.quick)
+    hdr = f"{'rig':>20} {'step ms':>8} {'cost p50':>9} {'cost p99':>9} {'cpu %':>6} {'idle %':>7}"
+    print(hdr)
+    print("-" * len(hdr))
+    for ms in steps:
+        for key in makers:
+            got = res[(key, ms)]
+            c = got["costs"]
+            print(f"{names[key]:>20} {ms:>8g} {bt.pct(c, 0.5) * 1e6:>9.0f} {bt.pct(c, 0.99) * 1e6:>9.0f} "
+                  f"{100 * bt.pct(got['cpu'], 0.5):>6.1f} {100 * bt.pct(idle[key], 0.5):>7.2f}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
