@@ -93,11 +93,7 @@ class ToyWorker(WorkerBase):
         pp, dp = self.pp, get_dp_group()  # (coupled DP replicas: formed again when one is lost or rejoins)
         x = scheduler_output["x"]
         par = self.parallel_config
-        if par.data_parallel_size > 1 and (par.coupled or par.one_world):  # across replicas: every rank of every
-            # serving replica takes part (a tensor: the device half); a replica left alone sums its own
-            total = x.sum().reshape(1).to(self.dev)
-            dist.all_reduce(total, group=dp.device_group)
-            self.last_dp_sum = float(total.item())
+        total = x.sum().reshape(1).to(self.dev)
         x = x.to(self.dev)  # tensors on the device go over the device groups (the gloo groups themselves on CPU)
         if pp.rank_in_group > 0:
             x = torch.empty_like(x)
@@ -110,6 +106,12 @@ class ToyWorker(WorkerBase):
         if pp.rank_in_group < pp.world_size - 1:
             dist.send(x, dst=pp.ranks[pp.rank_in_group + 1], group=pp.device_group)
             x = None
+        if par.data_parallel_size > 1 and (par.coupled or par.one_world):  # across replicas: every rank of every
+            # serving replica takes part (a tensor: the device half); a replica left alone sums its own. Last in
+            # the step: a replica lost mid-step then fails this collective alone, and strands no rank of this
+            # replica inside its own (a peer that left the TP all-reduce would hang it)
+            dist.all_reduce(total, group=dp.device_group)
+            self.last_dp_sum = float(total.item())
         x = None if x is None else x.cpu()
         self.last_output = x
         self.last_step_s = time.perf_counter() - t0
