@@ -17,7 +17,7 @@ import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
 from rayfree.procs import cmdline, group_members, stat_fields
-from tests.support.nodes import NodeProc, shm_files, wait_group_empty
+from tests.support.nodes import NodeProc, shm_files, until_unready, wait_group_empty
 from tests.support.paths import PYTHONPATH
 
 pytestmark = pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
@@ -59,17 +59,6 @@ def until(p: NodeProc, code: int, timeout: float) -> tuple[float, dict]:
     """The probe's next change to `code`: when, and the JSON it answered."""
     m = p.expect(rf"^PROBE {code} (\S+) (.*)$", timeout)
     return float(m.group(1)), json.loads(m.group(2))
-
-
-def until_unready(p: NodeProc, node: NodeProc, timeout: float) -> tuple[float, str]:
-    """When a node that leaves by itself stopped being ready, and why. It answers 503 while it shuts down, but
-    a follower with one worker may be gone between two polls on a loaded machine; to a kubelet or a load
-    balancer a closed port is "not ready" too, and the node's own last words then say why."""
-    m = p.expect(r"^PROBE (503|0) (\S+) (.*)$", timeout)
-    if m.group(1) == "503":
-        return float(m.group(2)), json.loads(m.group(3))["reason"]
-    node.wait(30)
-    return float(m.group(2)), node.text()
 
 
 def workers_of(node: NodeProc) -> list[int]:

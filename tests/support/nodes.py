@@ -7,6 +7,7 @@ environment from docker-compose.yml (interpolating ${VAR:-default} from
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -118,6 +119,17 @@ class Nodes:
         self.started.append(proc)
         proc.others = self.started
         return proc
+
+
+def until_unready(p: NodeProc, node: NodeProc, timeout: float) -> tuple[float, str]:
+    """When a node that leaves by itself stopped being ready, and why. It answers 503 while it shuts down, but
+    a node with one worker may be gone between two polls on a loaded machine (CI saw node 0 go in 160 ms); to a
+    kubelet or a load balancer a closed port is "not ready" too, and the node's own last words then say why."""
+    m = p.expect(r"^PROBE (503|0) (\S+) (.*)$", timeout)
+    if m.group(1) == "503":
+        return float(m.group(2)), json.loads(m.group(3))["reason"]
+    node.wait(30)
+    return float(m.group(2)), node.text()
 
 
 def wait_group_empty(pgid: int, timeout: float) -> list[int]:
