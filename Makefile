@@ -37,7 +37,8 @@ DEV_STAMP := $(VENV)/.rayfree-dev-installed
 TYPED := rayfree rayfree.transport rayfree.transport.channel rayfree.transport.errors \
 	rayfree.transport.queue.message_queue rayfree.transport.queue.handle rayfree.cluster.config rayfree.cluster.group \
 	rayfree.cluster.parallel_state rayfree.worker.base rayfree.executor rayfree.executor.errors \
-	rayfree.executor.abstract rayfree.executor.multiproc rayfree.executor.rpc rayfree.executor.view
+	rayfree.executor.abstract rayfree.executor.multiproc rayfree.executor.rpc rayfree.executor.view \
+	rayfree.executor.roster rayfree.executor.rejoin
 $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,dev]'
 	touch $(DEV_STAMP)

@@ -95,6 +95,7 @@ class HeartbeatServer(Beater):
         self.verdict = "starting"
         #: `rayfree drain`: drain this DP replica, and the line to answer (the layer above); None: refused
         self.drain_fn: Callable[[int], str] | None = None
+        self.scale_fn: Callable[[int], str] | None = None
         self._verdict_at = 0.0
         #: after a failure, how long followers that have not beaten yet are waited for, to be told
         self.tell_late_s = TELL_LATE_S
@@ -158,7 +159,7 @@ class HeartbeatServer(Beater):
         except msgspec.DecodeError as e:
             self._dropped(f"an unreadable message ({e})")
             return
-        if isinstance(msg, (msgs.StatusQuery, msgs.DrainReplica)):
+        if isinstance(msg, (msgs.StatusQuery, msgs.DrainReplica, msgs.ScaleReplicas)):
             self._answer(sock, identity, msg)
             return
         if not isinstance(msg, (Beat, Bye)):  # a verdict, a welcome, word on a replica: only node 0 sends them
@@ -312,16 +313,22 @@ class HeartbeatServer(Beater):
                 if peer is not None and peer.identity is not None and not peer.gone:
                     sock.try_send([peer.identity, payload])
 
-    def _answer(self, sock: ControlSocket, identity: bytes, msg: msgs.StatusQuery | msgs.DrainReplica) -> None:
-        """`rayfree status` (the cluster's status, encoded) and `rayfree drain` (one line) get their answer."""
+    def _answer(self, sock: ControlSocket, identity: bytes, msg: msgs.StatusQuery | msgs.DrainReplica |
+                msgs.ScaleReplicas) -> None:  # fmt: skip
+        """`rayfree status` (the cluster's status, encoded), `rayfree drain` and `rayfree scale` (one line each)
+        get their answer."""
+        line = not isinstance(msg, msgs.StatusQuery)
         try:
             if isinstance(msg, msgs.DrainReplica):
                 reply = (self.drain_fn(msg.dp_rank) if self.drain_fn else "refused: nothing here drains").encode()
+            elif isinstance(msg, msgs.ScaleReplicas):
+                reply = (self.scale_fn(msg.width) if self.scale_fn else "refused: this cluster has no DP replicas of "
+                         "their own to scale").encode()  # fmt: skip
             else:
                 reply = self.status_fn() if self.status_fn is not None else b""
         except Exception as e:  # noqa: BLE001 - a query must never stop the heartbeats
             logger.exception("heartbeat: could not answer a %s", type(msg).__name__)
-            reply = f"refused: {type(e).__name__}: {e}".encode() if isinstance(msg, msgs.DrainReplica) else b""
+            reply = f"refused: {type(e).__name__}: {e}".encode() if line else b""
         sock.try_send([identity, reply])
 
     def peer_views(self) -> list[tuple[int, str, list[int], float | None, bool, bytes]]:

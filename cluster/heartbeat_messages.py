@@ -6,7 +6,7 @@ import msgspec
 
 __all__ = [
     "Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "DrainReplica", "Regroup", "Welcome",
-    "Refused", "Disowned",
+    "Refused", "Disowned", "ScaleReplicas",
 ]  # fmt: skip
 
 
@@ -70,6 +70,12 @@ class DrainReplica(msgspec.Struct, tag="drain", array_like=True):
     dp_rank: int
 
 
+class ScaleReplicas(msgspec.Struct, tag="scale", array_like=True):
+    """`rayfree scale --dp N` to node 0, which answers with one line of text: the requested DP width."""
+
+    width: int
+
+
 class Regroup(msgspec.Struct, tag="regroup", array_like=True):
     """Node 0 to every follower, coupled DP replicas: membership epoch `epoch` is `members` (the replicas that
     serve); the groups across replicas are formed again over them."""
@@ -108,5 +114,16 @@ class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(
-    Beat | Bye | Verdict | ReplicaDown | ReplicaUp | DrainReplica | Regroup | Welcome | Refused | Disowned | StatusQuery
+    Beat
+    | Bye
+    | Verdict
+    | ReplicaDown
+    | ReplicaUp
+    | DrainReplica
+    | Regroup
+    | Welcome
+    | Refused
+    | Disowned
+    | StatusQuery
+    | ScaleReplicas
 ).decode

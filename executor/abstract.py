@@ -196,6 +196,25 @@ class Executor(ABC):
             return states
         return {k: ReplicaState("serving") for k in range(self.parallel_config.data_parallel_size)}
 
+    def replica_widths(self) -> tuple[int, int, int]:
+        """(requested, serving, membership epoch): the DP width asked for (`scale_replicas`, `rayfree scale`),
+        how many replicas take calls now, and the epoch of their membership, as this node knows them (node 0
+        decides; a follower hears of losses, returns and, with coupled replicas, each epoch)."""
+        lv = self._node_liveness()
+        if lv is None:
+            return self.parallel_config.data_parallel_size, self.parallel_config.data_parallel_size, 0
+        r = lv.replica_epochs.roster
+        return int(r.requested), int(r.effective), int(r.epoch)
+
+    def scale_replicas(self, width: int) -> str:
+        """Node 0: ask for `width` DP replicas, as `rayfree scale --dp` does: the highest replicas drain (their
+        calls in flight finish, their nodes exit 0), or replicas drained below `width` are taken back when
+        their nodes start again. One line: what begins, or why not (it starts with "refused")."""
+        lv = self._node_liveness()
+        if lv is None or self.parallel_config.node_rank != 0 or lv.par.data_parallel_size == 1:
+            return "refused: only node 0 of a cluster of DP replicas with worlds of their own scales it"
+        return str(lv.scale(width))
+
     def register_replica_callback(self, callback: ReplicaCallback) -> None:
         """Call `callback(dp_rank, state)` whenever a DP replica's state changes: lost, serving again."""
         self._replica_callbacks.append(callback)

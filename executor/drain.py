@@ -18,13 +18,12 @@ import time
 from typing import Any
 
 from rayfree import settings
-from rayfree.cluster.heartbeat_messages import DrainReplica
 from rayfree.supervisor import Failure, Severity
 
-from .abstract import ReplicaState
 from .errors import ReplicaDrained
+from .roster import Drain, Scale
 
-__all__ = ["request", "begin", "refuse_if_draining"]
+__all__ = ["request", "scale", "begin", "refuse_if_draining"]
 
 logger = logging.getLogger("rayfree.executor")
 
@@ -34,29 +33,18 @@ _POLL_S = 0.05
 
 def request(lv: Any, k: int) -> str:
     """Node 0 (the heartbeat thread): `rayfree drain k`. Starts the drain and says so, or says why not."""
-    par, ep = lv.par, lv.replica_epochs
-    dp = par.data_parallel_size
-    if dp == 1 or par.one_world:
-        return "refused: only DP replicas with worlds of their own drain (" + (
-            "this cluster has one replica)" if dp == 1 else "these share one world: replica_coupling=one-world)"
-        )
-    if not 0 <= k < dp:
-        return f"refused: there is no DP replica {k} (replicas 0-{dp - 1})"
-    state = ep.states()[k].state
-    if state != "serving":
-        return f"refused: DP replica {k} is {state}, not serving"
-    if all(r == k or r in lv.policy.lost or r in ep.draining for r in par.node_replicas):
-        return f"refused: DP replica {k} is the last one node 0 serves, and node 0 leads the cluster: it cannot stop"
-    ep.draining.add(k)  # (a second request now is refused: the rest runs on the policy thread)
-    lv.policy.sup.call_later(0.0, begin, lv, k)
-    if lv.beater is not None and par.nnodes > 1:
-        lv.beater.tell(list(range(1, par.nnodes)), DrainReplica(k))
-    nodes = par.nodes_of_replica(k)
-    logger.warning("node 0: DP replica %d drains on the operator's request (nodes %s)", k, nodes)
-    return (
-        f"DP replica {k} drains: its calls in flight finish, then node(s) {nodes} stop and exit 0. Start them "
-        f"again with the same command to bring it back"
-    )
+    return lv.replica_epochs.send(Drain(k))[-1].text
+
+
+def scale(lv: Any, width: int) -> str:
+    """Node 0 (any thread): `rayfree scale --dp width`. The highest replicas drain, or replicas drained or lost
+    below `width` may rejoin (their nodes started again with the same command). Past the replicas the cluster
+    was laid out for (--dp), nodes would be needed that the heartbeats and the worlds were not sized for."""
+    dp = lv.par.data_parallel_size
+    if width > dp >= 1 and not lv.par.one_world:
+        return (f"refused: this cluster was laid out for {dp} DP replica(s) (--dp {dp}); it scales between 1 and "
+                f"{dp}: start it with a larger --dp for more")  # fmt: skip
+    return str(lv.replica_epochs.send(Scale(width, time.monotonic(), lv.config.join_timeout_s))[-1].text)
 
 
 def refuse_if_draining(ex: Any) -> None:
@@ -69,14 +57,8 @@ def refuse_if_draining(ex: Any) -> None:
 
 
 def begin(lv: Any, k: int) -> None:
-    """Every node (the policy thread): replica k drains; the node leading it waits for its calls in flight."""
-    ep = lv.replica_epochs
-    if k in lv.policy.lost:
-        return  # lost meanwhile: nothing left to drain
-    ep.draining.add(k)
-    state = ReplicaState("draining", ep.epochs.get(k, 0), "drained by the operator")
-    for ex in lv.executors():
-        ex.fire_replica_callbacks(k, state)
+    """Every node running replica k (the policy thread; the roster marked it draining and told the callbacks):
+    the node leading it waits for its calls in flight."""
     until = time.monotonic() + float(settings.get("RAYFREE_DRAIN_TIMEOUT_S"))
     for ex in lv.executors():
         if ex.dp_rank == k and ex.is_leader:
@@ -84,6 +66,8 @@ def begin(lv: Any, k: int) -> None:
 
 
 def _wait(lv: Any, ex: Any, until: float) -> None:
+    if ex.is_failed or ex.dp_rank in lv.policy.lost:
+        return  # lost meanwhile: nothing left to drain
     snap = ex.rpc_snapshot()
     busy = [c[0] for c in snap.calls] if snap is not None else []
     if busy and time.monotonic() < until:

@@ -44,6 +44,7 @@ from rayfree.supervisor import Failure, Severity, supervisor
 
 from .errors import FatalWorkerError, NodeLost, ReplicaDrained, ReplicaFailed, ReplicaLost, WorkerDied, WorkerError
 from .peers import peer_gone
+from .roster import Lost
 
 __all__ = ["NodePolicy", "FAST_TERM_S", "grace_of", "why_of"]
 
@@ -122,8 +123,12 @@ class NodePolicy:
         self.record: Failure | None = None
         self._deferred: set[int] = set()
         self.entry: _Entry | None = None
-        #: the independent DP replicas this node knows are lost, each with its ReplicaLost
-        self.lost: dict[int, ReplicaLost] = {}
+
+    @property
+    def lost(self) -> dict[int, ReplicaLost]:
+        """The independent DP replicas this node knows are out of service (lost, drained, rejoining), each with
+        its ReplicaLost (the roster's, roster.py)."""
+        return self.lv.replica_epochs.roster.lost()  # type: ignore[no-any-return]
 
     # -- reports: from any thread --------------------------------------------------------------------
 
@@ -192,36 +197,27 @@ class NodePolicy:
     def _replicas_only(self, f: Failure) -> bool:
         """Independent replicas: fail the replicas `f` hit and no other; True if that was all (the node keeps a
         replica that serves). A replica of this node that fails while it starts fails the node: its replicas
-        start together."""
+        start together. What a loss means is the roster's (roster.py): this carries out its decisions."""
         par = self.lv.par
         hit = None if par.one_world or par.data_parallel_size == 1 else _replicas_hit(f, par)
         if hit is None or any(ex.starting and ex.dp_rank in hit for ex in self.lv.executors()):
             return False
-        fresh = [k for k in hit if k not in self.lost]
-        if not fresh:
+        if all(k in self.lost for k in hit):
             logger.info("%s: %s (DP replica %s: lost already)", f.source, why_of(f.cause), hit)
             return True
-        epochs = self.lv.replica_epochs
-        for k in fresh:
-            err = replica_lost(k, f.cause, par, self.lv.node)
-            if k in epochs.draining and not isinstance(err, ReplicaDrained):
-                err = ReplicaDrained(k, err.node_rank, err.ranks)
-            self.lost[k] = err
-            if not isinstance(err, ReplicaDrained):
-                epochs.lost(k)  # (a drain is no loss: /metrics counts losses)
-            (logger.warning if isinstance(err, ReplicaDrained) else logger.error)("%s", err)
-            self.lv.replica_lost(err)
-        mine = [ex for ex in self.lv.executors() if ex.dp_rank in fresh]
+        door = self.lv.replica_epochs
+        lost = [Lost(k, replica_lost(k, f.cause, par, self.lv.node)) for k in hit]
+        decisions = [d for ev in lost for d in door.send(ev, act=False)]
+        stopped = {d.dp_rank: d.cause for d in decisions if d.kind == "stop_replica"}
+        mine = [ex for ex in self.lv.executors() if ex.dp_rank in stopped]
         for ex in mine:
-            self._fail(ex, self.lost[ex.dp_rank], f.severity)
-        states = epochs.states()
-        for ex in self.lv.executors():
-            for k in fresh:
-                ex.fire_replica_callbacks(k, states[k])
-        if all(k in self.lost for k in par.node_replicas):
-            if not self.drained_only():
+            self._fail(ex, stopped[ex.dp_rank], f.severity)  # type: ignore[arg-type]
+        door.act(decisions)  # (the replica callbacks, the groups across replicas)
+        ends = [d for d in decisions if d.kind == "node_ends"]
+        if ends:
+            if not ends[-1].epoch:
                 return False  # nothing left here: the node fails
-            self.lv.stopped_cleanly = f"its DP replica(s) {par.node_replicas} were drained"
+            self.lv.stopped_cleanly = ends[-1].text
             self.lv.settled.set()  # (a leader's `finish` returns: its cluster, for it, stopped cleanly)
         for ex in mine:
             self._shut(ex)

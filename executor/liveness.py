@@ -28,17 +28,18 @@ from typing import Any
 from rayfree.cluster.config import ClusterConfig, ConfigError
 from rayfree.cluster.heartbeat import Bye, HeartbeatServer
 from rayfree.cluster.heartbeat_client import HeartbeatClient
-from rayfree.cluster.heartbeat_messages import ReplicaDown, ReplicaUp
+from rayfree.cluster.heartbeat_messages import ReplicaDown
 from rayfree.cluster.join import shape_of
 from rayfree.supervisor import Failure, Severity
 from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
 
-from . import drain, membership
+from . import drain
 from .errors import LeaderLost, NodeLost, ReplicaFailed, ReplicaLost
 from .failure_policy import NodePolicy, why_of
 from .health import follower_verdict, followers_verdict, verdicts
 from .rejoin import Rejoins, ReplicaEpochs
+from .roster import Back, DrainHeard, Regrouped, Welcomed
 from .status_messages import cluster_status, encode, node_status
 from .view import ReplicaView
 
@@ -151,13 +152,14 @@ class NodeLiveness:
         if arm and self.beater is not None:
             self.beater.arm()
 
-    def replica_lost(self, err: ReplicaLost) -> None:
-        """The policy found an independent DP replica lost (node 0 tells its other nodes)."""
-
     def lost_nodes(self) -> set[int]:
         """The nodes whose every replica is lost: no longer part of the cluster's readiness."""
         lost = self.policy.lost
         return {k for k in range(self.par.nnodes) if lost and all(r in lost for r in self.par.replicas_of_node(k))}
+
+    def scale(self, width: int) -> str:
+        """Node 0: ask for `width` DP replicas (drain.py's `scale`): one line."""
+        return drain.scale(self, width)
 
     def welcome_epochs(self, timeout: float) -> dict[int, int]:
         """(A follower's: node 0 says which epoch each of its replicas starts in.)"""
@@ -272,21 +274,15 @@ class LeaderLiveness(NodeLiveness):
         # the join names the disagreement, instead of waiting for a welcome that would never come)
         if self.independent:  # (a lost replica's nodes may rejoin)
             beater.admit = rejoins.admit
-            beater.verdict_fn = lambda: (rejoins.look(beater), verdicts(self))[1]
+            beater.verdict_fn = lambda: (rejoins.look(beater, time.monotonic()), verdicts(self))[1]
             beater.drain_fn = lambda k: drain.request(self, k)
+            beater.scale_fn = lambda n: drain.scale(self, n)
         logger.info(
             "node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
             self.beater.endpoint,
             len(others),
             cfg.join_timeout_s,
         )
-
-    def replica_lost(self, err: ReplicaLost) -> None:
-        # every follower hears it: the replica's own nodes stop it, the others know whom not to route to
-        others = [k for k in range(1, self.par.nnodes) if k != err.node_rank]  # (those gone are skipped)
-        if others and self.beater is not None:
-            self.beater.tell(others, ReplicaDown(err.dp_rank, err.node_rank, err.ranks, err.why[:300]))
-        membership.declare(self)  # (coupled replicas: the survivors' groups across replicas shrink)
 
     def _node_lost(self, node: int, ranks: list[int], ip: str, why: str) -> None:
         replicas = self.par.replicas_of_node(node) if self.par.data_parallel_size > 1 else None
@@ -335,12 +331,12 @@ class FollowerLiveness(NodeLiveness):
             self.node, par.node_ranks(self.node), self.ip,
             f"node 0 counts it lost ({why}) and will not take this process back: start the node again",
         ), Severity.FATAL)  # fmt: skip
-        if self.independent:
+        if self.independent:  # (what node 0 says reaches the roster on the policy thread, in the order it came)
+            send, soon = self.replica_epochs.send, self.policy.sup.call_soon
             self.beater.on_replica_down = self._replica_down
-            self.beater.on_replica_up = self._replica_up
-            self.beater.on_replica_drain = lambda msg: self.policy.sup.call_later(0.0, drain.begin, self, msg.dp_rank)
-            adopt = membership.adopt
-            self.beater.on_regroup = lambda m: self.policy.sup.call_later(0.0, adopt, self, m.epoch, m.members)
+            self.beater.on_replica_up = lambda m: soon(send, Back(m.dp_rank, m.epoch))
+            self.beater.on_replica_drain = lambda m: soon(send, DrainHeard(m.dp_rank))
+            self.beater.on_regroup = lambda m: soon(send, Regrouped(m.epoch, tuple(m.members)))
         logger.info(
             "node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
             self.node,
@@ -364,9 +360,6 @@ class FollowerLiveness(NodeLiveness):
         err = ReplicaLost(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)
         self.policy.report("node 0", err, Severity.FATAL)
 
-    def _replica_up(self, msg: ReplicaUp) -> None:
-        self.policy.sup.call_later(0.0, self.replica_epochs.back, msg.dp_rank, msg.epoch)
-
     def welcome_epochs(self, timeout: float) -> dict[int, int]:
         """Independent replicas: the epoch of each replica this node runs, from node 0's first answer (a node
         that replaces a lost one rejoins in a later epoch); {} if node 0 fails or stays silent meanwhile."""
@@ -378,7 +371,7 @@ class FollowerLiveness(NodeLiveness):
             raise ConfigError(self.beater.refused)
         welcome = self.beater.welcome
         assert welcome is not None
-        self.replica_epochs.epochs.update(welcome.epochs)
+        self.replica_epochs.send(Welcomed(tuple(welcome.epochs.items())))
         mine = set(self.par.node_replicas)
         for msg in welcome.lost:  # (lost before this node started: it knows them as the others do)
             if msg.dp_rank not in mine:

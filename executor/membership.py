@@ -1,9 +1,9 @@
 """Coupled DP replicas (`replica_coupling="coupled"`): the groups across replicas shrink at a loss and grow at
 a rejoin, while every surviving process stays.
 
-Node 0 declares each membership: an epoch and the replicas that serve
-(`declare`, on its policy thread, at a replica's loss, drain or return), and
-tells every follower (`Regroup`). Each node hands it to the executors it leads
+Node 0's roster (roster.py) declares each membership: an epoch and the
+replicas that serve, at a replica's loss, drain or return; node 0 tells every
+follower (`Regroup`). Each node hands it to the executors it leads
 (`Membership.want`). An executor forms its ranks' groups again
 (`rayfree_regroup`, the worker's hook `on_replicas_changed` included) before
 the engine's next call goes out, on the caller's thread under the pipe's lock,
@@ -31,7 +31,7 @@ from rayfree.supervisor import Severity, supervisor
 
 from .errors import ReplicasChanged
 
-__all__ = ["Membership", "declare", "REGROUP"]
+__all__ = ["Membership", "adopt", "REGROUP"]
 
 logger = logging.getLogger("rayfree.executor")
 
@@ -39,22 +39,6 @@ logger = logging.getLogger("rayfree.executor")
 REGROUP = "rayfree_regroup"
 #: how long a step that met a loss waits for the membership to change, beyond the heartbeats' bound
 _CHANGE_SLACK_S = 1.5
-
-
-def declare(lv: Any) -> None:
-    """Node 0 (its policy thread): the replicas that serve changed; a new membership epoch for every node."""
-    if not lv.par.coupled:
-        return
-    members = [k for k in range(lv.par.data_parallel_size) if k not in lv.policy.lost]
-    if not members or members == lv.membership[1]:
-        return
-    at = lv.membership[0] + 1
-    logger.warning("DP replicas %s form the groups across replicas again (membership epoch %d)", members, at)
-    if lv.beater is not None and lv.par.nnodes > 1:
-        from rayfree.cluster.heartbeat_messages import Regroup
-
-        lv.beater.tell(list(range(1, lv.par.nnodes)), Regroup(at, members))
-    adopt(lv, at, members)
 
 
 def adopt(lv: Any, at: int, members: list[int]) -> None:

@@ -1,5 +1,5 @@
-"""Independent DP replicas over time: each one's epoch and state on a node, and node 0's admission of a lost
-replica's replacement nodes (a rejoin).
+"""A node's membership, as the code around the roster (roster.py) sees it: the one door into it, the decisions
+carried out, and node 0's admission of a lost replica's replacement nodes (a rejoin).
 
 A replica starts in epoch 0. When it is lost (failure_policy.py) its nodes exit non-zero and their launcher
 starts them again with the same command. Node 0 admits such a replacement (a node whose replicas are all lost,
@@ -8,133 +8,157 @@ replica its next epoch, and says so in its Welcome; the replacement's workers th
 epoch's name, at the store node 0's first rank still hosts, and form the replica's world again. Once every
 node of the replica reports itself ready, node 0 marks the replica serving, runs the replica callbacks and
 tells every follower (`ReplicaUp`). Messages of the lost incarnation are refused by the heartbeats, naming both epochs.
+
+Threads: the heartbeat thread sends admissions, readiness and the operator's requests; the policy thread
+sends losses and what node 0 told a follower. Both come in through `ReplicaEpochs.send` (a lock around the
+roster); what a decision does to the executors (their callbacks, a drain's wait, a regroup) runs on the policy
+thread, and says so (`_on_policy`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
-from rayfree.cluster.heartbeat_messages import ReplicaDown, ReplicaUp, Welcome, _encode
+from rayfree.cluster.heartbeat_messages import DrainReplica, Regroup, ReplicaDown, ReplicaUp, Welcome, _encode
 from rayfree.cluster.join import shape_of
+from rayfree.supervisor import SupervisorMisuse
 
 from . import membership
 from .abstract import ReplicaState
+from .roster import Admit, Decision, Event, Ready, Roster, Tick
 from .status_messages import decode_node
 
 __all__ = ["ReplicaEpochs", "Rejoins"]
 
 logger = logging.getLogger("rayfree.executor")
+_LEVELS = (logging.INFO, logging.WARNING, logging.ERROR)
+#: what a decision does on this node's executors: the policy thread's
+_POLICY_KINDS = ("announce", "begin_drain", "regroup")
 
 
 class ReplicaEpochs:
-    """Every DP replica's epoch and state as this node knows them (node 0 knows every loss and rejoin)."""
+    """Every DP replica's epoch and state as this node knows them (node 0 decides; a follower mirrors it)."""
 
     def __init__(self, lv: Any) -> None:
         self.lv = lv
-        self.epochs = {k: 0 for k in range(lv.par.data_parallel_size)}
-        #: the lost replicas node 0 admitted replacements for: dp rank -> the epoch they rejoin in
-        self.rejoining: dict[int, int] = {}
-        #: the replicas drained or draining (drain.py), until they rejoin
-        self.draining: set[int] = set()
-        #: how often each replica was lost, and rejoined, as this node heard (for /metrics)
-        self.losses = dict.fromkeys(self.epochs, 0)
-        self.rejoins = dict.fromkeys(self.epochs, 0)
+        self.roster = Roster(lv.par)
+        self._lock = threading.Lock()
 
-    def lost(self, dp_rank: int) -> None:
-        """Replica `dp_rank` was lost (the policy thread)."""
-        self.losses[dp_rank] = self.losses.get(dp_rank, 0) + 1
+    # -- the door -------------------------------------------------------------------------------------------------
 
-    def states(self) -> dict[int, ReplicaState]:
-        lost = self.lv.policy.lost
-        out = {}
-        for k, e in sorted(self.epochs.items()):
-            if k in lost:
-                gone = "drained" if k in self.draining else "lost"
-                out[k] = ReplicaState("rejoining" if k in self.rejoining else gone, e, lost[k].summary)
-            else:
-                out[k] = ReplicaState("draining", e, "drained by the operator") if k in self.draining else (
-                    ReplicaState("serving", e)
-                )  # fmt: skip
+    def send(self, ev: Event, act: bool = True) -> list[Decision]:
+        """The one way into the roster (any thread): its decisions, carried out here but for those the sender
+        acts on itself (stop_replica, node_ends, answer, admit, refuse, ignore); with `act` False, also those on
+        the executors, which the sender then hands to `act` (the policy, after it failed the replica's own)."""
+        with self._lock:
+            out = self.roster.handle(ev)
+        for d in out:
+            if d.kind == "say":
+                logger.log(_LEVELS[d.epoch], "%s", d.text)
+            elif d.kind.startswith("tell_"):
+                self._tell(d)
+        if act:
+            self.act(out)
         return out
 
-    def back(self, dp_rank: int, epoch: int) -> None:
-        """Replica `dp_rank` serves again, in `epoch` (the policy thread): every executor's callbacks hear it."""
-        self.lv.policy.lost.pop(dp_rank, None)
-        self.rejoining.pop(dp_rank, None)
-        self.draining.discard(dp_rank)
-        self.epochs[dp_rank] = epoch
-        self.rejoins[dp_rank] = self.rejoins.get(dp_rank, 0) + 1
-        logger.warning("DP replica %d rejoined (epoch %d) and serves again", dp_rank, epoch)
-        if self.lv.node == 0:
-            membership.declare(self.lv)  # (coupled replicas: the groups across replicas grow)
-        for ex in self.lv.executors():
-            ex.fire_replica_callbacks(dp_rank, ReplicaState("serving", epoch))
+    def act(self, decisions: list[Decision]) -> None:
+        """What the decisions do on this node's executors: on the policy thread (from another: queued there)."""
+        mine = [d for d in decisions if d.kind in _POLICY_KINDS]
+        if mine:
+            sup = self.lv.policy.sup
+            if sup.on_policy_thread():
+                self._on_policy(mine)
+            else:
+                sup.call_soon(self._on_policy, mine)
+
+    def _tell(self, d: Decision) -> None:
+        beater, par = self.lv.beater, self.lv.par
+        if beater is None or par.nnodes == 1:
+            return
+        if d.kind == "tell_down":
+            err = d.cause
+            assert err is not None
+            # the lost replica's other nodes stop it, the others know whom not to route to (those gone are
+            # skipped); or the nodes named: a rejoin given up
+            to = list(d.nodes) or [k for k in range(1, par.nnodes) if k != err.node_rank]
+            beater.tell(to, ReplicaDown(err.dp_rank, err.node_rank, err.ranks, err.why[:300]))
+        elif d.kind == "tell_up":
+            beater.tell(list(range(1, par.nnodes)), ReplicaUp(d.dp_rank, d.epoch))
+        elif d.kind == "tell_drain":
+            beater.tell(list(range(1, par.nnodes)), DrainReplica(d.dp_rank))
+
+    def _on_policy(self, decisions: list[Decision]) -> None:
+        sup = self.lv.policy.sup
+        if not sup.on_policy_thread():
+            raise SupervisorMisuse("the roster's decisions on the executors run on the policy thread")
+        from . import drain
+
+        for d in decisions:
+            if d.kind == "announce":
+                assert d.state is not None
+                for ex in self.lv.executors():
+                    ex.fire_replica_callbacks(d.dp_rank, d.state)
+            elif d.kind == "begin_drain":
+                drain.begin(self.lv, d.dp_rank)
+            elif d.kind == "regroup":
+                if self.lv.node == 0 and self.lv.beater is not None and self.lv.par.nnodes > 1:
+                    self.lv.beater.tell(list(range(1, self.lv.par.nnodes)), Regroup(d.epoch, list(d.members)))
+                membership.adopt(self.lv, d.epoch, list(d.members))
+
+    # -- views (status, metrics, the probes, the engine's replica_states()) ---------------------------------------
+
+    def states(self) -> dict[int, ReplicaState]:
+        return self.roster.states()
+
+    @property
+    def epochs(self) -> dict[int, int]:
+        return self.roster.epochs()
+
+    @property
+    def draining(self) -> set[int]:
+        """The replicas that drain or were drained (until they rejoin)."""
+        return {k for k in self.roster.replicas() if self.roster.phase(k) in ("draining", "drained")}
+
+    @property
+    def rejoining(self) -> dict[int, int]:
+        """The replicas node 0 admitted replacement nodes for: dp rank -> the epoch they rejoin in."""
+        r = self.roster
+        return {k: e for k, e in r.epochs().items() if r.phase(k) in ("rejoining", "starting")}
+
+    @property
+    def losses(self) -> dict[int, int]:
+        return {k: self.roster.counts(k)[0] for k in self.roster.replicas()}
+
+    @property
+    def rejoins(self) -> dict[int, int]:
+        return {k: self.roster.counts(k)[1] for k in self.roster.replicas()}
 
 
 class Rejoins(ReplicaEpochs):
     """Node 0's part: admitting replacements, welcoming followers, and noticing a rejoined replica is ready."""
 
-    def __init__(self, lv: Any) -> None:
-        super().__init__(lv)
-        self._announced: set[int] = set()
-        self._admitted: dict[int, set[int]] = {}  # the nodes admitted so far in a rejoin
-        self._refused: set[int] = set()  # the processes refused (said once)
-
     def admit(self, node: int, pid: int, shape: str = "") -> int | str | None:
         """The heartbeat thread: lost node `node` beats again from process `pid`, started as `shape`. Its epoch
-        if admitted: every replica it runs is lost (a node of a replica that serves is not replaced under it),
-        and it was started with the cluster's own shape and coupling; else why it is refused (it is told, and
-        leaves: a refusal takes no epoch), or None."""
-        par, lost = self.lv.par, self.lv.policy.lost
-        ours = shape_of(par)
-        if shape and shape != ours:
-            why = (f"node {node}'s replacement (pid {pid}) was started as {shape!r} but the cluster is {ours!r}: "
-                   f"start it with the cluster's own sizes and --replica-coupling")  # fmt: skip
-            if pid not in self._refused:
-                self._refused.add(pid)
-                logger.warning("%s; refused", why)
-            return why
-        replicas = par.replicas_of_node(node)
-        if par.one_world or not replicas or not all(k in lost for k in replicas):
-            if pid not in self._refused:
-                self._refused.add(pid)
-                logger.warning("node %d beats again (pid %d), but its replicas %s are not lost: refused", node, pid,
-                               replicas)  # fmt: skip
-            return None
-        for k in replicas:
-            if k not in self.rejoining or node in self._admitted.get(k, ()):  # (a replacement that failed: anew)
-                self._supersede(k, node)
-                self.epochs[k] += 1
-                self.rejoining[k] = self.epochs[k]
-                self._admitted[k] = set()
-                self._announced.discard(k)
-            self._admitted[k].add(node)
-            logger.warning(
-                "node %d's replacement (pid %d) is admitted: DP replica %d rejoins in epoch %d", node, pid, k,
-                self.rejoining[k],
-            )  # fmt: skip
-        return max(self.rejoining[k] for k in replicas)
-
-    def _supersede(self, k: int, node: int) -> None:
-        """Node `node` of rejoining replica k is replaced again (its replacement failed): the replica's nodes
-        admitted in the epoch that ends wait for it in a rendezvous that will never complete; they are told,
-        leave non-zero and are started again, into the next epoch."""
-        stale = sorted(self._admitted.get(k, set()) - {node})
-        if stale and self.lv.beater is not None:
-            why = (f"its rejoin in epoch {self.epochs[k]} is given up (node {node}'s replacement failed) and starts "
-                   f"again in epoch {self.epochs[k] + 1}: start this node again")  # fmt: skip
-            logger.warning("DP replica %d: node(s) %s %s", k, stale, why.replace("start this node", "to be started"))
-            self.lv.beater.tell(stale, ReplicaDown(k, node, [], why))
+        if admitted (every replica it runs is out of service, and it was started with the cluster's own shape);
+        else why it is refused (it is told, and leaves: a refusal takes no epoch), or None (its beats are
+        dropped)."""
+        out = self.send(Admit(node, pid, shape, shape_of(self.lv.par)))
+        last = out[-1]
+        return last.epoch if last.kind == "admit" else last.text if last.kind == "refuse" else None
 
     def welcome(self, node: int) -> bytes:
-        lost = [ReplicaDown(k, e.node_rank, e.ranks, e.why[:300]) for k, e in sorted(self.lv.policy.lost.items())]
-        return _encode(Welcome(dict(self.epochs), [m for m in lost if m.dp_rank not in self.rejoining]))
+        lost = self.roster.lost()
+        gone = [ReplicaDown(k, e.node_rank, e.ranks, e.why[:300]) for k, e in lost.items()]
+        return _encode(Welcome(self.epochs, [m for m in gone if m.dp_rank not in self.rejoining]))
 
-    def look(self, server: Any) -> None:
-        """The heartbeat thread, at each verdict: a rejoining replica whose nodes all beat and report themselves
-        ready is back; the policy thread says so (`back`) and every follower is told."""
+    def look(self, server: Any, now: float) -> None:
+        """The heartbeat thread, at each verdict: a replica whose nodes all beat and report themselves ready
+        serves (again); a scale-out whose nodes did not come in time is given up."""
         if not self.rejoining:
+            if self.roster.awaiting():
+                self.send(Tick(now))
             return
         ready = set()
         for node, _ip, _ranks, age, gone, raw in server.peer_views():
@@ -143,8 +167,4 @@ class Rejoins(ReplicaEpochs):
                     ready.add(node)
             except Exception:  # noqa: BLE001 - an unreadable status is not ready
                 continue
-        for k, e in list(self.rejoining.items()):
-            if k not in self._announced and all(n in ready for n in self.lv.par.nodes_of_replica(k)):
-                self._announced.add(k)
-                self.lv.policy.sup.call_later(0.0, self.back, k, e)
-                server.tell(list(range(1, self.lv.par.nnodes)), ReplicaUp(k, e))
+        self.send(Ready(frozenset(ready), now))

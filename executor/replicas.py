@@ -161,6 +161,12 @@ class NodeReplicas:
             return "refused: only node 0 drains a replica"
         return drain.request(self.liveness, dp_rank)
 
+    def scale(self, width: int) -> str:
+        """Node 0: ask for `width` DP replicas as `rayfree scale --dp` does (drain.py); one line."""
+        if self.config.parallel.node_rank != 0:
+            return "refused: only node 0 scales the cluster"
+        return self.liveness.scale(width)
+
     def shutdown(self) -> None:
         for ex in self.executors:
             ex.shutdown()

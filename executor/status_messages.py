@@ -118,6 +118,10 @@ class ClusterStatus(msgspec.Struct):
     nodes: list[NodeStatus]
     coupling: str = ""  # "independent", "coupled" or "one-world" (DP > 1)
     replicas: list[ReplicaLine] = []
+    #: the DP width asked for (`rayfree scale`), how many replicas take calls, and their membership epoch
+    requested_width: int = 0
+    serving_width: int = 0
+    membership_epoch: int = 0
 
 
 def worker_statuses(ex: ReplicaView) -> list[WorkerStatus]:
@@ -248,6 +252,7 @@ def cluster_status(lv: Any) -> ClusterStatus:
             ns.leads, ns.relays = [], []
         nodes.append(ns)
     states = lv.replica_epochs.states()
+    roster = lv.replica_epochs.roster
     return ClusterStatus(
         nnodes=par.nnodes,
         world_size=par.world_size,
@@ -256,6 +261,9 @@ def cluster_status(lv: Any) -> ClusterStatus:
         nodes=nodes,
         coupling=coupling_of(par),
         replicas=[ReplicaLine(k, st.state, st.epoch, st.why) for k, st in states.items()],
+        requested_width=roster.requested,
+        serving_width=roster.effective,
+        membership_epoch=roster.epoch,
     )
 
 

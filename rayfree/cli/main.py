@@ -110,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for node 0's answer (default 5)")
     add_config_arguments(dr)
     add_security_arguments(dr)
+    sc = sub.add_parser(
+        "scale",
+        help="change how many DP replicas serve, asked of node 0",
+        description="`rayfree scale --dp WIDTH`: asks node 0 for WIDTH DP replicas, between 1 and the --dp the "
+        "cluster was started with. "
+        "Lower: the highest replicas drain (as `rayfree drain`: calls in flight finish, their nodes exit 0). "
+        "Higher again: start the nodes of the replicas drained below WIDTH with the same command; they rejoin. "
+        "Nodes that do not come within join_timeout_s leave the width as it was. Reads the same options as "
+        "`rayfree node`.",
+    )
+    sc.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for node 0's answer (default 5)")
+    add_config_arguments(sc)
+    add_security_arguments(sc)
     return p
 
 
@@ -130,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         from .cluster_demo import run_cluster_demo
 
         return run_cluster_demo(nodes, args.tp, pp, args.steps, args.dp, lose_replica=args.lose_replica)
-    if args.command in ("doctor", "status", "drain"):  # `rayfree node` applies them inside its own error handling
+    if args.command in ("doctor", "status", "drain", "scale"):  # (`rayfree node`: inside its own error handling)
         from rayfree.transport.secure.policy import SecretError
 
         from .node_options import apply_security_arguments
@@ -158,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         from .status import run_drain
 
         return run_drain(args)
+    if args.command == "scale":
+        from .status import run_scale
+
+        return run_scale(args)
     if args.command == "keygen":
         from rayfree.transport.secure.policy import write_secret
 

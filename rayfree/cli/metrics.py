@@ -130,7 +130,16 @@ class _Collector:
             epoch.add_metric([node, str(k)], st.epoch)
             losses.add_metric([node, str(k)], r.losses.get(k, 0))
             rejoins.add_metric([node, str(k)], r.rejoins.get(k, 0))
-        yield from (serving, epoch, losses, rejoins)
+        roster = r.roster
+        widths = GaugeMetricFamily(
+            "rayfree_dp_width", "DP replicas: asked for (`rayfree scale`), and taking calls", labels=["node", "kind"]
+        )
+        widths.add_metric([node, "requested"], roster.requested)
+        widths.add_metric([node, "serving"], roster.effective)
+        member = GaugeMetricFamily("rayfree_membership_epoch", "one more at each change of the replicas that serve",
+                                   labels=["node"])  # fmt: skip
+        member.add_metric([node], roster.epoch)
+        yield from (serving, epoch, losses, rejoins, widths, member)
 
     def _heartbeats(self, node: str) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily

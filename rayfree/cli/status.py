@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 import msgspec
 
@@ -46,12 +47,32 @@ def run_drain(args: argparse.Namespace) -> int:
     """Node 0 drains the replica, or says why not (exit 1)."""
     from rayfree.cluster.heartbeat_messages import DrainReplica
 
-    raw = _ask(args, "drain", DrainReplica(args.replica))
+    return _one_line(args, "drain", DrainReplica(args.replica))
+
+
+def run_scale(args: argparse.Namespace) -> int:
+    """Node 0 sets the requested DP width, or says why not (exit 1)."""
+    from rayfree.cluster.heartbeat_messages import ScaleReplicas
+
+    width = getattr(args, "data_parallel_size", None)
+    if width is None:
+        print("rayfree scale: give the DP width to serve at: rayfree scale --dp WIDTH", file=sys.stderr)
+        return 2
+    try:
+        n = int(width)
+    except ValueError:
+        print(f"rayfree scale: --dp {width!r} is not a whole number of DP replicas", file=sys.stderr)
+        return 2
+    return _one_line(args, "scale", ScaleReplicas(n))
+
+
+def _one_line(args: argparse.Namespace, command: str, msg: Any) -> int:
+    raw = _ask(args, command, msg)
     if isinstance(raw, int):
         return raw
     line = raw.decode(errors="replace") or "refused: node 0 is still starting"
     refused = line.startswith("refused")
-    print(f"rayfree drain: {line}", file=sys.stderr if refused else sys.stdout)
+    print(f"rayfree {command}: {line}", file=sys.stderr if refused else sys.stdout)
     return 1 if refused else 0
 
 
@@ -85,7 +106,11 @@ def format_status(st: ClusterStatus) -> str:
         rtt = "-" if n.heartbeat_rtt_ms is None else f"{n.heartbeat_rtt_ms:.2f}ms"
         lines.append(f"{n.node:<5}{n.ip:<16}{n.state:<12}{beat:<11}{rtt:<9}{str(n.ranks):<18}{n.replicas}")
     if st.coupling:
-        lines += ["", f"DP replicas ({st.coupling}):"]
+        lines += [
+            "",
+            f"DP replicas ({st.coupling}): width {st.serving_width} serving of {st.requested_width} "
+            f"requested, membership epoch {st.membership_epoch}",
+        ]
         lines += [f"  replica {r.replica}: {r.state}, epoch {r.epoch}" + (f" ({r.why})" if r.why else "")
                   for r in st.replicas]  # fmt: skip
     lines.append("")

@@ -265,3 +265,30 @@ def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_w
         assert all(s[0] == [0, 1] and s[1] == 1 for s in seen[k][first:]), seen[k][first:]  # every step right
         assert all(s[1] == 1 for s in seen[k] if s[0] == [0, 1, 2]), seen[k]
     assert hooks == [[[[1, [0, 1]]]], [[[1, [0, 1]]]]], hooks  # each survivor's one rank ran the hook once
+
+
+@pytest.mark.timeout(180)
+def test_the_engine_scales_in_from_node_0_and_reads_the_widths() -> None:
+    """`executor.scale_replicas(1)` from replica 0's engine (what `rayfree scale --dp 1` asks node 0): replica 1
+    drains and stops, replica 0 serves on; the engine's `replica_widths()` and node 0's /metrics give the
+    requested and serving width; a width past the laid-out --dp, or 0, is refused in one line, changing nothing."""
+    reps = start("independent")
+    try:
+        ex0, ex1 = sorted(reps.leaders, key=lambda ex: ex.dp_rank)
+        drained = threading.Event()
+        ex0.register_replica_callback(lambda k, st: st.state == "drained" and drained.set())
+        assert ex0.replica_widths() == (2, 2, 0)
+        assert ex0.scale_replicas(3).startswith("refused: this cluster was laid out for 2 DP replica(s)")
+        assert ex0.scale_replicas(0).startswith("refused: a cluster serves with at least one DP replica")
+        assert ex0.replica_widths() == (2, 2, 0)
+        assert ex0.scale_replicas(1) == "DP width 2 -> 1: replicas [1] drain, then their nodes exit 0"
+        assert drained.wait(30)
+        assert ex0.replica_widths() == (1, 1, 1)  # (a draining replica is still a member; drained, it is not)
+        with pytest.raises(ReplicaDrained):
+            ex1.collective_rpc("echo", args=(1,), timeout=30)
+        assert ex0.collective_rpc(all_reduce, timeout=30) == [2.0, 2.0]
+        samples = scrape(reps.liveness)
+        assert samples[("rayfree_dp_width", (("kind", "requested"), ("node", "0")))] == 1, samples
+        assert samples[("rayfree_dp_width", (("kind", "serving"), ("node", "0")))] == 1, samples
+    finally:
+        reps.shutdown()

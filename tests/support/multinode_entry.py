@@ -292,7 +292,7 @@ def steps_through_drain(ex) -> int:
         step()
     states = {k: [v.state, v.epoch] for k, v in ex.replica_states().items()}
     say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome="served", steps=steps, equal=equal, seen=seen,
-        states=states)  # fmt: skip
+        states=states, widths=list(ex.replica_widths()))  # fmt: skip
     return 0
 
 
