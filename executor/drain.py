@@ -50,7 +50,7 @@ def scale(lv: Any, width: int) -> str:
 def refuse_if_draining(ex: Any) -> None:
     """A call to a replica that drains is refused at once (`ReplicaDrained`): it takes no new calls."""
     lv = ex.liveness
-    if lv is not None and ex.dp_rank in lv.replica_epochs.draining and not ex.is_failed:  # (drained: its own word)
+    if lv is not None and lv.replica_epochs.drains(ex.dp_rank) and not ex.is_failed:  # (drained: its own word)
         par = ex.parallel_config
         why = "it drains on the operator's request and takes no new calls; its calls in flight finish"
         raise ReplicaDrained(ex.dp_rank, par.node_rank, par.node_ranks(par.node_rank), why)

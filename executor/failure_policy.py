@@ -185,9 +185,9 @@ class NodePolicy:
     def _drained(self, f: Failure) -> bool:
         """A failure of replicas that all drain (drain.py: its leader's stop, its workers leaving, its nodes'
         goodbyes): their planned stop, with no wait for a verdict. True if handled."""
-        par, draining = self.lv.par, self.lv.replica_epochs.draining
-        hit = _replicas_hit(f, par) if draining and not par.one_world else None
-        return bool(hit) and all(k in draining for k in hit) and self._replicas_only(f)  # type: ignore[union-attr]
+        par, ep = self.lv.par, self.lv.replica_epochs
+        hit = _replicas_hit(f, par) if not par.one_world else None
+        return bool(hit) and all(ep.drains(k) for k in hit) and self._replicas_only(f)  # type: ignore[union-attr]
 
     def drained_only(self) -> bool:
         """Every replica of this node was drained (none lost): the node stops cleanly."""
@@ -202,9 +202,6 @@ class NodePolicy:
         hit = None if par.one_world or par.data_parallel_size == 1 else _replicas_hit(f, par)
         if hit is None or any(ex.starting and ex.dp_rank in hit for ex in self.lv.executors()):
             return False
-        if all(k in self.lost for k in hit):
-            logger.info("%s: %s (DP replica %s: lost already)", f.source, why_of(f.cause), hit)
-            return True
         door = self.lv.replica_epochs
         lost = [Lost(k, replica_lost(k, f.cause, par, self.lv.node)) for k in hit]
         decisions = [d for ev in lost for d in door.send(ev, act=False)]

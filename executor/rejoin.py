@@ -116,10 +116,9 @@ class ReplicaEpochs:
     def epochs(self) -> dict[int, int]:
         return self.roster.epochs()
 
-    @property
-    def draining(self) -> set[int]:
-        """The replicas that drain or were drained (until they rejoin)."""
-        return {k for k in self.roster.replicas() if self.roster.phase(k) in ("draining", "drained")}
+    def drains(self, k: int) -> bool:
+        """Does replica k drain, or was it drained (until it rejoins)? (Every call asks: one lookup.)"""
+        return self.roster.phase(k) in ("draining", "drained")
 
     @property
     def rejoining(self) -> dict[int, int]:
