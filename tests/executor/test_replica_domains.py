@@ -212,13 +212,15 @@ def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_w
     reps = NodeReplicas(config, "tests.support.coupled_worker:CoupledToyWorker")
     seen: dict[int, list] = {0: [], 1: [], 2: []}
     ended: dict[int, str] = {}
-    stop = threading.Event()
+    done = {0: 0, 1: 0, 2: 0}  # steps each replica finished
+    stop_at: list[int] = []  # the step every survivor stops before: lockstep replicas stop together (one that
+    # stopped on a flag while the other had begun its next step would leave it alone in the collective)
     progress = threading.Condition()
 
     def steps(ex) -> None:
         k, step = ex.dp_rank, 0
         try:
-            while not stop.is_set():
+            while not stop_at or step < stop_at[0]:
                 batch = coupled_batch(step, k)
                 try:
                     out = ex.execute_model(batch)
@@ -229,6 +231,7 @@ def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_w
                 seen[k].append((members_of(total), torch_equal(out, reference_forward(batch["x"]))))
                 step += 1
                 with progress:
+                    done[k] = step
                     progress.notify_all()
         except ExecutorFailed as e:
             ended[k] = type(e).__name__
@@ -248,13 +251,17 @@ def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_w
         until(lambda: all(len(seen[k]) >= 5 for k in range(3)))
         os.kill(leaders[2].workers[0].proc.pid, signal.SIGKILL)
         until(lambda: all(sum(s[0] == [0, 1] for s in seen[k]) >= 10 for k in (0, 1)))
-        stop.set()
-        for t in threads:
+        with progress:
+            stop_at.append(max(done[0], done[1]) + 2)  # (past the step either survivor may be in now)
+        for t in threads[:2]:
             t.join(60)
+            assert not t.is_alive(), seen
+        assert done[0] == done[1] == stop_at[0], (done, stop_at)
         hooks = [ex.collective_rpc("hook_calls", timeout=30) for ex in leaders[:2]]
         assert [[w.proc.pid for w in ex.workers] for ex in leaders[:2]] == pids
     finally:
-        stop.set()
+        if not stop_at:
+            stop_at.append(0)
         reps.shutdown()
     assert ended == {2: "ReplicaLost"}, (ended, seen[2][-3:])
     for k in (0, 1):
