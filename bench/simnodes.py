@@ -192,3 +192,26 @@ class NodeRuns:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(30)
+
+
+def entry_result(nodes: NodeRuns, k: int, stop: str) -> dict | None:
+    """Node k's leader's figures: what its entry wrote to `stop`.<replica>.<pid>.json, named by its RESULT line
+    (None: it gave none within 60 s, or within 2 s of leaving: its last lines are read by then)."""
+    until = time.monotonic() + 60
+    while (r := nodes.said(k, "RESULT")) is None and time.monotonic() < until:
+        if nodes.popen[k].poll() is not None:
+            until = min(until, time.monotonic() + 2.0)
+        time.sleep(0.05)
+    if r is None:
+        return None
+    path = f"{stop}.{r['replica']}.{r['pid']}.json"
+    with open(path) as f:
+        out: dict = json.load(f)
+    os.unlink(path)
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The `q` quantile of `xs` (nan if empty)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")

@@ -109,7 +109,6 @@ class HeartbeatServer(Beater):
         #: later); 0: look now. A look per deadline, not per message: a large cluster beats hundreds a second
         self._look_at = self._probed_at = 0.0
         self._sock = ControlSocket.listen(self.endpoint)  # in the caller's thread: a busy port fails the start-up
-        self._start()
 
     def tell(self, nodes: list[int], msg: msgs.ReplicaDown | msgs.ReplicaUp | msgs.DrainReplica | msgs.Regroup) -> None:
         """Send `msg` to these followers (any thread: the heartbeat thread owns the socket and sends it)."""

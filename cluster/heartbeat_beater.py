@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rayfree.supervisor import Supervised, supervisor
+from rayfree.supervisor import FailureDomain, Supervised, SupervisorMisuse, supervisor
 from rayfree.transport.zmq.control import ControlSocket
 
 from .heartbeat_messages import Bye
@@ -69,8 +69,9 @@ class Beater:
         #: when a connection last dropped; a peer silent since then is lost after `suspect_window`
         self.suspect_at: float | None = None
         self.suspect_window = min(timeout, RECONNECT_S)
-        #: another signal (a collective's connection error) confirmed the drop: a silent peer is lost at once
-        self.corroborated = False
+        #: the drop (its `suspect_at`) another signal confirmed (a collective's connection error): a peer silent
+        #: since that drop is lost at once; a later drop has its window again (None: none confirmed)
+        self.corroborated_at: float | None = None
         self.dropped = 0
         self._dropped_logged_at = 0.0
         self._stop = threading.Event()
@@ -83,8 +84,13 @@ class Beater:
         self._ran_at: float | None = None
         self._stall_logged_at: float | None = None
 
-    def _start(self) -> None:
-        self._thread = supervisor().start(self._name, self._run_guarded, stop=self.stop)
+    def start(self, domain: FailureDomain | None = None) -> None:
+        """Start the thread once its callbacks are wired (construct, wire, start: a beat that came before the
+        wiring would meet none). A crash of the thread is a failure of `domain` (the node's policy: nothing would
+        watch the peers any more), not a log line alone."""
+        if self._thread is not None:
+            raise SupervisorMisuse(f"{self._name} was started already")
+        self._thread = supervisor().start(self._name, self._run, stop=self.stop, domain=domain)
 
     def arm(self) -> None:
         """From now on, silence longer than the timeout is a loss."""
@@ -95,7 +101,7 @@ class Beater:
         """A collective with a peer just broke with a connection error: if a connection dropped too, its silent
         peer is lost now, not a suspect window later (two signals agree)."""
         if self.suspect_at is not None:
-            self.corroborated = True
+            self.corroborated_at = self.suspect_at
             self._sock.wake()  # the silent peer is lost now, not at the end of its window
 
     def stop(self, bye: Bye | None = None) -> None:
@@ -109,8 +115,11 @@ class Beater:
         return self._thread is not None and self._thread.alive()
 
     def join(self, timeout: float) -> bool:
-        """Wait (bounded) until the thread has said its goodbye and closed its socket."""
-        return self._thread is None or self._thread.join(timeout)
+        """Wait (bounded) until the thread has said its goodbye and closed its socket (never started: close it)."""
+        if self._thread is None:
+            self._sock.close()
+            return True
+        return self._thread.join(timeout)
 
     def close(self, bye: Bye | None = None, timeout: float = 5.0) -> None:
         """`stop`, then `join` (from another thread: a thread never stops itself)."""
@@ -163,8 +172,15 @@ class Beater:
         since = max(last or 0.0, self.armed_at)
         due = since + self.timeout
         if dropped_at is not None and since < dropped_at:
-            due = min(due, dropped_at + (0.0 if self.corroborated else self.suspect_window))
+            due = min(due, dropped_at + self._window(dropped_at))
         return due
+
+    def _window(self, dropped_at: float | None) -> float:
+        """How long a peer whose connection dropped at `dropped_at` has to beat again: none once a collective
+        confirmed that drop. (Only that one: a replacement's link that drops and reconnects after a confirmed
+        loss gets the whole window, or a reconnect under load would read as the replacement lost.)"""
+        confirmed = self.corroborated_at is not None and dropped_at is not None and dropped_at <= self.corroborated_at
+        return 0.0 if confirmed else self.suspect_window
 
     def _silent(self, last: float | None, now: float, dropped_at: float | None) -> str | None:
         """Why a peer last heard from at `last`, whose connection dropped at `dropped_at`, counts as lost now
@@ -173,19 +189,13 @@ class Beater:
         since = max(last or 0.0, self.armed_at)
         if now - since > self.timeout:
             return f"no heartbeat for {now - since:.1f}s (heartbeat_timeout_s={self.timeout})"
-        window = 0.0 if self.corroborated else self.suspect_window
+        window = self._window(dropped_at)
         if dropped_at is not None and since < dropped_at and now - dropped_at >= window:
             return (
                 f"its connection dropped and it did not connect and beat again within {self.suspect_window:.1f}s "
                 f"(its process died or was stopped, its host went down, or the link was cut)"
             )
         return None
-
-    def _run_guarded(self) -> None:
-        try:
-            self._run()
-        except Exception:  # noqa: BLE001 - a dead heartbeat thread must not be silent
-            logger.exception("%s: heartbeat thread failed", self._name)
 
     def _run(self) -> None:
         raise NotImplementedError

@@ -90,7 +90,6 @@ class HeartbeatClient(Beater):
         self.rtt_sum = 0.0
         self._sent_at = 0.0
         self._sock = ControlSocket.connect(self.endpoint)
-        self._start()
 
     def _run(self) -> None:
         sock = self._sock

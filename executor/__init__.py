@@ -15,6 +15,7 @@ if __name__ != "rayfree.executor":  # the repository's folder imported as a top-
 
 from .abstract import Executor, FailureCallback, UniProcExecutor
 from .errors import (
+    CallInterrupted,
     ExecutorError,
     ExecutorFailed,
     FatalWorkerError,
@@ -44,6 +45,7 @@ __all__ = [
     "FutureWrapper",
     "ExecutorError",
     "ExecutorFailed",
+    "CallInterrupted",
     "FatalWorkerError",
     "NotLeaderError",
     "RpcTimeout",

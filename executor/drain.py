@@ -1,4 +1,5 @@
-"""Draining an independent DP replica (`rayfree drain K`): taken out of service on purpose, then brought back.
+"""Draining a DP replica (`rayfree drain K`, `rayfree scale --dp N`): taken out of service on purpose, then
+brought back.
 
 Node 0 checks the request and tells every node (`DrainReplica`). Each marks the
 replica "draining" and runs the replica callbacks, so an engine routing by
@@ -9,6 +10,14 @@ refused with it) and its nodes, left with no replica, stop cleanly and exit 0.
 The other nodes hear of it as of a loss, which they already know for a drain.
 Started again with the same command, the nodes rejoin like a lost replica's
 (rejoin.py). Node 0 cannot be drained away: it leads the cluster.
+
+Coupled replicas step together: a step's collective across replicas ends only
+when every member's does. The survivors form groups without the draining
+replica before their next step (the roster declares the membership as the
+drain begins), so its step in flight could wait for theirs forever, and theirs
+for it: it stops at once instead, its nodes exit 0 all the same, and a
+survivor's step that met it raises `ReplicasChanged`, as at a loss: the engine
+runs it again over the new groups.
 """
 
 from __future__ import annotations
@@ -18,7 +27,6 @@ import time
 from typing import Any
 
 from rayfree import settings
-from rayfree.supervisor import Failure, Severity
 
 from .errors import ReplicaDrained
 from .roster import Drain, Scale
@@ -70,14 +78,15 @@ def _wait(lv: Any, ex: Any, until: float) -> None:
         return  # lost meanwhile: nothing left to drain
     snap = ex.rpc_snapshot()
     busy = [c[0] for c in snap.calls] if snap is not None else []
-    if busy and time.monotonic() < until:
+    why = "drained by the operator"
+    if busy and lv.par.coupled:  # (module docstring: a step across replicas cannot finish alone)
+        why += f"; its step(s) {busy} across replicas were cut short (the other replicas run theirs again)"
+    elif busy and time.monotonic() < until:
         lv.policy.sup.call_later(_POLL_S, _wait, lv, ex, until)
         return
-    why = "drained by the operator"
-    if busy:
+    elif busy:
         why += f"; call(s) {busy} still in flight after RAYFREE_DRAIN_TIMEOUT_S were cut short"
         logger.warning("DP replica %d: %s", ex.dp_rank, why)
     par = lv.par
     ranks = [r for r in par.node_ranks(lv.node) if r // par.world_size == ex.dp_rank]
-    lv.policy.apply(Failure("the drain", ReplicaDrained(ex.dp_rank, lv.node, ranks, why), Severity.WORKER, lv.policy,
-                            ex))  # fmt: skip
+    lv.policy.apply(lv.policy.failure("the drain", ReplicaDrained(ex.dp_rank, lv.node, ranks, why), ex))

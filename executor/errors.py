@@ -19,6 +19,7 @@ __all__ = [
     "WorkerDied",
     "RpcTimeout",
     "ExecutorFailed",
+    "CallInterrupted",
     "NotLeaderError",
     "NodeLost",
     "LeaderLost",
@@ -41,6 +42,11 @@ class ExecutorFailed(ExecutorError):
     """The executor failed (a worker died, a node was lost, ...) or was shut down; it takes no more calls.
 
     The failure's own class is kept: `except NodeLost` and `except ExecutorFailed` both catch a lost node."""
+
+
+class CallInterrupted(ExecutorFailed):
+    """An interrupt (Ctrl-C, an exception from a signal handler) cut a call off mid-way: which replies are still
+    owed is unknown, so the executor takes no more calls. The caller's own doing: the stop is the caller's."""
 
 
 class WorkerError(ExecutorError):

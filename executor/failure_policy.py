@@ -42,7 +42,16 @@ from typing import Any
 
 from rayfree.supervisor import Failure, Severity, supervisor
 
-from .errors import FatalWorkerError, NodeLost, ReplicaDrained, ReplicaFailed, ReplicaLost, WorkerDied, WorkerError
+from .errors import (
+    CallInterrupted,
+    FatalWorkerError,
+    NodeLost,
+    ReplicaDrained,
+    ReplicaFailed,
+    ReplicaLost,
+    WorkerDied,
+    WorkerError,
+)
 from .peers import peer_gone
 from .roster import Lost
 
@@ -53,6 +62,22 @@ logger = logging.getLogger("rayfree.executor")
 #: after a lost node or a fatal collective error: how long SIGTERM is given before SIGKILL (a rank blocked in a
 #: collective runs no Python signal handler; one that is not leaves at once)
 FAST_TERM_S = 0.3
+
+
+#: what a cause weighs, by its type (the first that matches); any other cause is FATAL: a collective step raised,
+#: a node, a link or a thread that watched them was lost, and ranks may wait in a collective that never ends
+_WEIGHTS: tuple[tuple[type[BaseException], Severity], ...] = (
+    (CallInterrupted, Severity.CALLER),  # the caller's own: recorded; the stop is the caller's
+    (ReplicaDrained, Severity.WORKER),  # a planned stop of a replica (a lost one's weight would be FATAL)
+    (WorkerDied, Severity.WORKER),  # its peers on this node get a moment to notice and leave
+)
+
+
+def severity_of(cause: BaseException | None) -> Severity:
+    """How a failure is handled, from its cause's type (None: an orderly stop)."""
+    if cause is None:
+        return Severity.STOP
+    return next((weight for kind, weight in _WEIGHTS if isinstance(cause, kind)), Severity.FATAL)
 
 
 def why_of(cause: BaseException | None) -> str:
@@ -132,16 +157,21 @@ class NodePolicy:
 
     # -- reports: from any thread --------------------------------------------------------------------
 
-    def report(self, source: str, cause: Exception | None, severity: Severity, executor: Any = None) -> None:
-        self.sup.post(Failure(source, cause, severity, self, executor))
+    def report(self, source: str, cause: Exception | None, executor: Any = None) -> None:
+        """Post a failure (any thread); its cause's type says how it is handled (`severity_of`)."""
+        self.sup.post(self.failure(source, cause, executor))
+
+    def failure(self, source: str, cause: Exception | None, executor: Any = None) -> Failure:
+        """The record of a failure of this domain, weighed by its cause's type."""
+        return Failure(source, cause, severity_of(cause), self, executor)
 
     def stop(self, executor: Any, wait: bool) -> None:
         """An orderly stop of `executor` (None: every executor of the node); with `wait`, until it is closed.
         From the policy thread itself (a failure callback that shuts the executor down) it only starts it."""
         if self.sup.on_policy_thread():
-            self.apply(Failure("shutdown", None, Severity.STOP, self, executor))
+            self.apply(self.failure("shutdown", None, executor))
             return
-        self.report("shutdown", None, Severity.STOP, executor)
+        self.report("shutdown", None, executor)
         if wait and executor is not None:
             executor.wait_done()
 

@@ -30,7 +30,7 @@ from rayfree.cluster.heartbeat import Bye, HeartbeatServer
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.cluster.heartbeat_messages import ReplicaDown
 from rayfree.cluster.join import shape_of
-from rayfree.supervisor import Failure, Severity
+from rayfree.supervisor import Failure
 from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
 
@@ -167,7 +167,7 @@ class NodeLiveness:
 
     def fail_all(self, error: Exception) -> None:
         """Report a failure of the whole node (any thread): its policy fails every executor with `error`."""
-        self.policy.report("this node", error, Severity.FATAL)
+        self.policy.report("this node", error)
 
     # -- what the policy tells it (the policy thread) -------------------------------------------------------
 
@@ -192,7 +192,7 @@ class NodeLiveness:
             if self.policy.record is None:  # (an interrupted call, an entry that raised, a failed start-up)
                 why = reason or why_of(failure)
                 cause = failure or ReplicaFailed(ex.dp_rank, why)
-                self.policy.apply(Failure(f"DP replica {ex.dp_rank}", cause, Severity.FATAL, self.policy, ex))
+                self.policy.apply(self.policy.failure(f"DP replica {ex.dp_rank}", cause, ex))
             return
         with self._lock:
             self._stopped += 1
@@ -277,6 +277,7 @@ class LeaderLiveness(NodeLiveness):
             beater.verdict_fn = lambda: (rejoins.look(beater, time.monotonic()), verdicts(self))[1]
             beater.drain_fn = lambda k: drain.request(self, k)
             beater.scale_fn = lambda n: drain.scale(self, n)
+        beater.start(self.policy)  # (wired: its first beat meets every callback; a crash of it fails the node)
         logger.info(
             "node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
             self.beater.endpoint,
@@ -286,7 +287,7 @@ class LeaderLiveness(NodeLiveness):
 
     def _node_lost(self, node: int, ranks: list[int], ip: str, why: str) -> None:
         replicas = self.par.replicas_of_node(node) if self.par.data_parallel_size > 1 else None
-        self.policy.report("the heartbeats", NodeLost(node, ranks, ip, why, replicas), Severity.FATAL)
+        self.policy.report("the heartbeats", NodeLost(node, ranks, ip, why, replicas))
 
     def peer_verdict(self, grace: float | None = None) -> str:
         return followers_verdict(self.beater, grace, self.lost_nodes()) if self.beater is not None else ""
@@ -322,7 +323,7 @@ class FollowerLiveness(NodeLiveness):
             self.ip,
             cfg.heartbeat_interval_s,
             cfg.heartbeat_timeout_s,
-            lambda why: self.policy.report("the heartbeats", LeaderLost(self.node, why), Severity.FATAL),
+            lambda why: self.policy.report("the heartbeats", LeaderLost(self.node, why)),
             self._head_bye,
             shape_of(par),  # (a replacement of a lost node is admitted only with the cluster's shape)
         )
@@ -330,13 +331,14 @@ class FollowerLiveness(NodeLiveness):
         self.beater.on_disowned = lambda why: self.policy.report("node 0", NodeLost(
             self.node, par.node_ranks(self.node), self.ip,
             f"node 0 counts it lost ({why}) and will not take this process back: start the node again",
-        ), Severity.FATAL)  # fmt: skip
+        ))  # fmt: skip
         if self.independent:  # (what node 0 says reaches the roster on the policy thread, in the order it came)
             send, soon = self.replica_epochs.send, self.policy.sup.call_soon
             self.beater.on_replica_down = self._replica_down
             self.beater.on_replica_up = lambda m: soon(send, Back(m.dp_rank, m.epoch))
             self.beater.on_replica_drain = lambda m: soon(send, DrainHeard(m.dp_rank))
             self.beater.on_regroup = lambda m: soon(send, Regrouped(m.epoch, tuple(m.members)))
+        self.beater.start(self.policy)  # (wired: node 0's first word meets every callback; a crash fails the node)
         logger.info(
             "node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
             self.node,
@@ -351,14 +353,14 @@ class FollowerLiveness(NodeLiveness):
             logger.info("node %d: node 0 stopped the cluster; stopping this node's workers", self.node)
             self.stopped_cleanly = reason or "node 0 stopped"
             self.settled.set()
-            self.policy.report("node 0's goodbye", None, Severity.STOP)
+            self.policy.report("node 0's goodbye", None)
         else:
             why = f"it stopped after a failure: {reason}"
-            self.policy.report("node 0's goodbye", LeaderLost(self.node, why), Severity.FATAL)
+            self.policy.report("node 0's goodbye", LeaderLost(self.node, why))
 
     def _replica_down(self, msg: ReplicaDown) -> None:
         err = ReplicaLost(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)
-        self.policy.report("node 0", err, Severity.FATAL)
+        self.policy.report("node 0", err)
 
     def welcome_epochs(self, timeout: float) -> dict[int, int]:
         """Independent replicas: the epoch of each replica this node runs, from node 0's first answer (a node

@@ -27,7 +27,7 @@ import weakref
 from typing import Any
 
 from rayfree.cluster.peers import peer_gone
-from rayfree.supervisor import Severity, supervisor
+from rayfree.supervisor import supervisor
 
 from .errors import ReplicasChanged
 
@@ -125,5 +125,5 @@ class Membership:
             self.changed.wait(0.02)
             self.changed.clear()
         if not ex.is_failed:  # no replica was lost: the rank's error is this executor's failure
-            lv.policy.report(f"rank {error.rank}", error, Severity.FATAL, ex)
+            lv.policy.report(f"rank {error.rank}", error, ex)
         return None

@@ -164,7 +164,7 @@ class MultiprocExecutor(Executor):
             self.liveness.ready()
             if self.pipe is not None:
                 self.pipe.handshake(self.config.ready_timeout_s)
-                self._stall = StallWatch(self, self.config.stall_report_s, self.config.stall_dump_s)
+                self._stall = StallWatch(self, self.config.stall_report_s, self.config.stall_dump_s).start()
             self._started = True
             if self._failure is not None:  # it failed while the last steps ran: that is start-up's outcome
                 raise self._failure
@@ -264,7 +264,7 @@ class MultiprocExecutor(Executor):
             return
         how = exit_description(w.proc.exitcode)
         logger.error("%s died unexpectedly (%s); shutting down the executor", w.describe(), how)
-        self._report(w.describe(), WorkerDied(w.rank, how, w.proc.pid, w.title), Severity.WORKER)
+        self._report(w.describe(), WorkerDied(w.rank, how, w.proc.pid, w.title))
 
     def _report_fatal(self, w: WorkerHandle, msg: Fatal) -> None:
         """A collective step raised on rank `w.rank`: its peers may be stuck in a collective, so stop them all."""
@@ -273,15 +273,15 @@ class MultiprocExecutor(Executor):
         logger.error("%s raised %s in %s, a collective step", w.describe(), msg.error_type, msg.method)
         note = "a collective step: the executor has stopped every worker"
         error = FatalWorkerError(msg.rank, msg.error_type, msg.message, msg.traceback, msg.method, note=note)
-        self._report(w.describe(), error, Severity.FATAL)
+        self._report(w.describe(), error)
 
     def _report_relay(self, error: Exception) -> None:
         """This node's relay lost its stream: its parent node went away, most likely (the heartbeats say)."""
-        self._report(f"the relay of node {self.parallel_config.node_rank}", error, Severity.FATAL)
+        self._report(f"the relay of node {self.parallel_config.node_rank}", error)
 
-    def _report(self, source: str, cause: Exception, severity: Severity) -> None:
+    def _report(self, source: str, cause: Exception) -> None:
         if self.liveness is not None:
-            self.liveness.policy.report(source, cause, severity, self)
+            self.liveness.policy.report(source, cause, self)
 
     def _judge_fatal(self, error: FatalWorkerError, name: str) -> Exception:
         """A caller got a rank's collective error: what it raises (membership.py's judge, else `cause_of`)."""
@@ -374,7 +374,7 @@ class MultiprocExecutor(Executor):
             return False
         if self.pipe is not None:  # refused from this moment, on this thread
             self.pipe.note_failure(failure)
-        self._report("an interrupted call", failure, Severity.CALLER)
+        self._report("an interrupted call", failure)
         if self.pipe is not None:  # recorded and the engine told, before the interrupt goes on (bounded)
             self.pipe.failure_known.wait(1.0)
         return True

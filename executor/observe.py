@@ -144,7 +144,10 @@ class StallWatch:
         self._stop = threading.Event()
         self._reported: dict[tuple[str, float], float] = {}  # (method, start) -> age at its last report
         self._dumped: set[tuple[str, float]] = set()
+
+    def start(self) -> StallWatch:
         supervisor().start("RayfreeStallWatch", self._run, stop=self.stop)
+        return self
 
     def stop(self) -> None:
         self._stop.set()

@@ -52,7 +52,8 @@ __all__ = ["Roster", "PHASES", "Layout", "Lost", "Admit", "Ready", "Back", "Drai
            "Regrouped", "Welcomed", "Event", "Decision", "KINDS", "RosterMisuse"]  # fmt: skip
 
 PHASES = ("starting", "serving", "draining", "drained", "lost", "rejoining")
-#: the phases whose ranks are members: they take calls, and coupled replicas' groups span them
+#: the phases whose replicas count as serving (the effective width). Coupled replicas' groups span the serving
+#: ones only: a draining replica leaves them as its drain begins (`_in_groups`)
 _MEMBER = ("serving", "draining")
 #: the phases a replacement (or a new replica's node) may be admitted in
 _ADMITS = ("starting", "lost", "drained", "rejoining")
@@ -274,8 +275,15 @@ class Roster:
     def _drain(self, k: int) -> list[Decision]:
         self._r[k].phase = "draining"
         out = [Decision("say", k, epoch=1, text=f"DP replica {k} drains (nodes {self.layout.nodes_of_replica(k)})"),
-               Decision("announce", k, state=self.state(k))]  # fmt: skip
-        return out + ([Decision("begin_drain", k)] if k in self.layout.node_replicas else [])
+               Decision("announce", k, state=self.state(k))] + self._declare()  # fmt: skip
+        return out + ([Decision("begin_drain", k)] if k in self.layout.node_replicas else [])  # (after the regroup)
+
+    def _in_groups(self, phase: str) -> bool:
+        """Whether a replica in `phase` is a member of the groups across replicas. A coupled replica that drains
+        is not: the survivors form groups without it before their next step (their step under way finishes on
+        the old groups, beside its own), for it takes no new call, and a survivor's step that waited for it
+        would hang until the groups' timeout."""
+        return phase == "serving" or (phase == "draining" and not self.layout.coupled)
 
     def _on_drainheard(self, ev: DrainHeard) -> list[Decision]:
         return self._drain(ev.dp_rank) if self.phase(ev.dp_rank) == "serving" else []
@@ -361,7 +369,7 @@ class Roster:
 
     def _declare(self) -> list[Decision]:
         """Node 0: the members changed: a new membership epoch (coupled replicas form it; followers are told)."""
-        members = tuple(k for k, r in sorted(self._r.items()) if r.phase in _MEMBER)
+        members = tuple(k for k, r in sorted(self._r.items()) if self._in_groups(r.phase))
         if not self.leader or not members or members == self.members:
             return []
         self.epoch += 1

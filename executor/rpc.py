@@ -33,7 +33,7 @@ import cloudpickle
 from rayfree.transport import MessageQueue, QueueBroken, QueueClosed, QueueShutdown, QueueTimeout, TransportError
 from rayfree.worker.messages import Boxed, RemoteError, is_special
 
-from .errors import FatalWorkerError, RpcTimeout, failed_as, unreadable_reply, unwrap, unwrap_error
+from .errors import CallInterrupted, FatalWorkerError, RpcTimeout, failed_as, unreadable_reply, unwrap, unwrap_error
 from .futures import FutureWrapper, WaitExpired
 from .observe import Call, RpcRecorder
 from .view import RpcSnapshot
@@ -240,14 +240,13 @@ class RpcPipe:
             return unwrap_error(unreadable_reply(rank, e), name)
         # An interrupt (Ctrl-C, an exception from a signal handler) cut the call off mid-way: it may have landed
         # between a reply's read and its hand-over, so which replies are still owed is unknown from now on.
-        self._on_interrupted(
-            failed_as(
-                None,
-                f"RPC {name} was interrupted ({type(e).__name__}) while {where}; "
-                f"its replies can no longer be matched to their calls for certain: "
-                f"shut this executor down and start a new one",
-            )
+        cut = CallInterrupted(
+            f"RPC {name} was interrupted ({type(e).__name__}) while {where}; "
+            f"its replies can no longer be matched to their calls for certain: "
+            f"shut this executor down and start a new one"
         )
+        cut.__suppress_context__ = True
+        self._on_interrupted(cut)
         return e
 
 

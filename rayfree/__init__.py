@@ -67,6 +67,9 @@ if TYPE_CHECKING:  # pragma: no cover - the list of public names
         UniProcExecutor as UniProcExecutor,
     )
     from rayfree.executor.errors import (
+        CallInterrupted as CallInterrupted,
+    )
+    from rayfree.executor.errors import (
         ExecutorError as ExecutorError,
     )
     from rayfree.executor.errors import (

@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Severity", "Failure", "FailureDomain", "Supervised", "Supervisor", "supervisor", "SupervisorMisuse"]
+__all__ = ["Severity", "Failure", "FailureDomain", "Supervised", "Supervisor", "supervisor", "SupervisorMisuse",
+           "ThreadCrashed"]  # fmt: skip
 
 logger = logging.getLogger("rayfree.supervisor")
 
@@ -73,6 +74,18 @@ class SupervisorMisuse(RuntimeError):
     """A thread asked to stop or join itself, or a thread was started outside the supervisor's rules."""
 
 
+class ThreadCrashed(RuntimeError):
+    """A thread that watches for the process (the heartbeats) raised: what it watched is watched no more, so the
+    domain it was started for fails with this, instead of a log line that nobody acts on."""
+
+    def __init__(self, name: str, error: BaseException) -> None:
+        super().__init__(
+            f"rayfree's thread {name} crashed ({type(error).__name__}: {error}); what it watched for this node is "
+            f"no longer watched, so the node stops (the traceback is in its log: please report it)"
+        )
+        self.thread_name = name
+
+
 def name_os_thread(name: str) -> None:
     """Give the calling thread `name` where `top -H`, `ps -L` and /proc/<pid>/task/<tid>/comm show it, as
     "rf-" and the rest of a "Rayfree..." name (Linux keeps 15 bytes); elsewhere, or if it fails, nothing."""
@@ -92,18 +105,27 @@ class Supervised:
     """One thread the supervisor started: what it is for, and how it is stopped."""
 
     def __init__(
-        self, name: str, target: Callable[..., Any], args: tuple[Any, ...], stop: Callable[[], None] | None
+        self,
+        name: str,
+        target: Callable[..., Any],
+        args: tuple[Any, ...],
+        stop: Callable[[], None] | None,
+        domain: FailureDomain | None = None,
     ) -> None:
         self.name = name
         self._stop = stop
+        self._domain = domain
         self.thread = threading.Thread(target=self._run, args=(target, args), daemon=True, name=name)
 
     def _run(self, target: Callable[..., Any], args: tuple[Any, ...]) -> None:
         name_os_thread(self.name)
         try:
             target(*args)
-        except Exception:  # noqa: BLE001 - a thread that dies must not die silently
+        except Exception as e:  # noqa: BLE001 - a thread that dies must not die silently
             logger.exception("thread %s failed", self.name)
+            if self._domain is not None:  # (its domain hears of it: the policy fails what the thread watched for)
+                supervisor().post(Failure(f"thread {self.name}", ThreadCrashed(self.name, e), Severity.FATAL,
+                                          self._domain))  # fmt: skip
 
     def alive(self) -> bool:
         return self.thread.is_alive()
@@ -158,10 +180,12 @@ class Supervisor:
         *,
         args: tuple[Any, ...] = (),
         stop: Callable[[], None] | None = None,
+        domain: FailureDomain | None = None,
     ) -> Supervised:
         """Start a daemon thread `name` (one the threads table lists) running `target(*args)`; `stop` tells it to
-        end (None: it ends on its own, as the table says)."""
-        t = Supervised(name, target, args, stop)
+        end (None: it ends on its own, as the table says); if `target` raises, `domain` gets a FATAL failure
+        (`ThreadCrashed`), else the crash is logged only."""
+        t = Supervised(name, target, args, stop, domain)
         with self._lock:
             self._threads = [x for x in self._threads if x.alive()]
             self._threads.append(t)

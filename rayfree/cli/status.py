@@ -63,6 +63,11 @@ def run_scale(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"rayfree scale: --dp {width!r} is not a whole number of DP replicas", file=sys.stderr)
         return 2
+    if n < 1:
+        print(f"rayfree scale: --dp {n}: the width must be a whole number >= 1 (to stop the cluster, stop node 0)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    args.data_parallel_size = None  # (the width asked for is not the layout: the rest of the options are, as given)
     return _one_line(args, "scale", ScaleReplicas(n))
 
 

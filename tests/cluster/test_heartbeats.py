@@ -24,7 +24,9 @@ from tests.support.waits import wait_until
 
 
 def _server(port: int, lost: list[int]) -> HeartbeatServer:
-    return HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 5.0, lambda n, r, ip, why: lost.append(n))
+    server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 5.0, lambda n, r, ip, why: lost.append(n))
+    server.start()
+    return server
 
 
 def _follower(port: int) -> zmq.Socket:
@@ -54,6 +56,7 @@ def test_a_follower_has_read_node_0s_goodbye_when_node_0s_close_returns(clean: b
         lambda why: lost.append(0),
         lambda node, c, reason: (byes.append((node, c, reason)), told.set()),
     )
+    client.start()
     try:
         assert client.contact.wait(20), "the follower never heard node 0"
         server.close(Bye(0, clean, "shut down"), timeout=20)
@@ -147,6 +150,7 @@ def test_a_heartbeat_thread_that_could_not_run_says_so_and_for_how_long(caplog) 
     it did not run, and how long; answering beats as usual, it says nothing."""
     port = get_open_port("127.0.0.1")
     server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 3.0, lambda n, r, ip, why: None)  # (1 s: said)
+    server.start()
     follower = _follower(port)
     switch = sys.getswitchinterval()
     try:
@@ -202,6 +206,7 @@ def test_a_node_started_again_is_a_replacement_at_once_even_with_the_same_pid(ca
     server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 30.0, lambda n, r, ip, why: lost.append((n, why)))
     server.welcome_fn = lambda node: _encode(Welcome({0: 0, 1: len(admitted)}))
     server.admit = lambda node, pid, shape: admitted.append((node, pid, shape)) or len(admitted)
+    server.start()
     first = make_dealer(f"tcp://127.0.0.1:{port}")
     again = make_dealer(f"tcp://127.0.0.1:{port}")
     pid = 1  # (as in a container)
@@ -236,6 +241,7 @@ def test_a_follower_node_0_lost_that_beats_again_is_told_it_was_lost() -> None:
     port = get_open_port("127.0.0.1")
     lost: list[tuple[int, str]] = []
     server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 0.6, lambda n, r, ip, why: lost.append((n, why)))
+    server.start()
     follower = make_dealer(f"tcp://127.0.0.1:{port}")
     beat = Beat(1, [1], "127.0.0.1", os.getpid(), 1, incarnation=7)
     try:
@@ -248,3 +254,71 @@ def test_a_follower_node_0_lost_that_beats_again_is_told_it_was_lost() -> None:
     finally:
         follower.close(linger=0)
         server.close(timeout=10)
+
+
+@pytest.mark.timeout(30)
+def test_a_confirmed_drop_shortens_only_its_own_window() -> None:
+    """The rule that calls a silent peer lost: a dropped connection gives its peer RECONNECT_S to beat again; one
+    a collective's error confirmed (`corroborate`) gives none. A drop after that one has its window again: a
+    replacement whose link reconnects under load after an earlier loss was confirmed is not lost for it (the
+    flag once stayed set for good, and such a replacement was lost as it reconnected)."""
+    from rayfree.cluster.heartbeat_beater import RECONNECT_S, Beater
+    from rayfree.transport.zmq.control import ControlSocket
+
+    b = Beater(0.05, 5.0, "test-beater", "node 0")
+    b._sock = ControlSocket.listen(f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}")
+    try:
+        t = time.monotonic()
+        b.armed_at = t - 10
+        first = t - 2.0  # the drop of the process that was lost; its peer last beat before it
+        assert b._silent(first - 0.1, first + 0.1, first) is None  # within its window
+        assert "connection dropped" in (b._silent(first - 0.1, first + RECONNECT_S + 0.01, first) or "")
+        b.suspect_at = first
+        b.corroborate()
+        assert "connection dropped" in (b._silent(first - 0.1, first, first) or "")  # confirmed: at once
+        later = t - 1.0  # the replacement's link drops, then reconnects
+        b.suspect_at = later
+        assert b._silent(later - 0.1, later + 0.01, later) is None, "a later drop kept the confirmed one's window"
+        assert b._silence_due(later - 0.1, later) == pytest.approx(later + RECONNECT_S)
+        assert "connection dropped" in (b._silent(later - 0.1, later + RECONNECT_S + 0.01, later) or "")
+        b.corroborate()  # (a collective confirms this one too)
+        assert "connection dropped" in (b._silent(later - 0.1, later, later) or "")
+    finally:
+        b._sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_heartbeat_thread_that_crashes_is_a_failure_its_domain_hears_of() -> None:
+    """A heartbeat thread that raises stops watching the peers: the domain it was started for (the node's
+    policy, in liveness.py) gets a FATAL `ThreadCrashed` naming it, not a log line nobody acts on. Here node 0's
+    welcome for a follower's first beat raises. Started twice: refused (construct, wire, then start once)."""
+    from rayfree.supervisor import Failure, Severity, SupervisorMisuse, ThreadCrashed
+
+    heard: list[Failure] = []
+    got = threading.Event()
+
+    class Domain:
+        def apply(self, failure: Failure) -> None:
+            heard.append(failure)
+            got.set()
+
+    def welcome(node: int) -> bytes:
+        raise RuntimeError("the welcome could not be built")
+
+    port = get_open_port("127.0.0.1")
+    server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 5.0, lambda n, r, ip, why: None)
+    server.welcome_fn = welcome
+    server.start(Domain())
+    follower = make_dealer(f"tcp://127.0.0.1:{port}")
+    try:
+        with pytest.raises(SupervisorMisuse, match="started already"):
+            server.start()
+        follower.send(_encode(Beat(1, [1], "127.0.0.1", os.getpid(), 1)))
+        assert got.wait(20), "the crash was not reported"
+        assert server.join(20) and not server.running()
+    finally:
+        follower.close(0)
+        server.close()
+    [f] = heard
+    assert f.severity is Severity.FATAL and f.source == "thread RayfreeHeartbeatServer", f
+    assert isinstance(f.cause, ThreadCrashed) and "the welcome could not be built" in str(f.cause), f.cause

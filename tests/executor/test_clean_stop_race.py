@@ -73,6 +73,7 @@ def test_a_rank_death_held_for_the_verdict_is_no_failure_when_node_0_stopped_cle
     par = ParallelConfig(tensor_parallel_size=2, nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port)
     config = ClusterConfig(parallel=par, heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0, heartbeat_port=port)
     server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 5.0, lambda *a: None)
+    server.start()
     lv = NodeLiveness.for_node(config)
     ex = _Replica(config)
     try:
@@ -81,7 +82,7 @@ def test_a_rank_death_held_for_the_verdict_is_no_failure_when_node_0_stopped_cle
         assert lv.beater is not None and lv.beater.contact.wait(20), "node 0 never answered"
         with caplog.at_level(logging.INFO, logger="rayfree.executor"):
             # the close came first: rank 1 left with an exit code; the policy holds it for the verdict ...
-            lv.policy.report("worker rank 1", WorkerDied(1, "exit code 1", 4242, "w"), Severity.WORKER, ex)
+            lv.policy.report("worker rank 1", WorkerDied(1, "exit code 1", 4242, "w"), ex)
             _until(lambda: "waiting up to" in caplog.text, 20, "the death was not held for the verdict")
             # ... which is node 0's goodbye, read before the hold ends (it is never shorter than a suspect window)
             server.close(Bye(0, goodbye == "clean", "shut down" if goodbye == "clean" else "rank 0 died"), 20)

@@ -162,3 +162,27 @@ def test_an_engine_script_without_a_main_guard_is_told_so(tmp_path) -> None:
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("rayfree.executor.errors.WorkerStartupError: worker rank"), r.stderr[-3000:]
     assert f"re-ran {script}" in last and 'if __name__ == "__main__":' in last, last
+
+
+@pytest.mark.timeout(30)
+def test_a_failure_is_weighed_by_its_cause_type() -> None:
+    """One table says how each failure is handled (`severity_of`): the reporters name the cause, never the
+    weight. A subclass weighs as its class (a drained replica is a planned stop, not a loss)."""
+    from rayfree import CallInterrupted, LeaderLost, NodeLost, ReplicaDrained, ReplicaLost
+    from rayfree.executor.failure_policy import severity_of
+    from rayfree.supervisor import Severity, ThreadCrashed
+
+    table = [
+        (None, Severity.STOP),
+        (CallInterrupted("RPC x was interrupted"), Severity.CALLER),
+        (WorkerDied(1, "signal SIGKILL", 42, "w"), Severity.WORKER),
+        (ReplicaDrained(1, 1, [1]), Severity.WORKER),
+        (ReplicaLost(1, 1, [1], "killed"), Severity.FATAL),
+        (NodeLost(1, [1], "10.0.0.2", "silent"), Severity.FATAL),
+        (LeaderLost(1, "silent"), Severity.FATAL),
+        (FatalWorkerError(0, "RuntimeError", "boom", ""), Severity.FATAL),
+        (ThreadCrashed("RayfreeHeartbeatServer", KeyError("x")), Severity.FATAL),
+        (RuntimeError("anything else"), Severity.FATAL),
+    ]
+    assert [severity_of(cause) for cause, _ in table] == [weight for _, weight in table]
+    assert isinstance(CallInterrupted("x"), ExecutorFailed)  # (`except ExecutorFailed` catches it, as before)

@@ -194,84 +194,144 @@ def test_a_drained_replica_finishes_its_call_in_flight_then_stops_while_the_othe
         reps.shutdown()
 
 
-@pytest.mark.timeout(180)
-def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_worker() -> None:
-    """One node, DP=3 x TP=1, coupled, each replica's leader stepping in a thread of its own (the toy's all-reduce
-    across replicas keeps them in step): a worker of replica 2 is killed. A survivor's step that met it raises
-    ReplicasChanged (one between two steps meets nothing), and their steps from then on run over replicas
-    [0, 1], every output right, with the same processes; replica 2's calls raise ReplicaLost. Across nodes,
-    with a rejoin: tests/cluster/test_coupled.py."""
-    from rayfree import ReplicasChanged
-    from rayfree.cli.toy_engine import reference_forward
-    from tests.support.multinode_entry import coupled_batch, members_of, torch_equal
+class Lockstep:
+    """Coupled replicas' leaders stepping the toy, each in a thread of its own (its all-reduce across replicas
+    keeps them in step), every step checked: its output against the model in one process, the replicas its sum
+    across replicas names. A step that meets a change of the members raises ReplicasChanged and runs again;
+    `stop` ends every survivor at one agreed step (one that stopped on a flag between two steps while another
+    had begun its next would leave that one alone in the collective)."""
 
-    par = ParallelConfig(
-        tensor_parallel_size=1, data_parallel_size=3, master_port=get_open_port("127.0.0.1"), replica_coupling="coupled"
-    )
-    config = ClusterConfig(parallel=par, ready_timeout_s=120, shutdown_grace_s=1, shutdown_term_s=1)
-    reps = NodeReplicas(config, "tests.support.coupled_worker:CoupledToyWorker")
-    seen: dict[int, list] = {0: [], 1: [], 2: []}
-    ended: dict[int, str] = {}
-    done = {0: 0, 1: 0, 2: 0}  # steps each replica finished
-    stop_at: list[int] = []  # the step every survivor stops before: lockstep replicas stop together (one that
-    # stopped on a flag while the other had begun its next step would leave it alone in the collective)
-    progress = threading.Condition()
+    def __init__(self, leaders: list) -> None:
+        self.leaders = leaders
+        self.seen: dict[int, list] = {ex.dp_rank: [] for ex in leaders}
+        self.ended: dict[int, str] = {}
+        self.done = {ex.dp_rank: 0 for ex in leaders}  # steps each replica finished
+        self.stop_at: list[int] = []
+        self.progress = threading.Condition()
+        self.threads = [threading.Thread(target=self._steps, args=(ex,)) for ex in leaders]
+        for t in self.threads:
+            t.start()
 
-    def steps(ex) -> None:
+    def _steps(self, ex) -> None:
+        from rayfree import ReplicasChanged
+        from rayfree.cli.toy_engine import reference_forward
+        from tests.support.multinode_entry import coupled_batch, members_of, torch_equal
+
         k, step = ex.dp_rank, 0
         try:
-            while not stop_at or step < stop_at[0]:
+            while not self.stop_at or step < self.stop_at[0]:
                 batch = coupled_batch(step, k)
                 try:
                     out = ex.execute_model(batch)
                     total = ex.collective_rpc("step_report", unique_reply_rank=0, timeout=30)["dp_sum"]
                 except ReplicasChanged as e:
-                    seen[k].append(("changed", e.members))
+                    self.seen[k].append(("changed", e.members))
                     continue
-                seen[k].append((members_of(total), torch_equal(out, reference_forward(batch["x"]))))
+                self.seen[k].append((members_of(total), torch_equal(out, reference_forward(batch["x"]))))
                 step += 1
-                with progress:
-                    done[k] = step
-                    progress.notify_all()
+                with self.progress:
+                    self.done[k] = step
+                    self.progress.notify_all()
         except ExecutorFailed as e:
-            ended[k] = type(e).__name__
-            with progress:
-                progress.notify_all()
+            self.ended[k] = type(e).__name__
+            with self.progress:
+                self.progress.notify_all()
 
-    def until(what) -> None:
-        with progress:
-            assert progress.wait_for(what, 60), seen
+    def until(self, what) -> None:
+        with self.progress:
+            assert self.progress.wait_for(what, 60), self.seen
 
+    def steps_over(self, k: int, members: list[int]) -> int:
+        return sum(s[0] == members for s in self.seen[k])
+
+    def stop(self, survivors: list[int]) -> None:
+        with self.progress:
+            self.stop_at.append(max(self.done[k] for k in survivors) + 2)  # (past the step any may be in now)
+        for t in self.threads:
+            t.join(60)
+            assert not t.is_alive(), self.seen
+        assert {self.done[k] for k in survivors} == {self.stop_at[0]}, (self.done, self.stop_at)
+
+    def abandon(self) -> None:
+        if not self.stop_at:
+            self.stop_at.append(0)
+
+    def assert_shrunk(self, k: int, before: list[int], after: list[int]) -> None:
+        """Replica k's steps: over `before`, then (a step that met the change: again) over `after`, all right."""
+        runs = [s[0] for s in self.seen[k]]
+        first = runs.index(after)
+        assert all(r in ("changed", before) for r in runs[:first]), runs
+        assert all(s[1] == after for s in self.seen[k] if s[0] == "changed"), self.seen[k]
+        assert all(s[0] == after and s[1] == 1 for s in self.seen[k][first:]), self.seen[k][first:]
+        assert all(s[1] == 1 for s in self.seen[k] if s[0] == before), self.seen[k]
+
+
+def coupled_three() -> NodeReplicas:
+    par = ParallelConfig(
+        tensor_parallel_size=1, data_parallel_size=3, master_port=get_open_port("127.0.0.1"), replica_coupling="coupled"
+    )
+    config = ClusterConfig(parallel=par, ready_timeout_s=120, shutdown_grace_s=1, shutdown_term_s=1)
+    return NodeReplicas(config, "tests.support.coupled_worker:CoupledToyWorker")
+
+
+@pytest.mark.timeout(180)
+def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_worker() -> None:
+    """One node, DP=3 x TP=1, coupled, each replica's leader stepping in a thread of its own: a worker of
+    replica 2 is killed. A survivor's step that met it raises ReplicasChanged (one between two steps meets
+    nothing), and their steps from then on run over replicas [0, 1], every output right, with the same
+    processes; replica 2's calls raise ReplicaLost. Across nodes, with a rejoin: tests/cluster/test_coupled.py."""
+    reps = coupled_three()
     try:
         leaders = sorted(reps.leaders, key=lambda ex: ex.dp_rank)
         pids = [[w.proc.pid for w in ex.workers] for ex in leaders[:2]]
-        threads = [threading.Thread(target=steps, args=(ex,)) for ex in leaders]
-        for t in threads:
-            t.start()
-        until(lambda: all(len(seen[k]) >= 5 for k in range(3)))
-        os.kill(leaders[2].workers[0].proc.pid, signal.SIGKILL)
-        until(lambda: all(sum(s[0] == [0, 1] for s in seen[k]) >= 10 for k in (0, 1)))
-        with progress:
-            stop_at.append(max(done[0], done[1]) + 2)  # (past the step either survivor may be in now)
-        for t in threads[:2]:
-            t.join(60)
-            assert not t.is_alive(), seen
-        assert done[0] == done[1] == stop_at[0], (done, stop_at)
+        run = Lockstep(leaders)
+        try:
+            run.until(lambda: all(len(run.seen[k]) >= 5 for k in range(3)))
+            os.kill(leaders[2].workers[0].proc.pid, signal.SIGKILL)
+            run.until(lambda: all(run.steps_over(k, [0, 1]) >= 10 for k in (0, 1)))
+            run.stop([0, 1])
+        finally:
+            run.abandon()
         hooks = [ex.collective_rpc("hook_calls", timeout=30) for ex in leaders[:2]]
         assert [[w.proc.pid for w in ex.workers] for ex in leaders[:2]] == pids
     finally:
-        if not stop_at:
-            stop_at.append(0)
         reps.shutdown()
-    assert ended == {2: "ReplicaLost"}, (ended, seen[2][-3:])
+    assert run.ended == {2: "ReplicaLost"}, (run.ended, run.seen[2][-3:])
     for k in (0, 1):
-        runs = [s[0] for s in seen[k]]
-        first = runs.index([0, 1])
-        assert all(r in ("changed", [0, 1, 2]) for r in runs[:first]), runs  # (a step that met the loss: again)
-        assert all(s[1] == [0, 1] for s in seen[k] if s[0] == "changed"), seen[k]
-        assert all(s[0] == [0, 1] and s[1] == 1 for s in seen[k][first:]), seen[k][first:]  # every step right
-        assert all(s[1] == 1 for s in seen[k] if s[0] == [0, 1, 2]), seen[k]
+        run.assert_shrunk(k, [0, 1, 2], [0, 1])
     assert hooks == [[[[1, [0, 1]]]], [[[1, [0, 1]]]]], hooks  # each survivor's one rank ran the hook once
+
+
+@pytest.mark.timeout(180)
+def test_coupled_replicas_scale_in_from_the_engine_while_they_step() -> None:
+    """One node, DP=3 x TP=1, coupled, stepping in lockstep: replica 0's engine asks for width 2. Replica 2 drains
+    (its calls then raise ReplicaDrained, not a loss), the survivors' groups across replicas form over [0, 1]
+    (the worker's hook says so) and every step from then on is right, with the same processes; no replica fails.
+    Across nodes, with the width back: tests/cluster/test_scale.py."""
+    reps = coupled_three()
+    try:
+        leaders = sorted(reps.leaders, key=lambda ex: ex.dp_rank)
+        pids = [[w.proc.pid for w in ex.workers] for ex in leaders[:2]]
+        run = Lockstep(leaders)
+        try:
+            run.until(lambda: all(len(run.seen[k]) >= 5 for k in range(3)))
+            said = leaders[0].scale_replicas(2)
+            run.until(lambda: all(run.steps_over(k, [0, 1]) >= 10 for k in (0, 1)) and 2 in run.ended)
+            run.stop([0, 1])
+        finally:
+            run.abandon()
+        hooks = [ex.collective_rpc("hook_calls", timeout=30) for ex in leaders[:2]]
+        widths = leaders[0].replica_widths()
+        states = {k: st.state for k, st in leaders[0].replica_states().items()}
+        assert [[w.proc.pid for w in ex.workers] for ex in leaders[:2]] == pids
+    finally:
+        reps.shutdown()
+    assert said == "DP width 3 -> 2: replicas [2] drain, then their nodes exit 0", said
+    assert run.ended == {2: "ReplicaDrained"}, (run.ended, run.seen[2][-3:])
+    for k in (0, 1):
+        run.assert_shrunk(k, [0, 1, 2], [0, 1])
+    assert hooks == [[[[1, [0, 1]]]], [[[1, [0, 1]]]]], hooks
+    assert widths == (2, 2, 1) and states == {0: "serving", 1: "serving", 2: "drained"}, (widths, states)
 
 
 @pytest.mark.timeout(180)

@@ -188,6 +188,25 @@ def test_coupled_bench_shrinks_and_grows_with_every_step_right() -> None:
     assert re.fullmatch(r"[\d.]+", rows[2][6]), out.stdout
 
 
+@pytest.mark.timeout(300)
+def test_elastic_bench_scales_coupled_replicas_out_and_in_with_every_step_right() -> None:
+    """DP=3 x TP=1, coupled, on three simulated nodes, scaled 2 -> 3 -> 2 by `rayfree scale`: replicas 0 and 1
+    fail no call and get no wrong output (counts, asserted; the bench exits 1 otherwise), each step across every
+    replica comes after the scale-out and one across [0, 1] after the scale-in (the times are not asserted)."""
+    from rayfree.cluster.simulate import can_use_netns
+
+    if not can_use_netns():
+        pytest.skip("needs root for network namespaces")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "elastic.py"), "--couplings", "coupled", "--window", "1",
+           "--pace", "100"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280, env=STARVED)
+    assert out.returncode == 0, f"bench/elastic.py failed:\n{out.stdout}\n{out.stderr}"
+    assert "DP width 2 -> 3: start node(s) [2]" in out.stdout and "DP width 3 -> 2: replicas [2] drain" in out.stdout
+    rows = re.findall(r"^  ([01]) +(\d+) +(\d+) +(\d+) +(\d+) .* ([\d.]+) s +([\d.]+) s$", out.stdout, re.M)
+    assert [(r[0], r[1], r[3]) for r in rows] == [("0", "0", "0"), ("1", "0", "0")], out.stdout  # failed, wrong
+    assert re.search(r"node 2 exited \[0, 0\]", out.stdout), out.stdout
+
+
 @pytest.mark.timeout(180)
 def test_gpu_check_offline_names_the_wheel_its_wheelhouse_lacks(tmp_path) -> None:
     """`make gpu-check` on an offline machine installs from the wheelhouse alone: an empty one is said in one line,

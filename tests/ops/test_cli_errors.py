@@ -138,3 +138,20 @@ def test_a_gpu_node_short_of_devices_or_given_a_wrong_device_setting_says_so_in_
     errors = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("rayfree node:")]
     assert r.returncode == 2 and len(errors) == 1 and errors[0].startswith(says), r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_scale_reads_the_width_asked_for_apart_from_the_layout(tmp_path) -> None:
+    """`rayfree scale --dp 2` on a cluster laid out as three nodes of one replica each: the width asked for is not
+    checked as a layout (2 does not divide 3 nodes; it once failed there, exit 2, naming the layout); with no
+    node 0 to answer, it says so in one line (exit 1). A width under 1: one line, exit 2."""
+    secret = tmp_path / "secret"
+    assert run(["keygen", str(secret)]).returncode == 0
+    port = str(get_open_port("127.0.0.1"))
+    env = {"RAYFREE_NNODES": "3", "RAYFREE_DATA_PARALLEL_SIZE": "3", "RAYFREE_MASTER_ADDR": "127.0.0.1",
+           "RAYFREE_MASTER_PORT": port, "RAYFREE_SECRET_FILE": str(secret)}  # fmt: skip
+    out = run(["scale", "--dp", "2", "--timeout", "1"], env)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1 and "divide" not in out.stderr, out
+    assert out.stderr.startswith("rayfree scale: "), out.stderr
+    zero = run(["scale", "--dp", "0"], env)
+    assert zero.returncode == 2 and zero.stderr.count("\n") == 1 and "must be a whole number >= 1" in zero.stderr

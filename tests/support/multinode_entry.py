@@ -314,8 +314,9 @@ def coupled_steps(ex) -> int:
     """Coupled DP replicas: toy steps, each checked (the output against the model in one process; the members
     its all-reduce across replicas summed); a step that meets a change of the replicas (ReplicasChanged) runs
     again. A first incarnation steps until it has taken RF_AFTER steps across every replica again after taking
-    some across fewer (a shrink, then a grow); a replica that rejoined, RF_AFTER steps across every replica."""
-    from rayfree import ReplicasChanged
+    some across fewer (a shrink, then a grow); a replica that rejoined, RF_AFTER steps across every replica. A
+    replica drained meanwhile (`rayfree scale`) says so and ends."""
+    from rayfree import ReplicaDrained, ReplicasChanged
     from rayfree.cli.toy_engine import reference_forward
 
     dp, want = ex.parallel_config.data_parallel_size, int(os.environ.get("RF_AFTER", "20"))
@@ -337,6 +338,10 @@ def coupled_steps(ex) -> int:
         except ReplicasChanged as e:
             changes.append([e.epoch, e.members, time.monotonic()])
             continue
+        except ReplicaDrained as e:
+            say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome="drained", steps=steps, equal=equal, runs=runs,
+                refused=str(e))  # fmt: skip
+            return 0
         equal += torch_equal(out, reference_forward(batch["x"]))
         steps += 1
         members = members_of(total)

@@ -307,6 +307,7 @@ def test_the_heartbeat_endpoint_drops_10000_malformed_messages_and_keeps_answeri
     lost: list[int] = []
     port = get_open_port("127.0.0.1")
     server = HeartbeatServer("127.0.0.1", port, {1: [2, 3]}, 0.1, 5.0, lambda n, r, ip, why: lost.append(n))
+    server.start()
     peer = make_dealer(f"tcp://127.0.0.1:{port}")
     rng = random.Random(7)
     try:
