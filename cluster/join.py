@@ -175,7 +175,7 @@ def join(
             raise ForeignEntry(rank, where, f"says every rank came, but rank(s) {gone} have no entry")
     except JoinError:
         if not hosts:
-            _heard(store)
+            _heard(store, deadline)
         raise
     except Exception as e:  # noqa: BLE001 - the store went away: rank 0 gave up or died
         raise JoinError(
@@ -202,10 +202,16 @@ def _arrive(store, rank: int, me: str, world_size: int, deadline: float) -> None
         store.set(_ALL, b"1")
 
 
-def _heard(store) -> None:
-    """This rank has read what made it give up: rank 0 need not keep the store open for it any longer."""
+def _heard(store, deadline: float) -> None:
+    """This rank has read what made it give up: rank 0 need not keep the store open for it any longer. It then
+    waits (TELL_S at most) until every rank that came has read it too: a rank that left first would end its
+    node's other ranks, rank 0 among them on node 0 (its executor stops them at once), and the store with
+    them, before a rank elsewhere read why ("the rendezvous closed under this rank")."""
     try:
         store.add(_TOLD, 1)
+        until = min(time.monotonic() + TELL_S, deadline)
+        while int(store.add(_TOLD, 0)) < int(store.add("rayfree/arrivals", 0)) - 1 and time.monotonic() < until:
+            time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store is gone already: nobody waits for this
         pass
 

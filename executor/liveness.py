@@ -30,7 +30,7 @@ from rayfree.cluster.heartbeat import Bye, HeartbeatServer
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.cluster.heartbeat_messages import ReplicaDown
 from rayfree.cluster.join import shape_of
-from rayfree.supervisor import Failure
+from rayfree.supervisor import Failure, Severity
 from rayfree.transport import get_ip
 from rayfree.transport.net import bind_address
 
@@ -192,7 +192,8 @@ class NodeLiveness:
             if self.policy.record is None:  # (an interrupted call, an entry that raised, a failed start-up)
                 why = reason or why_of(failure)
                 cause = failure or ReplicaFailed(ex.dp_rank, why)
-                self.policy.apply(self.policy.failure(f"DP replica {ex.dp_rank}", cause, ex))
+                # (the node's failure whatever the cause's own weight: an interrupted call included)
+                self.policy.apply(Failure(f"DP replica {ex.dp_rank}", cause, Severity.FATAL, self.policy, ex))
             return
         with self._lock:
             self._stopped += 1
