@@ -202,7 +202,7 @@ def _arrive(store, rank: int, me: str, world_size: int, deadline: float) -> None
         store.set(_ALL, b"1")
 
 
-def _heard(store, deadline: float) -> None:
+def _heard(store, deadline: float = float("inf")) -> None:
     """This rank has read what made it give up: rank 0 need not keep the store open for it any longer. It then
     waits (TELL_S at most) until every rank that came has read it too: a rank that left first would end its
     node's other ranks, rank 0 among them on node 0 (its executor stops them at once), and the store with
