@@ -126,6 +126,8 @@ class Supervised:
             if self._domain is not None:  # (its domain hears of it: the policy fails what the thread watched for)
                 supervisor().post(Failure(f"thread {self.name}", ThreadCrashed(self.name, e), Severity.FATAL,
                                           self._domain))  # fmt: skip
+        finally:
+            self._domain = None  # (an ended thread's record keeps no domain, nor what the domain holds, alive)
 
     def alive(self) -> bool:
         return self.thread.is_alive()
