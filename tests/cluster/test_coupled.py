@@ -15,7 +15,7 @@ import pytest
 from rayfree.cluster.simulate import SimulatedCluster
 from tests.cluster.test_dp import start
 from tests.cluster.test_multinode import FAST, HB_TIMEOUT, SLACK, assert_nothing_left, needs_root
-from tests.support.nodes import Nodes
+from tests.support.nodes import NodeProc, Nodes
 
 pytestmark = needs_root
 
@@ -25,6 +25,13 @@ ENV = {
     "RAYFREE_WORKER": "tests.support.coupled_worker:CoupledToyWorker",
     "RAYFREE_ACROSS_REPLICAS_TIMEOUT_S": "5",
 }
+
+
+def restart(nodes: Nodes, k: int) -> NodeProc:
+    """Node k of the two-node coupled layout (DP=2 x TP=2, one replica a node), started again."""
+    return nodes.start(k, "leader", RAYFREE_NNODES="2", RAYFREE_DATA_PARALLEL_SIZE="2",
+                       RAYFREE_TENSOR_PARALLEL_SIZE="2", RAYFREE_PIPELINE_PARALLEL_SIZE="1", RAYFREE_ENTRY=ENTRY,
+                       **ENV)  # fmt: skip
 
 
 @pytest.mark.timeout(400)
@@ -39,9 +46,7 @@ def test_a_lost_replica_shrinks_the_groups_across_replicas_and_its_rejoin_grows_
         shrunk = procs[0].result("SHRUNK", 60)
         everyone = list(procs.values())
         t_back = time.monotonic()
-        procs[1] = nodes.start(1, "leader", RAYFREE_NNODES="2", RAYFREE_DATA_PARALLEL_SIZE="2",
-                               RAYFREE_TENSOR_PARALLEL_SIZE="2", RAYFREE_PIPELINE_PARALLEL_SIZE="1",
-                               RAYFREE_ENTRY=ENTRY, **ENV)  # fmt: skip
+        procs[1] = restart(nodes, 1)
         everyone.append(procs[1])
         r1 = procs[1].result("RESULT", 180)
         r0 = procs[0].result("RESULT", 120)

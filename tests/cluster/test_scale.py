@@ -11,6 +11,7 @@ import pytest
 from rayfree.cluster.simulate import SimulatedCluster
 from tests.cluster.test_coupled import ENTRY as COUPLED_ENTRY
 from tests.cluster.test_coupled import ENV as COUPLED_ENV
+from tests.cluster.test_coupled import restart as restart_coupled
 from tests.cluster.test_dp import start
 from tests.cluster.test_drain import rayfree
 from tests.cluster.test_multinode import FAST, assert_nothing_left, needs_root
@@ -81,9 +82,7 @@ def test_coupled_replicas_scale_in_and_out_by_command_while_they_step() -> None:
         status = rayfree(sim, nodes, 0, "status")
         wider = rayfree(sim, nodes, 0, "scale", "--dp", "2")
         everyone = list(procs.values())
-        procs[1] = nodes.start(1, "leader", RAYFREE_NNODES="2", RAYFREE_DATA_PARALLEL_SIZE="2",
-                               RAYFREE_TENSOR_PARALLEL_SIZE="2", RAYFREE_PIPELINE_PARALLEL_SIZE="1",
-                               RAYFREE_ENTRY=COUPLED_ENTRY, **COUPLED_ENV)  # fmt: skip
+        procs[1] = restart_coupled(nodes, 1)
         everyone.append(procs[1])
         back = procs[1].result("RESULT", 180)
         r0 = procs[0].result("RESULT", 120)

@@ -274,12 +274,10 @@ def coupled_three() -> NodeReplicas:
     return NodeReplicas(config, "tests.support.coupled_worker:CoupledToyWorker")
 
 
-@pytest.mark.timeout(180)
-def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_worker() -> None:
-    """One node, DP=3 x TP=1, coupled, each replica's leader stepping in a thread of its own: a worker of
-    replica 2 is killed. A survivor's step that met it raises ReplicasChanged (one between two steps meets
-    nothing), and their steps from then on run over replicas [0, 1], every output right, with the same
-    processes; replica 2's calls raise ReplicaLost. Across nodes, with a rejoin: tests/cluster/test_coupled.py."""
+def replica_2_goes(change) -> tuple[Lockstep, object, list, tuple, dict]:
+    """DP=3 x TP=1 coupled on one node, stepping in lockstep: after 5 steps each, `change(leaders)` makes replica
+    2 go; then the survivors step 10 times over [0, 1], with the same processes. The run, what `change` gave,
+    the survivors' hook calls, and replica 0's widths and replica states at the end."""
     reps = coupled_three()
     try:
         leaders = sorted(reps.leaders, key=lambda ex: ex.dp_rank)
@@ -287,35 +285,7 @@ def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_w
         run = Lockstep(leaders)
         try:
             run.until(lambda: all(len(run.seen[k]) >= 5 for k in range(3)))
-            os.kill(leaders[2].workers[0].proc.pid, signal.SIGKILL)
-            run.until(lambda: all(run.steps_over(k, [0, 1]) >= 10 for k in (0, 1)))
-            run.stop([0, 1])
-        finally:
-            run.abandon()
-        hooks = [ex.collective_rpc("hook_calls", timeout=30) for ex in leaders[:2]]
-        assert [[w.proc.pid for w in ex.workers] for ex in leaders[:2]] == pids
-    finally:
-        reps.shutdown()
-    assert run.ended == {2: "ReplicaLost"}, (run.ended, run.seen[2][-3:])
-    for k in (0, 1):
-        run.assert_shrunk(k, [0, 1, 2], [0, 1])
-    assert hooks == [[[[1, [0, 1]]]], [[[1, [0, 1]]]]], hooks  # each survivor's one rank ran the hook once
-
-
-@pytest.mark.timeout(180)
-def test_coupled_replicas_scale_in_from_the_engine_while_they_step() -> None:
-    """One node, DP=3 x TP=1, coupled, stepping in lockstep: replica 0's engine asks for width 2. Replica 2 drains
-    (its calls then raise ReplicaDrained, not a loss), the survivors' groups across replicas form over [0, 1]
-    (the worker's hook says so) and every step from then on is right, with the same processes; no replica fails.
-    Across nodes, with the width back: tests/cluster/test_scale.py."""
-    reps = coupled_three()
-    try:
-        leaders = sorted(reps.leaders, key=lambda ex: ex.dp_rank)
-        pids = [[w.proc.pid for w in ex.workers] for ex in leaders[:2]]
-        run = Lockstep(leaders)
-        try:
-            run.until(lambda: all(len(run.seen[k]) >= 5 for k in range(3)))
-            said = leaders[0].scale_replicas(2)
+            said = change(leaders)
             run.until(lambda: all(run.steps_over(k, [0, 1]) >= 10 for k in (0, 1)) and 2 in run.ended)
             run.stop([0, 1])
         finally:
@@ -326,11 +296,32 @@ def test_coupled_replicas_scale_in_from_the_engine_while_they_step() -> None:
         assert [[w.proc.pid for w in ex.workers] for ex in leaders[:2]] == pids
     finally:
         reps.shutdown()
-    assert said == "DP width 3 -> 2: replicas [2] drain, then their nodes exit 0", said
-    assert run.ended == {2: "ReplicaDrained"}, (run.ended, run.seen[2][-3:])
     for k in (0, 1):
         run.assert_shrunk(k, [0, 1, 2], [0, 1])
-    assert hooks == [[[[1, [0, 1]]]], [[[1, [0, 1]]]]], hooks
+    assert hooks == [[[[1, [0, 1]]]], [[[1, [0, 1]]]]], hooks  # each survivor's one rank ran the hook once
+    return run, said, hooks, widths, states
+
+
+@pytest.mark.timeout(180)
+def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_worker() -> None:
+    """One node, DP=3 x TP=1, coupled, each replica's leader stepping in a thread of its own: a worker of
+    replica 2 is killed. A survivor's step that met it raises ReplicasChanged (one between two steps meets
+    nothing), and their steps from then on run over replicas [0, 1], every output right, with the same
+    processes; replica 2's calls raise ReplicaLost. Across nodes, with a rejoin: tests/cluster/test_coupled.py."""
+    run, _, _, _, states = replica_2_goes(lambda leaders: os.kill(leaders[2].workers[0].proc.pid, signal.SIGKILL))
+    assert run.ended == {2: "ReplicaLost"}, (run.ended, run.seen[2][-3:])
+    assert states == {0: "serving", 1: "serving", 2: "lost"}, states
+
+
+@pytest.mark.timeout(180)
+def test_coupled_replicas_scale_in_from_the_engine_while_they_step() -> None:
+    """One node, DP=3 x TP=1, coupled, stepping in lockstep: replica 0's engine asks for width 2. Replica 2 drains
+    (its calls then raise ReplicaDrained, not a loss), the survivors' groups across replicas form over [0, 1]
+    (the worker's hook says so) and every step from then on is right, with the same processes; no replica fails.
+    Across nodes, with the width back: tests/cluster/test_scale.py."""
+    run, said, _, widths, states = replica_2_goes(lambda leaders: leaders[0].scale_replicas(2))
+    assert said == "DP width 3 -> 2: replicas [2] drain, then their nodes exit 0", said
+    assert run.ended == {2: "ReplicaDrained"}, (run.ended, run.seen[2][-3:])
     assert widths == (2, 2, 1) and states == {0: "serving", 1: "serving", 2: "drained"}, (widths, states)
 
 
