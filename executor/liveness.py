@@ -166,8 +166,9 @@ class NodeLiveness:
         return {}
 
     def fail_all(self, error: Exception) -> None:
-        """Report a failure of the whole node (any thread): its policy fails every executor with `error`."""
-        self.policy.report("this node", error)
+        """Report a failure of the whole node (any thread): its policy fails every executor with `error`, FATAL
+        whatever the error's own type weighs."""
+        self.policy.sup.post(Failure("this node", error, Severity.FATAL, self.policy))
 
     # -- what the policy tells it (the policy thread) -------------------------------------------------------
 
