@@ -39,6 +39,8 @@ logger = logging.getLogger("rayfree.cluster")
 
 #: the membership epoch and members the current groups were formed for (None: none formed)
 _AT: tuple[int, list[int]] | None = None
+#: what a GroupLeft from a replaced group tells the engine
+_FETCH = "call get_dp_group() / get_ep_group() where a step uses them, not once (their members change)"
 
 
 def _ranks(par: ParallelConfig, rank: int, members: list[int]) -> dict[str, list[int]]:
@@ -83,7 +85,7 @@ def regroup(par: ParallelConfig, rank: int, at: int, members: list[int], wait_s:
                 ps.known(dev, half, ps._DEVICE_BACKEND, name + "device", index)
         old = ps._GROUPS.pop(kind, None)  # (the replica world's own group of the kind, before the first regroup)
         if old is not None:
-            ps.release(old)
+            ps.release(old, f"rank {me}: this {kind} group was replaced at membership epoch {at}: {_FETCH}")
         ps._GROUPS[kind] = ps._make_group(kind, ranks, pg, rank=me)  # (global ranks, not the replica world's)
         ps._GROUPS[kind].device_group = dev
     _AT = (at, list(members))
@@ -101,10 +103,20 @@ def _meet(store: PrefixStore, size: int, wait_s: float, what: str) -> None:
 
 
 def drop() -> None:
-    """Release this rank's groups across replicas (their sockets close: peers waiting on them err at once)."""
+    """Release this rank's groups across replicas (their sockets close: peers waiting on them err at once).
+    They stay the groups `get_dp_group()` gives, left: a use raises GroupLeft, read as a lost peer, so a rank
+    whose collective failed while its replica's others' passed stays too at the next step's use, until the new
+    membership's groups replace them (executor/membership.py)."""
     global _AT
+    if _AT is None:
+        return
+    at, members = _AT
     for kind in ("dp", "ep"):
-        g = ps._GROUPS.pop(kind, None) if _AT is not None else None
+        g = ps._GROUPS.get(kind)
         if g is not None:
-            ps.release(g)
+            ps.release(
+                g,
+                f"this rank left the {kind} group across replicas {members} (membership epoch {at}) when a "
+                f"peer of it went away; it forms again over the replicas that serve before the next call",
+            )
     _AT = None

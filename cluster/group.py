@@ -20,7 +20,7 @@ from rayfree.transport.shm.segment import check_probe, create_probe, remove_prob
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Group", "GroupError", "FORCE_REMOTE_ENV"]
+__all__ = ["Group", "GroupError", "GroupLeft", "FORCE_REMOTE_ENV"]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -30,6 +30,12 @@ FORCE_REMOTE_ENV = "RAYFREE_FORCE_REMOTE"
 
 class GroupError(RuntimeError):
     """A group operation failed; the message says which rank and what to check."""
+
+
+class GroupLeft(GroupError):
+    """This rank no longer belongs to the group it used: a peer of it went away (coupled DP replicas: the groups
+    across replicas form again before the engine's next call), or the group was replaced or destroyed. Its
+    handles raise this rather than give None, which torch would read as the default group: a silent wrong sum."""
 
 
 class _Probe(msgspec.Struct, frozen=True):
@@ -66,10 +72,9 @@ class Group:
         self.rank = rank
         self.rank_in_group = self.ranks.index(rank)
         self.world_size = len(self.ranks)
-        self.cpu_group = cpu_group
-        #: the process group for tensors on this rank's device: `cpu_group` itself on CPU; NCCL's (or the
-        #: `device_backend`'s) group of the same ranks when parallel_state built the pair
-        self.device_group = cpu_group
+        self._cpu = self._dev = cpu_group
+        #: why this rank left the group (`leave`): its handles raise GroupLeft from then on
+        self.left: str | None = None
         self.advertise_ip = advertise_ip
         if force_remote is None:
             force_remote = settings.get(FORCE_REMOTE_ENV)
@@ -78,7 +83,39 @@ class Group:
         self._queues: list[MessageQueue] = []
 
     def __repr__(self) -> str:
-        return f"<Group {self.name} ranks={self.ranks} me={self.rank_in_group}>"
+        return f"<Group {self.name} ranks={self.ranks} me={self.rank_in_group}{' left' if self.left else ''}>"
+
+    @property
+    def cpu_group(self) -> Any:
+        """The gloo process group of these ranks (the control plane's bytes)."""
+        if self.left is not None:
+            raise GroupLeft(self.left)
+        return self._cpu
+
+    @cpu_group.setter
+    def cpu_group(self, pg: Any) -> None:
+        self._cpu = pg
+
+    @property
+    def device_group(self) -> Any:
+        """The process group for tensors on this rank's device: `cpu_group` itself on CPU; NCCL's (or the
+        `device_backend`'s) group of the same ranks when parallel_state built the pair."""
+        if self.left is not None:
+            raise GroupLeft(self.left)
+        return self._dev
+
+    @device_group.setter
+    def device_group(self, pg: Any) -> None:
+        self._dev = pg
+
+    def halves(self) -> tuple[Any, Any]:
+        """Both process groups, left or not (their owner releases them)."""
+        return self._cpu, self._dev
+
+    def leave(self, why: str) -> None:
+        """From now on this group's handles raise GroupLeft(`why`) (the first reason given stays)."""
+        if self.left is None:
+            self.left = why
 
     # -- byte collectives --------------------------------------------------------
 
@@ -273,7 +310,7 @@ class Group:
             except Exception as e:  # noqa: BLE001 - keep releasing the rest
                 logger.warning("closing %r: %s", mq, e)
         self._queues.clear()
-        pg, self.cpu_group = self.cpu_group, None
+        pg, self._cpu = self._cpu, None
         if pg is not None and pg is not dist.group.WORLD and dist.is_initialized():
             try:
                 dist.destroy_process_group(pg)

@@ -290,15 +290,18 @@ def solo_pair(name: str) -> tuple[Any, Any]:
     return pg, dev
 
 
-def release(g: Group) -> None:
+def release(g: Group, why: str) -> None:
     """Release the halves of `g` that were made outside torch's world (one-rank groups, the groups across
-    replicas): `forget`, not destroy_process_group, which knows nothing of them."""
-    own = [pg for pg in _OWN if pg is g.cpu_group or pg is g.device_group]
+    replicas): `forget`, not destroy_process_group, which knows nothing of them. A handle to `g` that someone
+    kept raises GroupLeft(`why`) from then on."""
+    halves = g.halves()
+    own = [pg for pg in _OWN if any(pg is h for h in halves)]
     _OWN[:] = [pg for pg in _OWN if all(pg is not o for o in own)]
     for pg in own:
         forget(pg)
     if own:
         g.cpu_group = g.device_group = None
+    g.leave(why)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -355,7 +358,7 @@ def destroy_model_parallel() -> None:
     groups = list(_GROUPS.values())
     _GROUPS.clear()
     for g in groups:
-        release(g)
+        release(g, f"the {g.name} group was destroyed (destroy_model_parallel)")
         g.destroy()
 
 

@@ -30,6 +30,7 @@ GONE_TYPES = frozenset(
         "BrokenPipeError",
         "DistNetworkError",
         "QueueBroken",
+        "GroupLeft",
     }
 )
 #: ... and when a wait for a peer ran out

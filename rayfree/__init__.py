@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover - the list of public names
         ParallelConfig as ParallelConfig,
     )
     from rayfree.cluster.group import Group as Group
+    from rayfree.cluster.group import GroupLeft as GroupLeft
     from rayfree.cluster.parallel_state import (
         get_dcp_group as get_dcp_group,
     )

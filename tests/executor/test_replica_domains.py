@@ -198,15 +198,17 @@ class Lockstep:
     """Coupled replicas' leaders stepping the toy, each in a thread of its own (its all-reduce across replicas
     keeps them in step), every step checked: its output against the model in one process, the replicas its sum
     across replicas names. A step that meets a change of the members raises ReplicasChanged and runs again;
-    `stop` ends every survivor at one agreed step (one that stopped on a flag between two steps while another
-    had begun its next would leave that one alone in the collective)."""
+    `stop` ends every survivor at one agreed step over the final members (one that stopped on a flag between two
+    steps while another had begun its next would leave that one alone in the collective). Steps are counted per
+    member set, not in all: a collective that a lost member left can finish on one survivor and fail on another,
+    so their step numbers may differ by one while their steps over the new group pair one to one."""
 
     def __init__(self, leaders: list) -> None:
         self.leaders = leaders
         self.seen: dict[int, list] = {ex.dp_rank: [] for ex in leaders}
         self.ended: dict[int, str] = {}
         self.done = {ex.dp_rank: 0 for ex in leaders}  # steps each replica finished
-        self.stop_at: list[int] = []
+        self.stop_at: list[tuple[list[int], int]] = []  # (members, steps over them): where every survivor ends
         self.progress = threading.Condition()
         self.threads = [threading.Thread(target=self._steps, args=(ex,)) for ex in leaders]
         for t in self.threads:
@@ -219,7 +221,7 @@ class Lockstep:
 
         k, step = ex.dp_rank, 0
         try:
-            while not self.stop_at or step < self.stop_at[0]:
+            while not self._reached(k):
                 batch = coupled_batch(step, k)
                 try:
                     out = ex.execute_model(batch)
@@ -237,6 +239,13 @@ class Lockstep:
             with self.progress:
                 self.progress.notify_all()
 
+    def _reached(self, k: int) -> bool:
+        with self.progress:
+            if not self.stop_at:
+                return False
+            members, n = self.stop_at[0]
+            return self.steps_over(k, members) >= n
+
     def until(self, what) -> None:
         with self.progress:
             assert self.progress.wait_for(what, 60), self.seen
@@ -245,16 +254,18 @@ class Lockstep:
         return sum(s[0] == members for s in self.seen[k])
 
     def stop(self, survivors: list[int]) -> None:
-        with self.progress:
-            self.stop_at.append(max(self.done[k] for k in survivors) + 2)  # (past the step any may be in now)
+        with self.progress:  # (past the step any may be in now)
+            self.stop_at.append((survivors, max(self.steps_over(k, survivors) for k in survivors) + 2))
         for t in self.threads:
             t.join(60)
             assert not t.is_alive(), self.seen
-        assert {self.done[k] for k in survivors} == {self.stop_at[0]}, (self.done, self.stop_at)
+        over = {k: self.steps_over(k, survivors) for k in survivors}
+        assert set(over.values()) == {self.stop_at[0][1]}, (over, self.done, self.stop_at)
 
     def abandon(self) -> None:
-        if not self.stop_at:
-            self.stop_at.append(0)
+        with self.progress:
+            if not self.stop_at:
+                self.stop_at.append(([], 0))
 
     def assert_shrunk(self, k: int, before: list[int], after: list[int]) -> None:
         """Replica k's steps: over `before`, then (a step that met the change: again) over `after`, all right."""
@@ -266,25 +277,33 @@ class Lockstep:
         assert all(s[1] == 1 for s in self.seen[k] if s[0] == before), self.seen[k]
 
 
-def coupled_three() -> NodeReplicas:
+def coupled_three(tp: int = 1) -> NodeReplicas:
     par = ParallelConfig(
-        tensor_parallel_size=1, data_parallel_size=3, master_port=get_open_port("127.0.0.1"), replica_coupling="coupled"
+        tensor_parallel_size=tp,
+        data_parallel_size=3,
+        master_port=get_open_port("127.0.0.1"),
+        replica_coupling="coupled",
     )
     config = ClusterConfig(parallel=par, ready_timeout_s=120, shutdown_grace_s=1, shutdown_term_s=1)
     return NodeReplicas(config, "tests.support.coupled_worker:CoupledToyWorker")
 
 
-def replica_2_goes(change) -> tuple[Lockstep, object, list, tuple, dict]:
-    """DP=3 x TP=1 coupled on one node, stepping in lockstep: after 5 steps each, `change(leaders)` makes replica
-    2 go; then the survivors step 10 times over [0, 1], with the same processes. The run, what `change` gave,
-    the survivors' hook calls, and replica 0's widths and replica states at the end."""
-    reps = coupled_three()
+def replica_2_goes(change, tp: int = 1, first=None) -> tuple[Lockstep, object, list, tuple, dict]:
+    """DP=3 x TP=`tp` coupled on one node, stepping in lockstep: after 5 steps each (and, with `first`, after
+    `first(leaders)` and 3 more steps each), `change(leaders)` makes replica 2 go; then the survivors step 10
+    times over [0, 1], with the same processes. The run, what `change` gave, the survivors' hook calls, and
+    replica 0's widths and replica states at the end."""
+    reps = coupled_three(tp)
     try:
         leaders = sorted(reps.leaders, key=lambda ex: ex.dp_rank)
         pids = [[w.proc.pid for w in ex.workers] for ex in leaders[:2]]
         run = Lockstep(leaders)
         try:
             run.until(lambda: all(len(run.seen[k]) >= 5 for k in range(3)))
+            if first is not None:
+                first(leaders)
+                at = {k: len(run.seen[k]) for k in range(3)}
+                run.until(lambda: all(len(run.seen[k]) >= at[k] + 3 for k in range(3)))
             said = change(leaders)
             run.until(lambda: all(run.steps_over(k, [0, 1]) >= 10 for k in (0, 1)) and 2 in run.ended)
             run.stop([0, 1])
@@ -298,7 +317,7 @@ def replica_2_goes(change) -> tuple[Lockstep, object, list, tuple, dict]:
         reps.shutdown()
     for k in (0, 1):
         run.assert_shrunk(k, [0, 1, 2], [0, 1])
-    assert hooks == [[[[1, [0, 1]]]], [[[1, [0, 1]]]]], hooks  # each survivor's one rank ran the hook once
+    assert hooks == [[[[1, [0, 1]]]] * tp] * 2, hooks  # each survivor's every rank ran the hook once
     return run, said, hooks, widths, states
 
 
@@ -308,9 +327,13 @@ def test_coupled_replicas_shrink_their_groups_across_replicas_when_one_loses_a_w
     replica 2 is killed. A survivor's step that met it raises ReplicasChanged (one between two steps meets
     nothing), and their steps from then on run over replicas [0, 1], every output right, with the same
     processes; replica 2's calls raise ReplicaLost. Across nodes, with a rejoin: tests/cluster/test_coupled.py."""
-    run, _, _, _, states = replica_2_goes(lambda leaders: os.kill(leaders[2].workers[0].proc.pid, signal.SIGKILL))
+    run, _, _, _, states = replica_2_goes(kill_replica_2)
     assert run.ended == {2: "ReplicaLost"}, (run.ended, run.seen[2][-3:])
     assert states == {0: "serving", 1: "serving", 2: "lost"}, states
+
+
+def kill_replica_2(leaders: list) -> None:
+    os.kill(leaders[2].workers[0].proc.pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(180)
@@ -350,3 +373,28 @@ def test_the_engine_scales_in_from_node_0_and_reads_the_widths() -> None:
         assert samples[("rayfree_dp_width", (("kind", "serving"), ("node", "0")))] == 1, samples
     finally:
         reps.shutdown()
+
+
+def leave_if_rank_1(worker) -> bool:
+    """What a rank does when its collective across replicas failed while its TP peer's passed: leave its groups."""
+    from rayfree.cluster.across_replicas import drop
+
+    if worker.rank == 1:
+        drop()
+    return worker.rank == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_whose_collective_across_replicas_failed_alone_stays_and_its_replica_serves_on() -> None:
+    """DP=3 x TP=2 coupled on one node, in lockstep: replica 1's rank 1 leaves its groups across replicas as it
+    does when its collective across replicas failed while its TP peer's passed (a replica lost between the two).
+    Its next steps meet GroupLeft there, read as a lost peer: the rank stays, replica 1 is not lost, and once
+    replica 2 is lost the survivors step over [0, 1], every output right, with the same processes. (A left group
+    that handed torch None, or no group at all, made that rank's next step replica 1's failure with replica 2's.)"""
+
+    def leave(leaders: list) -> None:
+        assert leaders[1].collective_rpc(leave_if_rank_1, timeout=30) == [False, True]
+
+    run, _, _, _, states = replica_2_goes(kill_replica_2, tp=2, first=leave)
+    assert run.ended == {2: "ReplicaLost"}, (run.ended, run.seen)
+    assert states == {0: "serving", 1: "serving", 2: "lost"}, states
