@@ -38,7 +38,7 @@ from rayfree.transport.zmq.control import ControlSocket
 from . import heartbeat_messages as msgs
 from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
 from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
-from .heartbeat_peer import FollowerPeer, process_of
+from .heartbeat_peer import FollowerPeer, log_waiting, process_of
 
 __all__ = ["Beat", "Bye", "Verdict", "HeartbeatServer"]
 
@@ -47,10 +47,6 @@ logger = logging.getLogger("rayfree.cluster")
 
 #: how often node 0 says which followers it still waits for at start-up
 JOIN_LOG_S = 5.0
-
-
-def _span(ranks: list[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)
 
 
 #: how often node 0 judges the cluster's readiness for its followers: while it is not ready (start-up, trouble),
@@ -137,7 +133,7 @@ class HeartbeatServer(Beater):
                     self._find_dropped(sock, self.suspect_at)  # (ZeroMQ drops the peer's pipe a little later)
                 self._check()
                 if self.armed_at is None and time.monotonic() >= next_log:
-                    self._log_waiting(time.monotonic() - started)
+                    log_waiting(self.peers, time.monotonic() - started, self.join_timeout)
                     next_log = time.monotonic() + JOIN_LOG_S
                 self._push_verdict(sock)
                 self._send_told(sock)
@@ -165,7 +161,11 @@ class HeartbeatServer(Beater):
             self._dropped(f"a {type(msg).__name__} sent to node 0 (only node 0 sends them)")
             return
         peer = self.peers.get(msg.node_rank)
-        if peer is None:
+        if peer is None and isinstance(msg, Beat) and msg.shape and self.armed_at and self.admit is not None:
+            peer = self._newcomer(sock, identity, msg)
+            if peer is None:
+                return
+        elif peer is None:
             self._dropped(
                 f"a message from node {msg.node_rank}, which is not a follower of this leader "
                 f"(followers: {sorted(self.peers)})"
@@ -207,6 +207,22 @@ class HeartbeatServer(Beater):
             peer.status = msg.status
         # False: its queue is full: it is not reading, and its own timeout will tell it
         sock.try_send([identity, _encode(Beat(0, [], "", me, seq))])
+
+    def _newcomer(self, sock: ControlSocket, identity: bytes, msg: Beat) -> FollowerPeer | None:
+        """A node past those the cluster started with beats (a scale-out's new replica): admitted as a lost
+        node's replacement is, in its replica's epoch, or told why not (and forgotten)."""
+        peer = FollowerPeer(msg.node_rank, list(msg.ranks))
+        peer.gone = True
+        self.peers[msg.node_rank] = peer  # (other threads copy the dict before they read it)
+        epoch = self._admitted(peer, msg)
+        if epoch is None or isinstance(epoch, str):
+            del self.peers[msg.node_rank]
+            if epoch is not None:
+                sock.try_send([identity, _encode(msgs.Refused(epoch))])
+            return None
+        peer.reincarnate(msg, epoch)
+        self._look_at = 0.0
+        return peer
 
     def _admitted(self, peer: FollowerPeer, msg: Beat | Bye) -> int | str | None:
         """A lost node beats again: from another process, a replacement node 0 may admit (epoch) or refuse (why)."""
@@ -273,18 +289,6 @@ class HeartbeatServer(Beater):
                 logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, why)
                 self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
         self._look_at = look_at
-
-    def _log_waiting(self, waited: float) -> None:
-        """While followers are missing at start-up: which, for how long, out of how long."""
-        missing = [p for p in self.peers.values() if p.last_seen is None and not p.gone]
-        if not missing:
-            return
-        total = len(self.peers) + 1
-        bound = f" of {self.join_timeout:.0f}s (join_timeout_s)" if self.join_timeout else ""
-        for p in missing:
-            logger.info("node 0: waiting for node %d of %d (ranks %s) for %.0fs%s; a node still starting (pulling "
-                        "its image, say) is fine until then", p.node_rank, total, _span(p.ranks), waited,
-                        bound)  # fmt: skip
 
     def _push_verdict(self, sock: ControlSocket) -> None:
         """Every VERDICT_S, each follower's readiness; sent to it when it changed."""

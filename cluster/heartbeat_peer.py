@@ -3,9 +3,13 @@ again is another process, even where its pid is the same)."""
 
 from __future__ import annotations
 
+import logging
+
 from .heartbeat_messages import Beat
 
-__all__ = ["FollowerPeer", "process_of"]
+__all__ = ["FollowerPeer", "process_of", "log_waiting"]
+
+logger = logging.getLogger("rayfree.cluster")
 
 
 class FollowerPeer:
@@ -46,3 +50,18 @@ class FollowerPeer:
 
 def process_of(beat: Beat) -> tuple[int, int]:
     return beat.pid, beat.incarnation
+
+
+def log_waiting(peers: dict[int, FollowerPeer], waited: float, join_timeout: float | None) -> None:
+    """Node 0, while followers are missing at start-up: which, for how long, out of how long."""
+    missing = [p for p in peers.values() if p.last_seen is None and not p.gone]
+    total = len(peers) + 1
+    bound = f" of {join_timeout:.0f}s (join_timeout_s)" if join_timeout else ""
+    for p in missing:
+        logger.info("node 0: waiting for node %d of %d (ranks %s) for %.0fs%s; a node still starting (pulling "
+                    "its image, say) is fine until then", p.node_rank, total, _span(p.ranks), waited,
+                    bound)  # fmt: skip
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)

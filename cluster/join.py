@@ -33,7 +33,7 @@ from .config import ParallelConfig
 from .group import GroupError
 from .peers import RENDEZVOUS_GONE
 
-__all__ = ["JoinError", "ForeignEntry", "join", "shape_of", "coupling_of"]
+__all__ = ["JoinError", "ForeignEntry", "join", "shape_of", "coupling_of", "widens"]
 
 _SCAN_S = 0.5
 #: how often a rank that came before rank 0 tries the store's port (a refused connect costs microseconds)
@@ -77,6 +77,18 @@ def shape_of(par: ParallelConfig) -> str:
         f"tp={par.tensor_parallel_size} pp={par.pipeline_parallel_size} pcp={par.prefill_context_parallel_size} "
         f"dp={par.data_parallel_size} nnodes={par.nnodes}{replicas}"
     )
+
+
+def widens(shape: str, ours: str) -> bool:
+    """Is `shape` (shape_of's words) the cluster `ours` with more DP replicas, laid out the same way: the same
+    sizes within a replica and coupling, as many nodes to a replica (or replicas to a node)? A scale-out's new
+    nodes are started so: the cluster's command with --dp and --nnodes raised to the new width."""
+    a, b = (dict(w.split("=", 1) for w in s.split() if "=" in w) for s in (shape, ours))
+    try:
+        (dp_a, n_a), (dp_b, n_b) = ((int(w.pop("dp")), int(w.pop("nnodes"))) for w in (a, b))
+    except (KeyError, ValueError):
+        return False
+    return dp_a > dp_b > 1 and a == b and (n_a // dp_a, dp_a // n_a) == (n_b // dp_b, dp_b // n_b)
 
 
 def _wait_for_port(host: str, port: int, deadline: float) -> bool:

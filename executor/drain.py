@@ -46,12 +46,14 @@ def request(lv: Any, k: int) -> str:
 
 def scale(lv: Any, width: int) -> str:
     """Node 0 (any thread): `rayfree scale --dp width`. The highest replicas drain, or replicas drained or lost
-    below `width` may rejoin (their nodes started again with the same command). Past the replicas the cluster
-    was laid out for (--dp), nodes would be needed that the heartbeats and the worlds were not sized for."""
+    below `width` may rejoin (their nodes started again with the same command), and replicas past those the
+    cluster had come on new nodes (the cluster's command, --dp and --nnodes raised to the width). A cluster on
+    one node has no heartbeat endpoint for new nodes."""
     dp = lv.par.data_parallel_size
-    if width > dp >= 1 and not lv.par.one_world:
-        return (f"refused: this cluster was laid out for {dp} DP replica(s) (--dp {dp}); it scales between 1 and "
-                f"{dp}: start it with a larger --dp for more")  # fmt: skip
+    if width > dp >= 1 and lv.par.nnodes == 1 and not lv.par.one_world:
+        return (f"refused: this cluster was laid out for {dp} DP replica(s) on one node, which new nodes cannot "
+                f"join (it has no heartbeat endpoint); it scales between 1 and {dp}: start it with --nnodes 2 or "
+                f"more to add nodes later")  # fmt: skip
     return str(lv.replica_epochs.send(Scale(width, time.monotonic(), lv.config.join_timeout_s))[-1].text)
 
 

@@ -140,7 +140,7 @@ def replica_verdicts(lv: NodeLiveness) -> dict[int, str]:
         if st.state != "serving":
             out[k] = f"DP replica {k} is {st.state}" + (f" ({st.why})" if st.why else "")
             continue
-        others = set(range(par.nnodes)) - set(par.nodes_of_replica(k)) | gone
+        others = set(lv.nodes()) - set(par.nodes_of_replica(k)) | gone
         why = _workers(lv, only=k) or _stalled(lv, only=k)
         if not why and lv.beater is not None:
             why = followers_verdict(lv.beater, skip=others)
@@ -160,7 +160,7 @@ def _enough(per: dict[int, str]) -> str:
 def verdicts(lv: NodeLiveness) -> dict[int, str]:
     """Node 0: what each follower's /readyz says, by node: the cluster's readiness, or with independent DP
     replicas that of the follower's own replicas."""
-    nodes = range(1, lv.par.nnodes)
+    nodes = lv.nodes()[1:]
     if not lv.independent:
         return dict.fromkeys(nodes, ready(lv))
     base = _node_state(lv)

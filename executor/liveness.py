@@ -152,10 +152,14 @@ class NodeLiveness:
         if arm and self.beater is not None:
             self.beater.arm()
 
+    def nodes(self) -> list[int]:
+        """The cluster's nodes as this node knows them (node 0's: also those a scale-out past --dp added)."""
+        return list(range(self.par.nnodes))
+
     def lost_nodes(self) -> set[int]:
         """The nodes whose every replica is lost: no longer part of the cluster's readiness."""
         lost = self.policy.lost
-        return {k for k in range(self.par.nnodes) if lost and all(r in lost for r in self.par.replicas_of_node(k))}
+        return {k for k in self.nodes() if lost and all(r in lost for r in self.par.replicas_of_node(k))}
 
     def scale(self, width: int) -> str:
         """Node 0: ask for `width` DP replicas (drain.py's `scale`): one line."""
@@ -287,6 +291,9 @@ class LeaderLiveness(NodeLiveness):
             cfg.join_timeout_s,
         )
 
+    def nodes(self) -> list[int]:
+        return [0, *sorted(self.beater.peers)] if self.beater is not None else [0]
+
     def _node_lost(self, node: int, ranks: list[int], ip: str, why: str) -> None:
         replicas = self.par.replicas_of_node(node) if self.par.data_parallel_size > 1 else None
         self.policy.report("the heartbeats", NodeLost(node, ranks, ip, why, replicas))
@@ -298,7 +305,7 @@ class LeaderLiveness(NodeLiveness):
         """Wait for every other replica leader's `done` (or a failure), then the cluster may stop."""
         if self.beater is None:
             return self.failure is None
-        leaders = [k for k in range(1, self.par.nnodes) if self.par.leads(k)]
+        leaders = [k for k in self.nodes()[1:] if self.par.leads(k)]
         if leaders:
             logger.info(
                 "node 0: this node's replicas are done; waiting for the replica leader(s) on node(s) %s", leaders

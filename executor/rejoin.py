@@ -82,12 +82,12 @@ class ReplicaEpochs:
             assert err is not None
             # the lost replica's other nodes stop it, the others know whom not to route to (those gone are
             # skipped); or the nodes named: a rejoin given up
-            to = list(d.nodes) or [k for k in range(1, par.nnodes) if k != err.node_rank]
+            to = list(d.nodes) or [k for k in self.lv.nodes()[1:] if k != err.node_rank]
             beater.tell(to, ReplicaDown(err.dp_rank, err.node_rank, err.ranks, err.why[:300]))
         elif d.kind == "tell_up":
-            beater.tell(list(range(1, par.nnodes)), ReplicaUp(d.dp_rank, d.epoch))
+            beater.tell(self.lv.nodes()[1:], ReplicaUp(d.dp_rank, d.epoch))
         elif d.kind == "tell_drain":
-            beater.tell(list(range(1, par.nnodes)), DrainReplica(d.dp_rank))
+            beater.tell(self.lv.nodes()[1:], DrainReplica(d.dp_rank))
 
     def _on_policy(self, decisions: list[Decision]) -> None:
         sup = self.lv.policy.sup
@@ -104,7 +104,7 @@ class ReplicaEpochs:
                 drain.begin(self.lv, d.dp_rank)
             elif d.kind == "regroup":
                 if self.lv.node == 0 and self.lv.beater is not None and self.lv.par.nnodes > 1:
-                    self.lv.beater.tell(list(range(1, self.lv.par.nnodes)), Regroup(d.epoch, list(d.members)))
+                    self.lv.beater.tell(self.lv.nodes()[1:], Regroup(d.epoch, list(d.members)))
                 membership.adopt(self.lv, d.epoch, list(d.members))
 
     # -- views (status, metrics, the probes, the engine's replica_states()) ---------------------------------------

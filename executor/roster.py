@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from rayfree.cluster.join import widens
+
 from .abstract import ReplicaState
 from .errors import ReplicaDrained, ReplicaLost
 from .roster_events import (
@@ -86,6 +88,7 @@ class Roster:
         self.members: tuple[int, ...] = tuple(range(dp))
         self._refused: set[int] = set()  # the processes refused (said once)
         self._width_before: int | None = None  # (a scale-out's width to go back to if it is given up)
+        self._spent: dict[int, int] = {}  # a new replica given up: the epoch it had
 
     # -- views (any thread may read them; only `handle` writes) --------------------------------------------------
 
@@ -171,9 +174,10 @@ class Roster:
         node, pid, lay = ev.node, ev.pid, self.layout
         replicas = lay.replicas_of_node(node)
         why = ""
-        if ev.shape and ev.shape != ev.ours:
+        if ev.shape and ev.shape != ev.ours and not widens(ev.shape, ev.ours):
             why = (f"node {node}'s replacement (pid {pid}) was started as {ev.shape!r} but the cluster is "
-                   f"{ev.ours!r}: start it with the cluster's own sizes and --replica-coupling")  # fmt: skip
+                   f"{ev.ours!r}: start it with the cluster's own sizes and --replica-coupling (for a wider DP "
+                   f"width, only --dp and --nnodes raised)")  # fmt: skip
         elif replicas and max(replicas) >= self.requested:
             why = (f"node {node} (pid {pid}) runs DP replica(s) {replicas}, past the requested width "
                    f"{self.requested}: ask for them first (`rayfree scale --dp {max(replicas) + 1}`)")  # fmt: skip
@@ -200,8 +204,10 @@ class Roster:
                 if r.phase != "starting":
                     r.phase = "rejoining"
             r.admitted.add(node)
-            out.append(Decision("say", k, epoch=1, text=f"node {node}'s replacement (pid {pid}) is admitted: DP "
-                                                         f"replica {k} rejoins in epoch {r.epoch}"))  # fmt: skip
+            text = f"node {node} (pid {pid}) is admitted: the scale-out's new DP replica {k} starts in epoch " \
+                   f"{r.epoch}" if r.phase == "starting" else f"node {node}'s replacement (pid {pid}) is admitted: " \
+                   f"DP replica {k} rejoins in epoch {r.epoch}"  # fmt: skip
+            out.append(Decision("say", k, epoch=1, text=text))
         out.append(Decision("admit", max(replicas), epoch=max(self._r[k].epoch for k in replicas)))
         return out
 
@@ -313,8 +319,8 @@ class Roster:
                    f"nodes exit 0"  # fmt: skip
         else:
             self._width_before = was
-            for k in range(n):
-                r = self._r.setdefault(k, _Replica("starting"))
+            for k in range(n):  # (a replica past those the cluster had starts in epoch 1: it had no first start)
+                r = self._r.setdefault(k, _Replica("starting", epoch=self._spent.get(k, 0) + 1))
                 if r.phase in ("starting", "lost", "drained"):
                     r.deadline = ev.now + ev.wait_s
             want = [k for k in range(was, n)]
@@ -334,6 +340,7 @@ class Roster:
         r.admitted, r.deadline = set(), None
         if r.phase == "starting":
             del self._r[k]
+            self._spent[k] = r.epoch  # (its next try starts past it: a node told to leave may still meet)
         else:
             r.phase = "drained" if isinstance(r.cause, ReplicaDrained) else "lost"
         return out

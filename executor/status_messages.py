@@ -254,7 +254,7 @@ def cluster_status(lv: Any) -> ClusterStatus:
     states = lv.replica_epochs.states()
     roster = lv.replica_epochs.roster
     return ClusterStatus(
-        nnodes=par.nnodes,
+        nnodes=len(lv.nodes()),  # (with the nodes a scale-out past --dp added)
         world_size=par.world_size,
         data_parallel_size=par.data_parallel_size,
         shape=shape_of(par),

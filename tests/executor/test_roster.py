@@ -256,15 +256,54 @@ def test_a_replacement_that_failed_is_replaced_again_in_a_new_epoch_and_its_part
     assert again[-1] == R.Decision("admit", 1, epoch=2)
 
 
+OURS = "tp=2 pp=1 pcp=1 dp=3 nnodes=3 replicas=independent"
+
+
 def test_scale_out_admits_the_new_replicas_nodes_and_serves_at_the_wider_width() -> None:
+    """Past the replicas the cluster started with: the new node is started with --dp and --nnodes raised (its
+    shape widens the cluster's), and its replica, which had no first start, starts in epoch 1."""
     r = make(0)
     answer = r.handle(R.Scale(4, 0.0, 30.0))
     assert "start node(s) [3]" in answer[-1].text and r.requested == 4 and r.effective == 3
-    assert r.handle(R.Admit(3, 77, "s", "s"))[-1] == R.Decision("admit", 3, epoch=0)
+    other = r.handle(R.Admit(3, 76, OURS.replace("dp=3 nnodes=3", "dp=4 nnodes=2"), OURS))  # (2 replicas a node)
+    assert kinds(other) == ["say", "refuse"] and "for a wider DP width, only --dp and --nnodes" in other[-1].text
+    assert r.handle(R.Admit(3, 77, OURS.replace("dp=3 nnodes=3", "dp=4 nnodes=4"), OURS))[-1] == R.Decision(
+        "admit", 3, epoch=1
+    )
     served = r.handle(R.Ready(frozenset(range(4)), now=5.0))
-    assert R.Decision("tell_up", 3, epoch=0) in served
+    assert R.Decision("tell_up", 3, epoch=1) in served
     assert r.effective == 4 and r.counts(3) == (0, 0)  # a new replica: no loss, no rejoin
     assert r.handle(R.Tick(1e9)) == []  # met: nothing to give up
+
+
+def test_a_new_replica_given_up_and_asked_for_again_starts_in_a_later_epoch() -> None:
+    r = make(0)
+    r.handle(R.Scale(4, 0.0, 30.0))
+    assert r.handle(R.Admit(3, 77, "s", "s"))[-1] == R.Decision("admit", 3, epoch=1)
+    gave_up = r.handle(R.Tick(30.0))  # (its node never reported ready)
+    assert [d.nodes for d in gave_up if d.kind == "tell_down"] == [(3,)] and r.phase(3) == "absent"
+    r.handle(R.Scale(4, 40.0, 30.0))
+    assert r.handle(R.Admit(3, 78, "s", "s"))[-1] == R.Decision("admit", 3, epoch=2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "widens"),
+    [
+        ("tp=2 pp=1 pcp=1 dp=4 nnodes=4 replicas=independent", True),
+        ("tp=2 pp=1 pcp=1 dp=6 nnodes=6 replicas=independent", True),
+        ("tp=2 pp=1 pcp=1 dp=3 nnodes=3 replicas=independent", False),  # (the same: no wider)
+        ("tp=2 pp=1 pcp=1 dp=2 nnodes=2 replicas=independent", False),
+        ("tp=4 pp=1 pcp=1 dp=4 nnodes=4 replicas=independent", False),
+        ("tp=2 pp=1 pcp=1 dp=4 nnodes=4 replicas=coupled", False),
+        ("tp=2 pp=1 pcp=1 dp=4 nnodes=8 replicas=independent", False),
+        ("tp=2 pp=1 pcp=1 dp=4 nnodes=4", False),
+        ("garbled", False),
+    ],
+)
+def test_a_wider_shape_differs_only_in_the_replicas_it_has(shape: str, widens: bool) -> None:
+    from rayfree.cluster.join import widens as widens_of
+
+    assert widens_of(shape, OURS) is widens
 
 
 def test_a_scale_out_whose_nodes_do_not_come_is_given_up_and_the_width_is_as_it_was() -> None:
@@ -357,8 +396,8 @@ FAULTS: list[Callable[[], R.Event]] = [
 
 def test_every_order_of_a_set_of_faults_keeps_the_roster_consistent() -> None:
     """720 orders of a loss, its replacement, readiness, a scale-out, a drain and time passing: no order raises,
-    the members are always the serving replicas (coupled: a draining one has left the groups), epochs never go
-    back, the width stays >= 1."""
+    the members are always the serving replicas (coupled: a draining one has left the groups), no replica's epoch
+    goes back, the width stays >= 1."""
     endings = set()
     for order in itertools.permutations(range(len(FAULTS))):
         r = make(0, coupling="coupled")
@@ -366,7 +405,8 @@ def test_every_order_of_a_set_of_faults_keeps_the_roster_consistent() -> None:
         for i in order:
             r.handle(FAULTS[i]())
             assert r.members == tuple(k for k in r.replicas() if r.phase(k) == "serving"), order  # (coupled)
-            assert r.epoch >= epoch and all(r.epochs().get(k, 0) >= e for k, e in epochs.items()), order
+            now = r.epochs()  # (a new replica given up is absent: its next try starts past it, a test above)
+            assert r.epoch >= epoch and all(now[k] >= e for k, e in epochs.items() if k in now), order
             assert 1 <= r.effective <= len(r.replicas()) and r.requested >= 1, order
             epochs, epoch = r.epochs(), r.epoch
         endings.add(tuple(r.phase(k) for k in range(4)))

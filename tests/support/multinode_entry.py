@@ -296,6 +296,44 @@ def steps_through_drain(ex) -> int:
     return 0
 
 
+def widening(ex) -> int:
+    """Independent replicas while the width goes past --dp and back (`rayfree scale`): every replica's leader
+    steps, each step checked. A leader whose replica drains ends (RESULT drained); one whose replica serves steps
+    until it heard the newest replica (past the cluster's --dp) serve and then drain, then 10 more (RESULT
+    served). Each replica callback it hears is said (HEARD)."""
+    from rayfree import ReplicaDrained
+    from rayfree.cli.toy_engine import make_batch, reference_forward
+
+    epoch, seen = ex.parallel_config.replica_epoch, []
+    newest = int(os.environ.get("RF_NEWEST", "2"))
+
+    def heard(k: int, st: Any) -> None:
+        seen.append([k, st.state, st.epoch])
+        say("HEARD", by=ex.dp_rank, replica=k, state=st.state, epoch=st.epoch)
+
+    ex.register_replica_callback(heard)
+    say("STEPPING", replica=ex.dp_rank, epoch=epoch, t=time.monotonic())
+    steps = equal = 0
+    until = time.monotonic() + 300
+    outcome, refused = "served", ""
+    while time.monotonic() < until and not ([newest, "drained"] in [s[:2] for s in seen] and ex.dp_rank != newest):
+        batch = make_batch(steps, replica=ex.dp_rank)
+        try:
+            equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
+        except ReplicaDrained as e:
+            outcome, refused = "drained", str(e)
+            break
+        steps += 1
+    for _ in range(10 if outcome == "served" else 0):
+        batch = make_batch(steps, replica=ex.dp_rank)
+        equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
+        steps += 1
+    states = {k: [v.state, v.epoch] for k, v in ex.replica_states().items()}
+    say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome=outcome, steps=steps, equal=equal, seen=seen,
+        states=states, widths=list(ex.replica_widths()), refused=refused)  # fmt: skip
+    return 0
+
+
 def coupled_batch(step: int, replica: int) -> dict:
     """The toy's batch, whose sum is 10**replica: a step's all-reduced sum across replicas names its members."""
     from rayfree.cli.toy_engine import make_batch
@@ -317,7 +355,6 @@ def coupled_steps(ex) -> int:
     some across fewer (a shrink, then a grow); a replica that rejoined, RF_AFTER steps across every replica. A
     replica drained meanwhile (`rayfree scale`) says so and ends."""
     from rayfree import ReplicaDrained, ReplicasChanged
-    from rayfree.cli.toy_engine import reference_forward
 
     dp, want = ex.parallel_config.data_parallel_size, int(os.environ.get("RF_AFTER", "20"))
     epoch, everyone = ex.parallel_config.replica_epoch, list(range(dp))
@@ -331,10 +368,8 @@ def coupled_steps(ex) -> int:
         shrunk = any(len(r[0]) < dp for r in runs)
         if runs and runs[-1][0] == everyone and runs[-1][1] >= want and (shrunk or epoch > 0):
             break
-        batch = coupled_batch(steps, ex.dp_rank)
         try:
-            out = ex.execute_model(batch)
-            total = ex.collective_rpc("step_report", unique_reply_rank=0, timeout=60)["dp_sum"]
+            same, members = checked_step(ex, steps)
         except ReplicasChanged as e:
             changes.append([e.epoch, e.members, time.monotonic()])
             continue
@@ -342,9 +377,8 @@ def coupled_steps(ex) -> int:
             say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome="drained", steps=steps, equal=equal, runs=runs,
                 refused=str(e))  # fmt: skip
             return 0
-        equal += torch_equal(out, reference_forward(batch["x"]))
+        equal += same
         steps += 1
-        members = members_of(total)
         if runs and runs[-1][0] == members:
             runs[-1][1] += 1
         else:
@@ -358,6 +392,55 @@ def coupled_steps(ex) -> int:
     say("RESULT", replica=ex.dp_rank, epoch=epoch, steps=steps, equal=equal, runs=runs, changes=changes,
         hooks=hooks, halves=halves, checks=checks,
         states={k: [v.state, v.epoch] for k, v in ex.replica_states().items()})  # fmt: skip
+    return 0
+
+
+def checked_step(ex, step: int) -> tuple[int, list[int]]:
+    """One toy step of coupled replicas: 1 if its output is the model's in one process, and the replicas its sum
+    across replicas names (ReplicasChanged and ReplicaDrained pass through)."""
+    from rayfree.cli.toy_engine import reference_forward
+
+    batch = coupled_batch(step, ex.dp_rank)
+    out = ex.execute_model(batch)
+    total = ex.collective_rpc("step_report", unique_reply_rank=0, timeout=60)["dp_sum"]
+    return torch_equal(out, reference_forward(batch["x"])), members_of(total)
+
+
+def coupled_widening(ex) -> int:
+    """Coupled replicas while the width goes past --dp to 3 and back (`rayfree scale`): each leader steps, every
+    step checked; a step that meets a change of the members runs again. Replicas 0 and 1 step until their groups
+    across replicas went [0, 1] -> [0, 1, 2] -> [0, 1], then RF_AFTER more; replica 2 (the scale-out's) steps
+    until it drains. Each new member set is said (MEMBERS)."""
+    from rayfree import ReplicaDrained, ReplicasChanged
+
+    want, epoch = int(os.environ.get("RF_AFTER", "20")), ex.parallel_config.replica_epoch
+    steps = equal = 0
+    runs: list = []  # [members, count]
+    changes: list = []
+    outcome, refused = "served", ""
+    until = time.monotonic() + 240
+    say("STEPPING", replica=ex.dp_rank, epoch=epoch, t=time.monotonic())
+    while time.monotonic() < until:
+        if [r[0] for r in runs][-3:] == [[0, 1], [0, 1, 2], [0, 1]] and runs[-1][1] >= want:
+            break
+        try:
+            same, members = checked_step(ex, steps)
+        except ReplicasChanged as e:
+            changes.append([e.epoch, e.members])
+            continue
+        except ReplicaDrained as e:
+            outcome, refused = "drained", str(e)
+            break
+        equal += same
+        steps += 1
+        if runs and runs[-1][0] == members:
+            runs[-1][1] += 1
+        else:
+            runs.append([members, 1])
+            say("MEMBERS", replica=ex.dp_rank, members=members)
+    hooks = ex.collective_rpc("hook_calls", unique_reply_rank=0, timeout=60) if outcome == "served" else []
+    say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome=outcome, steps=steps, equal=equal, runs=runs,
+        changes=changes, hooks=hooks, refused=refused)  # fmt: skip
     return 0
 
 
