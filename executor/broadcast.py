@@ -55,7 +55,7 @@ class NodeBroadcast:
                 timeout_s=config.ready_timeout_s,
                 spin_us=config.spin_us,
                 on_broken=on_broken,
-            )
+            ).start()
 
     def worker_handle(self) -> bytes | None:
         """What this node's workers attach to: node 0's queue, or this node's relay ring (None: flat)."""

@@ -376,7 +376,7 @@ class MultiprocExecutor(Executor):
             self.pipe.note_failure(failure)
         self._report("an interrupted call", failure)
         if self.pipe is not None:  # recorded and the engine told, before the interrupt goes on (bounded)
-            self.pipe.failure_known.wait(1.0)
+            self.pipe.failure_known.wait(5.0)  # (milliseconds; seconds on a starved machine)
         return True
 
     # -- shutdown ------------------------------------------------------------------------

@@ -80,8 +80,12 @@ class Lifeline:
         #: the worker's `leftovers()`, if it has one: paths its engine made that only its own clean shutdown
         #: removes (vLLM's CPU collectives' shared memory); removed too when the parent died
         self.leftovers: Callable[[], list[str]] | None = None
-        if death_pipe is not None:
+
+    def start(self) -> Lifeline:
+        """Watch the death pipe (built, then started: before the model loads)."""
+        if self.death_pipe is not None:
             supervisor().start("RayfreeLifeline", self._watch)
+        return self
 
     def watch(self, mq: MessageQueue) -> None:
         self.queues.append(mq)
@@ -211,7 +215,7 @@ def worker_main(**kwargs: Any) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    lifeline = Lifeline(death_pipe, exiting)
+    lifeline = Lifeline(death_pipe, exiting).start()
     rank = kwargs.get("rank", -1)
     worker: WorkerProc | None = None
     code = 0

@@ -134,8 +134,7 @@ class WorkerProc:
         set_title(par.enable_expert_parallel, title_for(par, rank), (par.data_parallel_size, par.dp_rank))
         self.worker.load_model()
         if config.async_scheduling:
-            self.async_output_queue = queue.Queue()
-            supervisor().start("RayfreeAsyncOutput", self.async_output_busy_loop)
+            self.async_output_queue = queue.Queue()  # (its sender thread starts with the busy loop, once wired)
         self._init_message_queues(input_shm_handle)
         #: `worker.finish_output(output)`, if the worker has one: what is sent in place of an output that is
         #: not ready to send yet (vLLM's asynchronous outputs, still being copied off the device). With
@@ -196,6 +195,8 @@ class WorkerProc:
         """
         mq = self.rpc_broadcast_mq
         assert mq is not None and self.worker_response_mq is not None
+        if self.async_output_queue is not None:
+            supervisor().start("RayfreeAsyncOutput", self.async_output_busy_loop)
         dequeue = mq.dequeue
         rank = self.rank
         worker = self.worker

@@ -8,7 +8,7 @@ import select
 import socketserver
 import sys
 
-from rayfree.supervisor import supervisor
+from rayfree.supervisor import Supervised, supervisor
 
 __all__ = ["Served"]
 
@@ -25,7 +25,12 @@ class Served:
         self._name = name
         server.handle_error = self._handle_error  # type: ignore[method-assign]
         self._wake_r, self._wake_w = os.pipe()
-        self._thread = supervisor().start(name, self._serve)
+        self._thread: Supervised | None = None
+
+    def start(self) -> Served:
+        """Start answering (built, then started)."""
+        self._thread = supervisor().start(self._name, self._serve)
+        return self
 
     def _serve(self) -> None:
         while True:
@@ -45,7 +50,8 @@ class Served:
 
     def close(self) -> None:
         os.write(self._wake_w, b"x")
-        self._thread.join(2.0)
+        if self._thread is not None:
+            self._thread.join(2.0)
         self.server.server_close()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)

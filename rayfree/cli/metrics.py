@@ -192,4 +192,4 @@ def serve_metrics(port: int, liveness: NodeLiveness, addr: str = "0.0.0.0") -> A
     registry.register(_Collector(liveness))
     server = make_server(addr, port, make_wsgi_app(registry), handler_class=Quiet)
     logger.info("metrics for Prometheus at http://%s:%d/metrics", addr, port)
-    return Served(server, "RayfreeMetrics")
+    return Served(server, "RayfreeMetrics").start()

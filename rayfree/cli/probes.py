@@ -57,7 +57,7 @@ class HealthServer:
 
         self._server = ThreadingHTTPServer(("0.0.0.0", port), Handler)
         self._server.daemon_threads = True
-        self._served = Served(self._server, "RayfreeHealth")
+        self._served = Served(self._server, "RayfreeHealth").start()
         logger.info("node %d: health probes at http://0.0.0.0:%d/livez and /readyz", node, port)
 
     def judge(self, readiness: bool) -> str:

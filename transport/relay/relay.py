@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rayfree import settings
-from rayfree.supervisor import supervisor
+from rayfree.supervisor import Supervised, supervisor
 
 from ..errors import BadFrame, QueueShutdown, QueueTimeout
 from ..net import tcp_endpoint
@@ -89,7 +89,12 @@ class Relay:
         self.handle = Handle.for_writer(
             queue_id, n_local, list(range(n_local)), self.ring.names(), max_chunk_bytes, max_chunks, self.endpoint
         )
-        self._thread = supervisor().start(f"RayfreeRelay-{relay_id}", self._run, stop=self._shut_channels)
+        self._thread: Supervised | None = None
+
+    def start(self) -> Relay:
+        """Start the relay's thread (built, then started: its owner wires `on_broken` and the rest first)."""
+        self._thread = supervisor().start(f"RayfreeRelay-{self.relay_id}", self._run, stop=self._shut_channels)
+        return self
 
     # -- the stream in ----------------------------------------------------------------------------
 
@@ -226,7 +231,8 @@ class Relay:
             return
         self._closed = True
         self._shut_channels()
-        self._thread.join(timeout)  # (never from its own thread: on_broken only reports)
+        if self._thread is not None:
+            self._thread.join(timeout)  # (never from its own thread: on_broken only reports)
         if self.out is not None:
             self.out.abort()
         if not self._ended:
