@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rayfree import settings
 
 from .errors import ReplicaDrained
 from .roster import Drain, Scale
+
+if TYPE_CHECKING:
+    from .roles import Node, PolicyExecutor
 
 __all__ = ["request", "scale", "begin", "refuse_if_draining"]
 
@@ -39,12 +42,12 @@ logger = logging.getLogger("rayfree.executor")
 _POLL_S = 0.05
 
 
-def request(lv: Any, k: int) -> str:
+def request(lv: Node, k: int) -> str:
     """Node 0 (the heartbeat thread): `rayfree drain k`. Starts the drain and says so, or says why not."""
     return lv.replica_epochs.send(Drain(k))[-1].text
 
 
-def scale(lv: Any, width: int) -> str:
+def scale(lv: Node, width: int) -> str:
     """Node 0 (any thread): `rayfree scale --dp width`. The highest replicas drain, or replicas drained or lost
     below `width` may rejoin (their nodes started again with the same command), and replicas past those the
     cluster had come on new nodes (the cluster's command, --dp and --nnodes raised to the width). A cluster on
@@ -57,7 +60,7 @@ def scale(lv: Any, width: int) -> str:
     return str(lv.replica_epochs.send(Scale(width, time.monotonic(), lv.config.join_timeout_s))[-1].text)
 
 
-def refuse_if_draining(ex: Any) -> None:
+def refuse_if_draining(ex: PolicyExecutor) -> None:
     """A call to a replica that drains is refused at once (`ReplicaDrained`): it takes no new calls."""
     lv = ex.liveness
     if lv is not None and lv.replica_epochs.drains(ex.dp_rank) and not ex.is_failed:  # (drained: its own word)
@@ -66,7 +69,7 @@ def refuse_if_draining(ex: Any) -> None:
         raise ReplicaDrained(ex.dp_rank, par.node_rank, par.node_ranks(par.node_rank), why)
 
 
-def begin(lv: Any, k: int) -> None:
+def begin(lv: Node, k: int) -> None:
     """Every node running replica k (the policy thread; the roster marked it draining and told the callbacks):
     the node leading it waits for its calls in flight."""
     until = time.monotonic() + float(settings.get("RAYFREE_DRAIN_TIMEOUT_S"))
@@ -75,7 +78,7 @@ def begin(lv: Any, k: int) -> None:
             _wait(lv, ex, until)
 
 
-def _wait(lv: Any, ex: Any, until: float) -> None:
+def _wait(lv: Node, ex: PolicyExecutor, until: float) -> None:
     if ex.is_failed or ex.dp_rank in lv.policy.lost:
         return  # lost meanwhile: nothing left to drain
     snap = ex.rpc_snapshot()

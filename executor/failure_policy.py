@@ -38,8 +38,9 @@ import logging
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
+from rayfree.cluster.config import ParallelConfig
 from rayfree.supervisor import Failure, Severity, supervisor
 
 from .errors import (
@@ -54,6 +55,9 @@ from .errors import (
 )
 from .peers import peer_gone
 from .roster import Lost
+
+if TYPE_CHECKING:
+    from .roles import Node, PolicyExecutor
 
 __all__ = ["NodePolicy", "FAST_TERM_S", "grace_of", "why_of"]
 
@@ -96,7 +100,7 @@ def grace_of(severity: Severity, grace: float, term: float) -> tuple[float, floa
     return grace, term
 
 
-def _replicas_hit(f: Failure, par: Any) -> list[int] | None:
+def _replicas_hit(f: Failure, par: ParallelConfig) -> list[int] | None:
     """The DP replicas a failure belongs to (None: the node's, not one replica's)."""
     if f.executor is not None:
         return [f.executor.dp_rank]
@@ -107,7 +111,7 @@ def _replicas_hit(f: Failure, par: Any) -> list[int] | None:
     return None
 
 
-def replica_lost(dp_rank: int, cause: BaseException | None, par: Any, here: int) -> ReplicaLost:
+def replica_lost(dp_rank: int, cause: BaseException | None, par: ParallelConfig, here: int) -> ReplicaLost:
     """Replica `dp_rank`'s loss, naming the node, the ranks (across DP) and the cause."""
     if isinstance(cause, ReplicaLost):
         return cause
@@ -141,7 +145,7 @@ class _Entry:
 class NodePolicy:
     """The failure domain of one node's liveness (`liveness.policy`): its record and its rules (module docstring)."""
 
-    def __init__(self, liveness: Any) -> None:
+    def __init__(self, liveness: Node) -> None:
         self.lv = liveness
         self.sup = supervisor()
         #: the node's first failure (None while it runs)
@@ -153,19 +157,19 @@ class NodePolicy:
     def lost(self) -> dict[int, ReplicaLost]:
         """The independent DP replicas this node knows are out of service (lost, drained, rejoining), each with
         its ReplicaLost (the roster's, roster.py)."""
-        return self.lv.replica_epochs.roster.lost()  # type: ignore[no-any-return]
+        return self.lv.replica_epochs.roster.lost()
 
     # -- reports: from any thread --------------------------------------------------------------------
 
-    def report(self, source: str, cause: Exception | None, executor: Any = None) -> None:
+    def report(self, source: str, cause: Exception | None, executor: PolicyExecutor | None = None) -> None:
         """Post a failure (any thread); its cause's type says how it is handled (`severity_of`)."""
         self.sup.post(self.failure(source, cause, executor))
 
-    def failure(self, source: str, cause: Exception | None, executor: Any = None) -> Failure:
+    def failure(self, source: str, cause: Exception | None, executor: PolicyExecutor | None = None) -> Failure:
         """The record of a failure of this domain, weighed by its cause's type."""
         return Failure(source, cause, severity_of(cause), self, executor)
 
-    def stop(self, executor: Any, wait: bool) -> None:
+    def stop(self, executor: PolicyExecutor | None, wait: bool) -> None:
         """An orderly stop of `executor` (None: every executor of the node); with `wait`, until it is closed.
         From the policy thread itself (a failure callback that shuts the executor down) it only starts it."""
         if self.sup.on_policy_thread():
@@ -279,19 +283,19 @@ class NodePolicy:
         self.sup.call_later(self.lv.verdict_s(), self.apply, f)
         return True
 
-    def _record_only(self, ex: Any, cause: Exception | None) -> None:
+    def _record_only(self, ex: PolicyExecutor, cause: Exception | None) -> None:
         """A call interrupted mid-way: the executor takes no more calls; the stop is the interrupted caller's."""
         if ex is None or ex.is_failed or ex.shutting_down:
             return
         ex.mark_failed(cause, Severity.CALLER)
-        if ex.pipe is not None:
+        if ex.pipe is not None and cause is not None:
             ex.pipe.note_failure(cause)
         logger.error("%s", cause)
         self._callback(ex)
         if ex.pipe is not None:
             ex.pipe.failure_known.set()  # (the interrupted caller waits for this before its interrupt goes on)
 
-    def _fail(self, ex: Any, cause: Exception, severity: Severity) -> None:
+    def _fail(self, ex: PolicyExecutor, cause: Exception, severity: Severity) -> None:
         if ex.is_failed or ex.shutting_down:
             return
         ex.mark_failed(cause, severity)
@@ -302,7 +306,7 @@ class NodePolicy:
             ex.pipe.fail(cause)
 
     @staticmethod
-    def _callback(ex: Any) -> None:
+    def _callback(ex: PolicyExecutor) -> None:
         try:
             ex.fire_failure_callback()
         except Exception:  # noqa: BLE001 - the engine's callback must not stop the failure from being handled
@@ -310,7 +314,7 @@ class NodePolicy:
 
     # -- the staged shutdown --------------------------------------------------------------------------------
 
-    def _shut(self, ex: Any) -> None:
+    def _shut(self, ex: PolicyExecutor) -> None:
         """Begin `ex`'s staged shutdown (idempotent); its steps run on this thread, its last one sets it done."""
         if not ex.begin_shutdown():
             return
@@ -327,7 +331,7 @@ class NodePolicy:
             return
         self.sup.call_later(delay, self._drive, steps, then)
 
-    def _closed(self, ex: Any) -> None:
+    def _closed(self, ex: PolicyExecutor) -> None:
         ex.release()
         if self.lv.owner is ex:  # an executor with a liveness of its own: its heartbeats end with it
             self._drive(self.lv.close_steps(), ex.mark_done)

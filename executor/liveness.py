@@ -1,12 +1,10 @@
 """Cluster-wide liveness: one node's part, shared by the executors (DP replicas) that node runs, in two roles.
 
-Node 0 (`LeaderLiveness`) runs the heartbeat server and every other node
-(`FollowerLiveness`) beats toward it, so a lost node is noticed in one place and
-every replica hears of it: with data parallelism the ranks of all replicas
-share collectives (expert parallelism, the DP all-reduce), and one replica
-carrying on alone would hang in them. What a failure means is the node's
-policy's (failure_policy.py); the heartbeats only report to it, and this module says
-goodbye to the other nodes when the policy decides the node stops:
+Node 0 (`LeaderLiveness`) runs the heartbeat server and every other node (`FollowerLiveness`) beats toward
+it, so a lost node is noticed in one place and every replica hears of it: with data parallelism the ranks of
+all replicas share collectives (expert parallelism, the DP all-reduce), and one replica carrying on alone
+would hang in them. What a failure means is the node's policy's (failure_policy.py); the heartbeats only
+report to it, and this module says goodbye to the other nodes when the policy decides the node stops:
 
 - the node failed (a node lost, a worker, a replica): `Bye(failed)` to every
   other node (node 0), or to node 0 (a follower), and they fail too;
@@ -39,9 +37,9 @@ from .errors import LeaderLost, NodeLost, ReplicaFailed, ReplicaLost
 from .failure_policy import NodePolicy, why_of
 from .health import follower_verdict, followers_verdict, verdicts
 from .rejoin import Rejoins, ReplicaEpochs
+from .roles import PolicyExecutor
 from .roster import Back, DrainHeard, Regrouped, Welcomed
 from .status_messages import cluster_status, encode, node_status
-from .view import ReplicaView
 
 __all__ = ["NodeLiveness", "LeaderLiveness", "FollowerLiveness"]
 
@@ -79,7 +77,7 @@ class NodeLiveness:
         self._owner = None if owner is None else weakref.ref(owner)
         self.policy = NodePolicy(self)
         self._lock = threading.Lock()
-        self._executors: list[weakref.ref[ReplicaView]] = []
+        self._executors: list[weakref.ref[PolicyExecutor]] = []
         self._ready = 0
         self._stopped = 0
         self._closed = False
@@ -124,7 +122,7 @@ class NodeLiveness:
 
     # -- the executors ---------------------------------------------------------------------
 
-    def attach(self, ex: ReplicaView) -> None:
+    def attach(self, ex: PolicyExecutor) -> None:
         if self.histograms:
             ex.record_latencies()
         with self._lock:
@@ -135,7 +133,7 @@ class NodeLiveness:
             # this node was still starting): `fail_all` did not see it, so it starts no workers at all.
             raise failure
 
-    def executors(self) -> list[Any]:
+    def executors(self) -> list[PolicyExecutor]:
         with self._lock:
             return [x for x in (r() for r in self._executors) if x is not None]
 
@@ -183,7 +181,7 @@ class NodeLiveness:
             return
         self._close(Bye(self.node, False, why_of(f.cause)[:WHY_CHARS]))
 
-    def stopping(self, ex: Any) -> None:
+    def stopping(self, ex: PolicyExecutor) -> None:
         """Executor `ex` begins its shutdown. A clean one counts toward the node's clean goodbye; one with a
         reason to stop (its entry point raised) fails the node's other replicas and the cluster."""
         reason = ex.stop_reason or ""
@@ -280,16 +278,18 @@ class LeaderLiveness(NodeLiveness):
         # the join names the disagreement, instead of waiting for a welcome that would never come)
         if self.independent:  # (a lost replica's nodes may rejoin)
             beater.admit = rejoins.admit
-            beater.verdict_fn = lambda: (rejoins.look(beater, time.monotonic()), verdicts(self))[1]
+            beater.verdict_fn = self._judged
             beater.drain_fn = lambda k: drain.request(self, k)
             beater.scale_fn = lambda n: drain.scale(self, n)
         beater.start(self.policy)  # (wired: its first beat meets every callback; a crash of it fails the node)
-        logger.info(
-            "node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
-            self.beater.endpoint,
-            len(others),
-            cfg.join_timeout_s,
-        )
+        logger.info("node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
+                    self.beater.endpoint, len(others), cfg.join_timeout_s)  # fmt: skip
+
+    def _judged(self) -> dict[int, str]:
+        """Node 0's heartbeat thread, at each verdict: the rejoins and scale-outs, then each follower's verdict."""
+        assert isinstance(self.replica_epochs, Rejoins) and isinstance(self.beater, HeartbeatServer)
+        self.replica_epochs.look(self.beater, time.monotonic())
+        return verdicts(self)
 
     def nodes(self) -> list[int]:
         return [0, *sorted(self.beater.peers)] if self.beater is not None else [0]

@@ -24,12 +24,15 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rayfree.cluster.peers import peer_gone
 from rayfree.supervisor import supervisor
 
-from .errors import ReplicasChanged
+from .errors import FatalWorkerError, ReplicasChanged
+
+if TYPE_CHECKING:
+    from .roles import Node, PolicyExecutor
 
 __all__ = ["Membership", "adopt", "REGROUP"]
 
@@ -41,7 +44,7 @@ REGROUP = "rayfree_regroup"
 _CHANGE_SLACK_S = 1.5
 
 
-def adopt(lv: Any, at: int, members: list[int]) -> None:
+def adopt(lv: Node, at: int, members: list[int]) -> None:
     """Every node (its policy thread): membership epoch `at` is `members`; the executors it leads form it."""
     if at <= lv.membership[0]:
         return
@@ -55,9 +58,10 @@ def adopt(lv: Any, at: int, members: list[int]) -> None:
 class Membership:
     """One leading executor's groups across replicas: the membership it must form, and the one its ranks have."""
 
-    def __init__(self, ex: Any) -> None:
+    def __init__(self, ex: PolicyExecutor) -> None:
         self._ex = weakref.ref(ex)
         lv = ex.liveness
+        assert lv is not None  # (coupled replicas: every executor has its node's liveness)
         #: (epoch, members) its ranks formed at start-up: every replica at epoch 0; a rejoined one, none yet
         self.formed: tuple[int, list[int]] | None = lv.membership if ex.parallel_config.replica_epoch == 0 else None
         self.wanted = self.formed
@@ -109,7 +113,7 @@ class Membership:
             ex.dp_rank, want[1], want[0], time.monotonic() - t0,
         )  # fmt: skip
 
-    def judge(self, error: Any, name: str) -> ReplicasChanged | None:
+    def judge(self, error: FatalWorkerError, name: str) -> ReplicasChanged | None:
         """A caller got a rank's collective error: a lost peer's, once a new membership is declared, is
         `ReplicasChanged` (run the step again); None: it is this executor's failure (reported, if no one did)."""
         ex = self._ex()
@@ -124,6 +128,6 @@ class Membership:
                 return ReplicasChanged(at, members, f"RPC {name} met a lost DP replica ({error.error_type})")
             self.changed.wait(0.02)
             self.changed.clear()
-        if not ex.is_failed:  # no replica was lost: the rank's error is this executor's failure
+        if not ex.is_failed and lv is not None:  # no replica was lost: the rank's error is this executor's failure
             lv.policy.report(f"rank {error.rank}", error, ex)
         return None

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
+from rayfree.cluster.heartbeat import HeartbeatServer
 from rayfree.cluster.heartbeat_messages import DrainReplica, Regroup, ReplicaDown, ReplicaUp, Welcome, _encode
 from rayfree.cluster.join import shape_of
 from rayfree.supervisor import SupervisorMisuse
@@ -29,6 +30,9 @@ from . import membership
 from .abstract import ReplicaState
 from .roster import Admit, Decision, Event, Ready, Roster, Tick
 from .status_messages import decode_node
+
+if TYPE_CHECKING:
+    from .roles import Node
 
 __all__ = ["ReplicaEpochs", "Rejoins"]
 
@@ -41,7 +45,7 @@ _POLICY_KINDS = ("announce", "begin_drain", "regroup")
 class ReplicaEpochs:
     """Every DP replica's epoch and state as this node knows them (node 0 decides; a follower mirrors it)."""
 
-    def __init__(self, lv: Any) -> None:
+    def __init__(self, lv: Node) -> None:
         self.lv = lv
         self.roster = Roster(lv.par)
         self._lock = threading.Lock()
@@ -74,8 +78,8 @@ class ReplicaEpochs:
                 sup.call_soon(self._on_policy, mine)
 
     def _tell(self, d: Decision) -> None:
-        beater, par = self.lv.beater, self.lv.par
-        if beater is None or par.nnodes == 1:
+        beater = self.lv.beater
+        if not isinstance(beater, HeartbeatServer):  # (node 0 tells; one node has no followers)
             return
         if d.kind == "tell_down":
             err = d.cause
@@ -103,7 +107,7 @@ class ReplicaEpochs:
             elif d.kind == "begin_drain":
                 drain.begin(self.lv, d.dp_rank)
             elif d.kind == "regroup":
-                if self.lv.node == 0 and self.lv.beater is not None and self.lv.par.nnodes > 1:
+                if isinstance(self.lv.beater, HeartbeatServer):  # (node 0 of several)
                     self.lv.beater.tell(self.lv.nodes()[1:], Regroup(d.epoch, list(d.members)))
                 membership.adopt(self.lv, d.epoch, list(d.members))
 
@@ -152,7 +156,7 @@ class Rejoins(ReplicaEpochs):
         gone = [ReplicaDown(k, e.node_rank, e.ranks, e.why[:300]) for k, e in lost.items()]
         return _encode(Welcome(self.epochs, [m for m in gone if m.dp_rank not in self.rejoining]))
 
-    def look(self, server: Any, now: float) -> None:
+    def look(self, server: HeartbeatServer, now: float) -> None:
         """The heartbeat thread, at each verdict: a replica whose nodes all beat and report themselves ready
         serves (again); a scale-out whose nodes did not come in time is given up."""
         if not self.rejoining:
