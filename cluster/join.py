@@ -161,8 +161,10 @@ def join(
     came = {rank}  # (the ranks whose arrival this rank has read: who is missing, without asking the store)
     missing = [r for r in range(world_size) if r != rank]
     where = f"{host}:{port}"
+    arrived = False
     try:
         _arrive(store, rank, me, world_size, deadline)
+        arrived = True
         seen = 0
         next_scan = time.monotonic() + _SCAN_S
         while not store.check([_ALL]):  # (a duplicate claim sets it too: every rank hears of it at once)
@@ -187,7 +189,7 @@ def join(
             raise ForeignEntry(rank, where, f"says every rank came, but rank(s) {gone} have no entry")
     except JoinError:
         if not hosts:
-            _heard(store, deadline)
+            _heard(store, deadline, arrived)
         raise
     except Exception as e:  # noqa: BLE001 - the store went away: rank 0 gave up or died
         raise JoinError(
@@ -214,15 +216,18 @@ def _arrive(store, rank: int, me: str, world_size: int, deadline: float) -> None
         store.set(_ALL, b"1")
 
 
-def _heard(store, deadline: float = float("inf")) -> None:
+def _heard(store, deadline: float = float("inf"), arrived: bool = True) -> None:
     """This rank has read what made it give up: rank 0 need not keep the store open for it any longer. It then
     waits (TELL_S at most) until every rank that came has read it too: a rank that left first would end its
-    node's other ranks, rank 0 among them on node 0 (its executor stops them at once), and the store with
-    them, before a rank elsewhere read why ("the rendezvous closed under this rank")."""
+    node's other ranks, rank 0 among them on node 0 (its executor stops them at once; node 0 also stops when
+    this rank's node says it failed), and the store with them, before a rank elsewhere read why ("the
+    rendezvous closed under this rank"). Every rank but rank 0 (the host) says it read; one whose claim was
+    refused (`arrived` False: a second node with its rank) is not among the arrivals, but says so too."""
     try:
         store.add(_TOLD, 1)
         until = min(time.monotonic() + TELL_S, deadline)
-        while int(store.add(_TOLD, 0)) < int(store.add("rayfree/arrivals", 0)) - 1 and time.monotonic() < until:
+        extra = 0 if arrived else 1
+        while int(store.add(_TOLD, 0)) < int(store.add("rayfree/arrivals", 0)) - 1 + extra and time.monotonic() < until:
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - the store is gone already: nobody waits for this
         pass

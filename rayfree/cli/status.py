@@ -104,7 +104,8 @@ def _age(s: float | None) -> str:
 
 
 def format_status(st: ClusterStatus) -> str:
-    lines = [f"cluster: {st.nnodes} node(s), {st.shape}, {st.world_size} rank(s) per replica"]
+    started = f" (started as {st.shape})" if f"nnodes={st.nnodes} " not in f"{st.shape} " else f", {st.shape}"
+    lines = [f"cluster: {st.nnodes} node(s){started}, {st.world_size} rank(s) per replica"]
     lines.append(f"{'node':<5}{'ip':<16}{'state':<12}{'heartbeat':<11}{'rtt':<9}{'ranks':<18}replicas")
     for n in st.nodes:
         beat = "self" if n.node == 0 else _age(n.heartbeat_age_s)

@@ -275,3 +275,38 @@ def test_parallel_groups_follow_the_layout() -> None:
         assert r["gathered"] == [f"r{x}" for x in expect[rank]["tp"]]
         assert len(r["before"]) == 2 and all("not initialized" in b for b in r["before"])
         assert r["initialized_after"] is False
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_claim_keeps_the_rendezvous_open_until_the_rank_it_collided_with_has_read_why() -> None:
+    """Two nodes claim rank 1: the second is refused before it arrives, the first reads why at its next scan.
+    The refused one must wait for that read before it leaves: its node's failure stops node 0, and rank 0's
+    store with it (CI saw the first read "the rendezvous closed" instead of "two nodes claim rank 1")."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from rayfree.cluster.join import JoinError, _arrive, _check_agreement, _claim, _entry, _heard
+
+    port = get_open_port("127.0.0.1")
+    timeout = datetime.timedelta(seconds=30)
+    host = dist.TCPStore("127.0.0.1", port, 3, is_master=True, timeout=timeout, wait_for_workers=False)
+    first, second = (
+        dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timeout, wait_for_workers=False) for _ in "ab"
+    )
+    deadline = time.monotonic() + 30
+    _arrive(host, 0, _entry(0, 3, 0, "10.0.0.1", "tp=3 nnodes=3"), 3, deadline)
+    mine = _entry(1, 3, 1, "10.0.0.2", "tp=3 nnodes=3")
+    _arrive(first, 1, mine, 3, deadline)
+    with pytest.raises(JoinError, match="two nodes claim rank 1"):
+        _claim(second, 1, _entry(1, 3, 1, "10.0.0.3", "tp=3 nnodes=3"), deadline)
+    left = threading.Event()
+    waiter = threading.Thread(target=lambda: (_heard(second, deadline, arrived=False), left.set()), daemon=True)
+    waiter.start()
+    assert not left.wait(1.0), "the refused rank left before the rank it collided with had read why"
+    with pytest.raises(JoinError, match="two nodes claim rank 1"):
+        _check_agreement(first, 0, mine, 1, deadline, final=True)
+    _heard(first, deadline)
+    assert left.wait(10), "the refused rank still waits after every rank read why"
+    waiter.join(10)

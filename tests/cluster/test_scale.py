@@ -147,6 +147,7 @@ def test_scale_out_past_the_width_the_cluster_started_with_and_back_while_the_ot
     assert "width 3 serving of 3 requested" in status.stdout and "replica 2: serving, epoch 1" in status.stdout, (
         status.stdout
     )
+    assert "cluster: 3 node(s) (started as tp=1 pp=1 pcp=1 dp=2 nnodes=2" in status.stdout, status.stdout
     assert narrower.returncode == 0 and "DP width 3 -> 2: replicas [2] drain" in narrower.stdout, narrower
     assert (r2["epoch"], r2["outcome"]) == (1, "drained") and r2["steps"] == r2["equal"] > 0, r2
     for k, r in results.items():
