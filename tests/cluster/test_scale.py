@@ -121,14 +121,15 @@ def widened(nodes: Nodes, k: int, width: int, entry: str = WIDENING, **env: str)
 
 
 @pytest.mark.timeout(400)
-def test_scale_out_past_the_width_the_cluster_started_with_and_back_while_the_others_serve() -> None:
+def test_scale_out_past_the_width_the_cluster_started_with_and_back_while_the_others_serve(tmp_path) -> None:
     """Independent DP=2 x TP=1 on two nodes, both leaders stepping: `rayfree scale --dp 3` and a third node started
     with --dp 3 --nnodes 3: node 0 admits it (replica 2, in epoch 1: it had no first start), every node hears it
-    serve, and it steps; `--dp 2` drains it and its node exits 0. A node started for a replica past the
-    requested width (--dp 4 --nnodes 4, node 3) is refused in one line and exits 2, changing nothing. Replicas 0
-    and 1 fail no step and keep their processes."""
+    serve, and it steps; then replica 0's engine asks for width 2 (`scale_replicas`): replica 2 drains and its
+    node exits 0. A node started for a replica past the requested width (--dp 4 --nnodes 4, node 3) is refused
+    in one line and exits 2, changing nothing. Replicas 0 and 1 fail no step and keep their processes."""
     with SimulatedCluster(4) as sim:
-        nodes, procs = stepping(sim, 2, 2, 1, WIDENING, (0, 1))
+        go = tmp_path / "scale-in"  # (replica 0's engine scales in once it exists)
+        nodes, procs = stepping(sim, 2, 2, 1, WIDENING, (0, 1), RF_ENGINE_SCALES_IN=str(go))
         wider = rayfree(sim, nodes, 0, "scale", "--dp", "3")
         procs[2] = widened(nodes, 2, 3)
         far = widened(nodes, 3, 4)
@@ -137,7 +138,7 @@ def test_scale_out_past_the_width_the_cluster_started_with_and_back_while_the_ot
             procs[k].expect(r'^HEARD:.*"replica": 2, "state": "serving"', 180)
         procs[2].expect(r"^STEPPING:", 60)
         status = rayfree(sim, nodes, 1, "status")
-        narrower = rayfree(sim, nodes, 1, "scale", "--dp", "2")
+        go.write_text("now")
         r2 = procs[2].result("RESULT", 120)
         results = {k: procs[k].result("RESULT", 120) for k in (0, 1)}
         codes = {k: p.wait(60) for k, p in procs.items()}
@@ -148,7 +149,7 @@ def test_scale_out_past_the_width_the_cluster_started_with_and_back_while_the_ot
         status.stdout
     )
     assert "cluster: 3 node(s) (started as tp=1 pp=1 pcp=1 dp=2 nnodes=2" in status.stdout, status.stdout
-    assert narrower.returncode == 0 and "DP width 3 -> 2: replicas [2] drain" in narrower.stdout, narrower
+    assert results[0]["asked"] == "DP width 3 -> 2: replicas [2] drain, then their nodes exit 0", results[0]
     assert (r2["epoch"], r2["outcome"]) == (1, "drained") and r2["steps"] == r2["equal"] > 0, r2
     for k, r in results.items():
         assert r["outcome"] == "served" and r["steps"] == r["equal"] > 10, (k, r)

@@ -300,7 +300,9 @@ def widening(ex) -> int:
     """Independent replicas while the width goes past --dp and back (`rayfree scale`): every replica's leader
     steps, each step checked. A leader whose replica drains ends (RESULT drained); one whose replica serves steps
     until it heard the newest replica (past the cluster's --dp) serve and then drain, then 10 more (RESULT
-    served). Each replica callback it hears is said (HEARD)."""
+    served). Each replica callback it hears is said (HEARD). With RF_ENGINE_SCALES_IN (a path), replica 0's
+    engine asks for the narrower width itself (`scale_replicas`) once it took 10 steps beside the newest replica
+    and that file exists."""
     from rayfree import ReplicaDrained
     from rayfree.cli.toy_engine import make_batch, reference_forward
 
@@ -315,7 +317,8 @@ def widening(ex) -> int:
     say("STEPPING", replica=ex.dp_rank, epoch=epoch, t=time.monotonic())
     steps = equal = 0
     until = time.monotonic() + 300
-    outcome, refused = "served", ""
+    outcome, refused, asked, beside = "served", "", "", 0
+    scale_in = os.environ.get("RF_ENGINE_SCALES_IN", "") if ex.dp_rank == 0 else ""
     while time.monotonic() < until and not ([newest, "drained"] in [s[:2] for s in seen] and ex.dp_rank != newest):
         batch = make_batch(steps, replica=ex.dp_rank)
         try:
@@ -324,13 +327,16 @@ def widening(ex) -> int:
             outcome, refused = "drained", str(e)
             break
         steps += 1
+        beside += [newest, "serving"] in [s[:2] for s in seen]
+        if scale_in and not asked and beside >= 10 and os.path.exists(scale_in):
+            asked = ex.scale_replicas(newest)
     for _ in range(10 if outcome == "served" else 0):
         batch = make_batch(steps, replica=ex.dp_rank)
         equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
         steps += 1
     states = {k: [v.state, v.epoch] for k, v in ex.replica_states().items()}
     say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome=outcome, steps=steps, equal=equal, seen=seen,
-        states=states, widths=list(ex.replica_widths()), refused=refused)  # fmt: skip
+        states=states, widths=list(ex.replica_widths()), refused=refused, asked=asked)  # fmt: skip
     return 0
 
 
