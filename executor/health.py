@@ -135,12 +135,12 @@ def replica_verdicts(lv: NodeLiveness) -> dict[int, str]:
     """Node 0, independent DP replicas: each one's readiness ("" it serves: its ranks alive, its nodes' heartbeats
     fresh, none of its calls stalled), by replica."""
     par, out = lv.par, {}
-    gone = lv.lost_nodes()
+    gone, everyone = lv.lost_nodes(), set(lv.nodes())  # (once per verdict, not once per replica)
     for k, st in lv.replica_epochs.states().items():
         if st.state != "serving":
             out[k] = f"DP replica {k} is {st.state}" + (f" ({st.why})" if st.why else "")
             continue
-        others = set(lv.nodes()) - set(par.nodes_of_replica(k)) | gone
+        others = everyone - set(par.nodes_of_replica(k)) | gone
         why = _workers(lv, only=k) or _stalled(lv, only=k)
         if not why and lv.beater is not None:
             why = followers_verdict(lv.beater, skip=others)
