@@ -208,8 +208,9 @@ class Executor(ABC):
 
     def scale_replicas(self, width: int) -> str:
         """Node 0: ask for `width` DP replicas, as `rayfree scale --dp` does: the highest replicas drain (their
-        calls in flight finish, their nodes exit 0), or replicas drained below `width` are taken back when
-        their nodes start again. One line: what begins, or why not (it starts with "refused")."""
+        calls in flight finish, their nodes exit 0), or replicas below `width` are taken when their nodes start
+        (again, or past the --dp the cluster started with: docs/operations.md). One line: what begins, or why
+        not (it starts with "refused")."""
         lv = self._node_liveness()
         if lv is None or self.parallel_config.node_rank != 0 or lv.par.data_parallel_size == 1:
             return "refused: only node 0 of a cluster of DP replicas with worlds of their own scales it"

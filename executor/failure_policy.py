@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from rayfree.cluster.config import ParallelConfig
-from rayfree.supervisor import Failure, Severity, supervisor
+from rayfree.supervisor import Failure, Severity, SupervisorMisuse, supervisor
 
 from .errors import (
     CallInterrupted,
@@ -182,6 +182,9 @@ class NodePolicy:
     # -- the rules: the policy thread --------------------------------------------------------------------
 
     def apply(self, f: Failure) -> None:
+        """The policy thread only (its one door from the others is `report`); checked, as its state has no lock."""
+        if not self.sup.on_policy_thread():
+            raise SupervisorMisuse(f"the failure policy runs on the policy thread; report {f.source}'s instead")
         if f.severity is Severity.STOP:
             for ex in [f.executor] if f.executor is not None else self.lv.executors():
                 if ex.starting:  # its starting thread stops waiting, raises and shuts down

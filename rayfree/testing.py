@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from rayfree.cluster.config import ParallelConfig
 from rayfree.cluster.simulate import SimulatedCluster, SimulatedNode
@@ -53,8 +53,12 @@ def prepended_pythonpath(*first: str) -> str:
     return os.pathsep.join(dict.fromkeys(p for p in parts if p))
 
 
+_Run = TypeVar("_Run", bound="NodeRun")
+
+
 class NodeRun:
-    """One node's `rayfree node` process; its output (stdout and stderr merged) read line by line."""
+    """One node's `rayfree node` process; its output (stdout and stderr merged) read line by line. Built, then
+    `start()`ed: the process and the thread that reads it begin there."""
 
     def __init__(self, node: SimulatedNode, argv: list[str], env: dict[str, str], cwd: str | None) -> None:
         self.node = node
@@ -63,9 +67,16 @@ class NodeRun:
         #: the lines not yet looked at by `expect` (None: it exited), and every line so far
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.output: list[str] = []
-        self.proc = node.popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._launch = (argv, env, cwd)
         self._drained = False
+
+    def start(self: _Run) -> _Run:
+        """Start the node's process and the thread that reads its output."""
+        argv, env, cwd = self._launch
+        node = self.node
+        self.proc = node.popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._reader = supervisor().start(f"RayfreeTestNode-{node.index}", self._read)
+        return self
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -148,7 +159,7 @@ class SimulatedRun:
             raise AssertionError(f"node {k} still running after {timeout}s: stop it before restarting it") from None
         argv, own, cwd = self._launch[k]
         self._retired.append(old)
-        self.nodes[k] = NodeRun(self.sim.nodes[k], [*argv, *args], {**own, **(env or {})}, cwd)
+        self.nodes[k] = NodeRun(self.sim.nodes[k], [*argv, *args], {**own, **(env or {})}, cwd).start()
         return self.nodes[k]
 
     def wait(self, timeout: float) -> list[int]:
@@ -234,7 +245,7 @@ def simulated_cluster(
                 argv += ["--worker-kwargs", json.dumps(worker_kwargs)]
             own = {"PYTHONPATH": path, "TORCH_CPP_LOG_LEVEL": "ERROR", **(env or {}), **(node_env or {}).get(k, {})}
             run._launch[k] = (argv, own, cwd)
-            nodes.append(NodeRun(node, argv, own, cwd))
+            nodes.append(NodeRun(node, argv, own, cwd).start())
         yield run
     finally:
         run.close()

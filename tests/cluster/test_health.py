@@ -46,13 +46,15 @@ def node_argv(sim: SimulatedCluster, k: int) -> list[str]:
 def start_cluster(sim: SimulatedCluster) -> list[NodeProc]:
     procs: list[NodeProc] = []
     for k in range(3):
-        procs.append(NodeProc(sim.nodes[k], node_argv(sim, k), ENV))
+        procs.append(NodeProc(sim.nodes[k], node_argv(sim, k), ENV).start())
         procs[-1].others = procs
     return procs
 
 
 def probe(sim: SimulatedCluster, k: int, path: str = "readyz") -> NodeProc:
-    return NodeProc(sim.nodes[k], [sys.executable, "-m", "tests.support.probe", f"http://127.0.0.1:{PORT}/{path}"], ENV)
+    return NodeProc(
+        sim.nodes[k], [sys.executable, "-m", "tests.support.probe", f"http://127.0.0.1:{PORT}/{path}"], ENV
+    ).start()
 
 
 def until(p: NodeProc, code: int, timeout: float) -> tuple[float, dict]:

@@ -30,7 +30,7 @@ NODE = [
 def start(sim: SimulatedCluster, argv_of, env_of) -> list[NodeProc]:
     procs: list[NodeProc] = []
     for k in range(sim.nnodes):
-        procs.append(NodeProc(sim.nodes[k], argv_of(k), {**ENV, **env_of(k)}))
+        procs.append(NodeProc(sim.nodes[k], argv_of(k), {**ENV, **env_of(k)}).start())
         procs[-1].others = procs
     return procs
 
@@ -98,9 +98,9 @@ def test_two_nodes_claiming_one_rank_are_both_told() -> None:
 def test_a_late_node_is_waited_for_by_name_and_then_joins() -> None:
     with SimulatedCluster(2) as sim:
         argv = [*NODE[:6], *NODE[8:], "--nnodes", "2", "--master-addr", sim.nodes[0].ip]
-        lead = NodeProc(sim.nodes[0], [*argv, "--node-rank", "0", *NODE[6:8]], ENV)
+        lead = NodeProc(sim.nodes[0], [*argv, "--node-rank", "0", *NODE[6:8]], ENV).start()
         line = lead.expect(r"waiting for node 1 of 2 \(ranks \[1\]\) for (\d+)s of 900s \(join_timeout_s\)", 60)
-        follow = NodeProc(sim.nodes[1], [*argv, "--node-rank", "1", "--headless"], ENV)  # late, as after a pull
+        follow = NodeProc(sim.nodes[1], [*argv, "--node-rank", "1", "--headless"], ENV).start()  # late, as after a pull
         lead.others = follow.others = [lead, follow]
         finished_equal([lead, follow])
     assert int(line.group(1)) >= 5

@@ -68,7 +68,7 @@ def placement(launcher: str, sim: SimulatedCluster, k: int, logs: str) -> tuple[
 def probe(sim: SimulatedCluster, path: str) -> NodeProc:
     return NodeProc(
         sim.nodes[0], [sys.executable, "-m", "tests.support.probe", f"http://127.0.0.1:{PORT}/{path}", "0.02"], ENV
-    )
+    ).start()
 
 
 @pytest.mark.timeout(240)
@@ -78,7 +78,7 @@ def test_node_0_leaves_non_zero_within_2s_of_a_loss_while_its_entry_sleeps(launc
         nodes: list[NodeProc] = []
         for k in range(2):
             argv, env = placement(launcher, sim, k, str(tmp_path))
-            nodes.append(NodeProc(sim.nodes[k], argv, {**ENV, **env}))
+            nodes.append(NodeProc(sim.nodes[k], argv, {**ENV, **env}).start())
             nodes[-1].others = nodes
         nodes[0].expect("^SERVING:", 180)
         live, ready = probe(sim, "livez"), probe(sim, "readyz")

@@ -1,8 +1,9 @@
 """`rayfree scale --dp N`: an operator narrows a running cluster of DP replicas and widens it again, on simulated
 nodes, while replica 0 serves throughout: independent replicas (four nodes, DP=2 x TP=2; replica 1 on nodes 2
 and 3), and coupled ones stepping together (two nodes, one replica each), whose groups across replicas shrink
-and grow with the width. Scaling in is a drain of the highest replicas (the roster's, executor/roster.py);
-scaling out again admits their nodes started with the same command, as a rejoin."""
+and grow with the width. Past the width the cluster started with, replica 0's engine asks (`scale_replicas`).
+Scaling in is a drain of the highest replicas (the roster's, executor/roster.py); scaling out again admits
+their nodes started with the same command, as a rejoin."""
 
 from __future__ import annotations
 
@@ -120,37 +121,46 @@ def widened(nodes: Nodes, k: int, width: int, entry: str = WIDENING, **env: str)
                        **env)  # fmt: skip
 
 
+def ask(path, width: int, proc: NodeProc) -> str:
+    """Replica 0's engine (on `proc`) asks for `width` (`scale_replicas`, EngineScales); its answer."""
+    path.write_text(str(width))
+    return proc.result("ASKED", 60)["answer"]
+
+
 @pytest.mark.timeout(400)
-def test_scale_out_past_the_width_the_cluster_started_with_and_back_while_the_others_serve(tmp_path) -> None:
-    """Independent DP=2 x TP=1 on two nodes, both leaders stepping: `rayfree scale --dp 3` and a third node started
-    with --dp 3 --nnodes 3: node 0 admits it (replica 2, in epoch 1: it had no first start), every node hears it
-    serve, and it steps; then replica 0's engine asks for width 2 (`scale_replicas`): replica 2 drains and its
-    node exits 0. A node started for a replica past the requested width (--dp 4 --nnodes 4, node 3) is refused
-    in one line and exits 2, changing nothing. Replicas 0 and 1 fail no step and keep their processes."""
+def test_replica_0s_engine_scales_out_past_the_width_the_cluster_started_with_and_back_while_the_others_serve(
+    tmp_path,
+) -> None:
+    """Independent DP=2 x TP=1 on two nodes, both leaders stepping: replica 0's engine asks for width 3
+    (`scale_replicas`) and a third node is started with --dp 3 --nnodes 3: node 0 admits it (replica 2, in epoch
+    1: it had no first start), every node hears it serve, and it steps; then the engine asks for width 2: replica
+    2 drains and its node exits 0. A node started for a replica past the requested width (--dp 4 --nnodes 4,
+    node 3) is refused in one line and exits 2, changing nothing. Replicas 0 and 1 fail no step and keep their
+    processes. (`rayfree scale` asks node 0 the same: the test above.)"""
     with SimulatedCluster(4) as sim:
-        go = tmp_path / "scale-in"  # (replica 0's engine scales in once it exists)
-        nodes, procs = stepping(sim, 2, 2, 1, WIDENING, (0, 1), RF_ENGINE_SCALES_IN=str(go))
-        wider = rayfree(sim, nodes, 0, "scale", "--dp", "3")
+        width = tmp_path / "width"
+        nodes, procs = stepping(sim, 2, 2, 1, WIDENING, (0, 1), RF_ENGINE_SCALES=str(width))
+        wider = ask(width, 3, procs[0])
         procs[2] = widened(nodes, 2, 3)
         far = widened(nodes, 3, 4)
         far_code = far.wait(120)
         for k in (0, 1):
             procs[k].expect(r'^HEARD:.*"replica": 2, "state": "serving"', 180)
-        procs[2].expect(r"^STEPPING:", 60)
+        procs[2].expect(r"^STEPPED:", 60)
         status = rayfree(sim, nodes, 1, "status")
-        go.write_text("now")
+        narrower = ask(width, 2, procs[0])
         r2 = procs[2].result("RESULT", 120)
         results = {k: procs[k].result("RESULT", 120) for k in (0, 1)}
         codes = {k: p.wait(60) for k, p in procs.items()}
         assert_nothing_left(sim, [*procs.values(), far])
-    assert wider.returncode == 0 and "DP width 2 -> 3: start node(s) [2] for replica(s) [2]" in wider.stdout, wider
+    assert wider.startswith("DP width 2 -> 3: start node(s) [2] for replica(s) [2] with"), wider
     assert far_code == 2 and "past the requested width 3" in far.text(), far.text()[-3000:]
     assert "width 3 serving of 3 requested" in status.stdout and "replica 2: serving, epoch 1" in status.stdout, (
         status.stdout
     )
     assert "cluster: 3 node(s) (started as tp=1 pp=1 pcp=1 dp=2 nnodes=2" in status.stdout, status.stdout
-    assert results[0]["asked"] == "DP width 3 -> 2: replicas [2] drain, then their nodes exit 0", results[0]
-    assert (r2["epoch"], r2["outcome"]) == (1, "drained") and r2["steps"] == r2["equal"] > 0, r2
+    assert narrower == "DP width 3 -> 2: replicas [2] drain, then their nodes exit 0", narrower
+    assert (r2["epoch"], r2["outcome"]) == (1, "drained") and r2["steps"] == r2["equal"] >= 10, r2
     for k, r in results.items():
         assert r["outcome"] == "served" and r["steps"] == r["equal"] > 10, (k, r)
         assert [s[:2] for s in r["seen"]] == [[2, "serving"], [2, "draining"], [2, "drained"]], (k, r["seen"])
@@ -160,24 +170,28 @@ def test_scale_out_past_the_width_the_cluster_started_with_and_back_while_the_ot
 
 
 @pytest.mark.timeout(400)
-def test_coupled_replicas_scale_out_past_the_width_they_started_with_and_back_while_they_step() -> None:
-    """Coupled DP=2 x TP=1 on two nodes, stepping together, every step checked: `rayfree scale --dp 3` and a
-    third node started with --dp 3 --nnodes 3: replica 2 joins in epoch 1 and the groups across replicas grow to
-    [0, 1, 2] (each survivor's hook says so); `--dp 2` drains it, its node exits 0, and the groups shrink back to
-    [0, 1]. Replicas 0 and 1 fail no step: a step that met a change ran again (ReplicasChanged)."""
+def test_coupled_replicas_scale_out_past_the_width_they_started_with_and_back_from_the_engine_while_they_step(
+    tmp_path,
+) -> None:
+    """Coupled DP=2 x TP=1 on two nodes, stepping together, every step checked: replica 0's engine asks for width
+    3 (`scale_replicas`) and a third node is started with --dp 3 --nnodes 3: replica 2 joins in epoch 1 and the
+    groups across replicas grow to [0, 1, 2] (each survivor's hook says so); the engine asks for 2: replica 2
+    drains, its node exits 0, and the groups shrink back to [0, 1]. Replicas 0 and 1 fail no step: a step that
+    met a change ran again (ReplicasChanged)."""
     with SimulatedCluster(3) as sim:
-        nodes, procs = stepping(sim, 2, 2, 1, COUPLED_WIDENING, (0, 1), **COUPLED_ENV)
-        wider = rayfree(sim, nodes, 0, "scale", "--dp", "3")
+        width = tmp_path / "width"
+        nodes, procs = stepping(sim, 2, 2, 1, COUPLED_WIDENING, (0, 1), RF_ENGINE_SCALES=str(width), **COUPLED_ENV)
+        wider = ask(width, 3, procs[0])
         procs[2] = widened(nodes, 2, 3, COUPLED_WIDENING, **COUPLED_ENV)
         for k in (0, 1, 2):
             procs[k].expect(r'^MEMBERS:.*"members": \[0, 1, 2\]', 180)
-        narrower = rayfree(sim, nodes, 0, "scale", "--dp", "2")
+        narrower = ask(width, 2, procs[0])
         r2 = procs[2].result("RESULT", 120)
         results = {k: procs[k].result("RESULT", 120) for k in (0, 1)}
         codes = {k: p.wait(60) for k, p in procs.items()}
         assert_nothing_left(sim, list(procs.values()))
-    assert wider.returncode == 0 and "DP width 2 -> 3: start node(s) [2] for replica(s) [2]" in wider.stdout, wider
-    assert narrower.returncode == 0 and "DP width 3 -> 2: replicas [2] drain" in narrower.stdout, narrower
+    assert wider.startswith("DP width 2 -> 3: start node(s) [2] for replica(s) [2] with"), wider
+    assert narrower == "DP width 3 -> 2: replicas [2] drain, then their nodes exit 0", narrower
     assert (r2["epoch"], r2["outcome"]) == (1, "drained") and r2["steps"] == r2["equal"] > 0, r2
     assert [run[0] for run in r2["runs"]] == [[0, 1, 2]], r2["runs"]
     for k, r in results.items():

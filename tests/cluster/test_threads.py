@@ -50,7 +50,7 @@ def test_a_running_two_node_clusters_threads_are_the_pages(tmp_path) -> None:
                 "--insecure", "--health-port", "8495", "--metrics-port", "8496",
                 "--worker-kwargs", '{"distributed": true}', *role,
             ]  # fmt: skip
-            procs.append(NodeProc(sim.nodes[k], argv, ENV))
+            procs.append(NodeProc(sim.nodes[k], argv, ENV).start())
             procs[-1].others = procs
         seen = procs[0].result("THREADS", 180)
         assert procs[0].wait(60) == 0 and procs[1].wait(60) == 0, procs[0].text()[-3000:] + procs[0].others_text()

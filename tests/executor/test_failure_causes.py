@@ -186,3 +186,20 @@ def test_a_failure_is_weighed_by_its_cause_type() -> None:
     ]
     assert [severity_of(cause) for cause, _ in table] == [weight for _, weight in table]
     assert isinstance(CallInterrupted("x"), ExecutorFailed)  # (`except ExecutorFailed` catches it, as before)
+
+
+@pytest.mark.timeout(60)
+def test_the_failure_policy_runs_only_on_its_thread_and_is_reached_from_others_by_report() -> None:
+    """The policy's state has no lock: `apply` from any thread but the policy's is refused (SupervisorMisuse) and
+    changes nothing; `report` is the door, and what it posts is applied on the policy thread."""
+    from rayfree.supervisor import SupervisorMisuse
+
+    with MultiprocExecutor(cfg("shm", tp=1), ECHO) as ex:
+        policy = ex.liveness.policy
+        with pytest.raises(SupervisorMisuse, match="runs on the policy thread"):
+            policy.apply(policy.failure("a test", RuntimeError("boom"), ex))
+        assert not ex.is_failed and policy.record is None
+        assert ex.collective_rpc("echo", args=(1,), timeout=30) == [1]
+        policy.report("a test", RuntimeError("boom"), ex)
+        wait_until(lambda: ex.is_failed, 30, "the failure reported to be applied")
+        assert policy.record is not None and "boom" in str(policy.record.cause)

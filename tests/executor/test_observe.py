@@ -185,7 +185,7 @@ def test_the_metrics_endpoint_counts_the_calls_made() -> None:
     with SimulatedCluster(1, use_netns=False) as sim:
         node = NodeProc(
             sim.nodes[0], argv, {"PYTHONPATH": PYTHONPATH, "RF_CALLS": "25", "RAYFREE_FORCE_REMOTE": "0", **FAST}
-        )
+        ).start()
         called = node.result("CALLED", 120)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             text = r.read().decode()

@@ -248,7 +248,9 @@ def test_a_multi_node_block_forms_its_cluster_on_simulated_nodes(block: str, tmp
             line = c.replace("10.0.0.1", ip)
             shell = f"{prelude}; exec {line}" if prelude else f"exec {line}"
             procs.append(
-                NodeProc(sim.nodes[_node_of(c)], ["sh", "-ec", f"cd {shlex.quote(str(tmp_path))}; {shell}"], env)
+                NodeProc(
+                    sim.nodes[_node_of(c)], ["sh", "-ec", f"cd {shlex.quote(str(tmp_path))}; {shell}"], env
+                ).start()
             )
             procs[-1].others = procs
         procs[0].expect(re.escape(want), 240)

@@ -117,7 +117,7 @@ def test_the_leaderworkerset_commands_form_a_cluster_on_simulated_pods(tmp_path)
         pods = [
             NodeProc(
                 sim.nodes[k], argv_of(leader if k == 0 else worker), pod_env(leader if k == 0 else worker, k, size)
-            )
+            ).start()
             for k in range(size)
         ]
         for p in pods:
@@ -128,7 +128,7 @@ def test_the_leaderworkerset_commands_form_a_cluster_on_simulated_pods(tmp_path)
             for kind in ("readinessProbe", "livenessProbe"):
                 get = c[kind]["httpGet"]
                 url = f"http://{sim.nodes[k].ip}:{get['port']}{get['path']}"
-                probes[k, kind] = NodeProc(sim.nodes[k], [sys.executable, "-m", "tests.support.probe", url], {})
+                probes[k, kind] = NodeProc(sim.nodes[k], [sys.executable, "-m", "tests.support.probe", url], {}).start()
         for (k, _kind), p in probes.items():
             m = p.expect(r"^PROBE 200 (\S+) (.*)$", 120)
             assert json.loads(m.group(2))["node"] == k
@@ -176,7 +176,7 @@ def test_the_statefulset_commands_form_a_cluster_on_simulated_pods(tmp_path) -> 
         aliases={"rayfree-0.rayfree.default.svc.cluster.local": 0},
         files={security.DOCKER_SECRET: secret},
     ) as sim:
-        pods = [NodeProc(sim.nodes[k], ["sh", "-c", script], sts_env(c, k, "default")) for k in range(n)]
+        pods = [NodeProc(sim.nodes[k], ["sh", "-c", script], sts_env(c, k, "default")).start() for k in range(n)]
         for p in pods:
             p.others = pods
         get = c["readinessProbe"]["httpGet"]
@@ -185,7 +185,7 @@ def test_the_statefulset_commands_form_a_cluster_on_simulated_pods(tmp_path) -> 
                 sim.nodes[k],
                 [sys.executable, "-m", "tests.support.probe", f"http://127.0.0.1:{get['port']}{get['path']}"],
                 {},
-            )
+            ).start()
             for k in range(n)
         ]
         for p in probes:

@@ -300,9 +300,8 @@ def widening(ex) -> int:
     """Independent replicas while the width goes past --dp and back (`rayfree scale`): every replica's leader
     steps, each step checked. A leader whose replica drains ends (RESULT drained); one whose replica serves steps
     until it heard the newest replica (past the cluster's --dp) serve and then drain, then 10 more (RESULT
-    served). Each replica callback it hears is said (HEARD). With RF_ENGINE_SCALES_IN (a path), replica 0's
-    engine asks for the narrower width itself (`scale_replicas`) once it took 10 steps beside the newest replica
-    and that file exists."""
+    served). Each replica callback it hears is said (HEARD); its tenth step too (STEPPED). Replica 0's engine
+    asks for the widths RF_ENGINE_SCALES names (EngineScales)."""
     from rayfree import ReplicaDrained
     from rayfree.cli.toy_engine import make_batch, reference_forward
 
@@ -317,8 +316,8 @@ def widening(ex) -> int:
     say("STEPPING", replica=ex.dp_rank, epoch=epoch, t=time.monotonic())
     steps = equal = 0
     until = time.monotonic() + 300
-    outcome, refused, asked, beside = "served", "", "", 0
-    scale_in = os.environ.get("RF_ENGINE_SCALES_IN", "") if ex.dp_rank == 0 else ""
+    outcome, refused = "served", ""
+    scales = EngineScales(ex)
     while time.monotonic() < until and not ([newest, "drained"] in [s[:2] for s in seen] and ex.dp_rank != newest):
         batch = make_batch(steps, replica=ex.dp_rank)
         try:
@@ -327,17 +326,40 @@ def widening(ex) -> int:
             outcome, refused = "drained", str(e)
             break
         steps += 1
-        beside += [newest, "serving"] in [s[:2] for s in seen]
-        if scale_in and not asked and beside >= 10 and os.path.exists(scale_in):
-            asked = ex.scale_replicas(newest)
+        if steps == 10:
+            say("STEPPED", replica=ex.dp_rank, steps=steps)
+        scales.poll()
     for _ in range(10 if outcome == "served" else 0):
         batch = make_batch(steps, replica=ex.dp_rank)
         equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
         steps += 1
     states = {k: [v.state, v.epoch] for k, v in ex.replica_states().items()}
     say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome=outcome, steps=steps, equal=equal, seen=seen,
-        states=states, widths=list(ex.replica_widths()), refused=refused, asked=asked)  # fmt: skip
+        states=states, widths=list(ex.replica_widths()), refused=refused, asked=scales.asked)  # fmt: skip
     return 0
+
+
+class EngineScales:
+    """The engine's side of a scale (`scale_replicas`), as a test drives it: with RF_ENGINE_SCALES (a path),
+    replica 0's engine asks, between its steps, for the width that file holds each time it changes, and says the
+    answer (ASKED)."""
+
+    def __init__(self, ex: Any) -> None:
+        self.ex = ex
+        self.path = os.environ.get("RF_ENGINE_SCALES", "") if ex.dp_rank == 0 else ""
+        self.asked: list[str] = []
+        self._last = ""
+
+    def poll(self) -> None:
+        try:
+            with open(self.path) as f:
+                want = f.read().strip()
+        except OSError:  # (none asked yet, or not replica 0)
+            return
+        if want and want != self._last:
+            self._last = want
+            self.asked.append(self.ex.scale_replicas(int(want)))
+            say("ASKED", width=int(want), answer=self.asked[-1])
 
 
 def coupled_batch(step: int, replica: int) -> dict:
@@ -413,7 +435,8 @@ def checked_step(ex, step: int) -> tuple[int, list[int]]:
 
 
 def coupled_widening(ex) -> int:
-    """Coupled replicas while the width goes past --dp to 3 and back (`rayfree scale`): each leader steps, every
+    """Coupled replicas while the width goes past --dp to 3 and back (asked by replica 0's engine, EngineScales):
+    each leader steps, every
     step checked; a step that meets a change of the members runs again. Replicas 0 and 1 step until their groups
     across replicas went [0, 1] -> [0, 1, 2] -> [0, 1], then RF_AFTER more; replica 2 (the scale-out's) steps
     until it drains. Each new member set is said (MEMBERS)."""
@@ -425,10 +448,12 @@ def coupled_widening(ex) -> int:
     changes: list = []
     outcome, refused = "served", ""
     until = time.monotonic() + 240
+    scales = EngineScales(ex)
     say("STEPPING", replica=ex.dp_rank, epoch=epoch, t=time.monotonic())
     while time.monotonic() < until:
         if [r[0] for r in runs][-3:] == [[0, 1], [0, 1, 2], [0, 1]] and runs[-1][1] >= want:
             break
+        scales.poll()
         try:
             same, members = checked_step(ex, steps)
         except ReplicasChanged as e:
@@ -446,7 +471,7 @@ def coupled_widening(ex) -> int:
             say("MEMBERS", replica=ex.dp_rank, members=members)
     hooks = ex.collective_rpc("hook_calls", unique_reply_rank=0, timeout=60) if outcome == "served" else []
     say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome=outcome, steps=steps, equal=equal, runs=runs,
-        changes=changes, hooks=hooks, refused=refused)  # fmt: skip
+        changes=changes, hooks=hooks, refused=refused, asked=scales.asked)  # fmt: skip
     return 0
 
 

@@ -115,7 +115,7 @@ class Nodes:
         """Node k as compose's `service` (default: head for node 0, follower for the others)."""
         service = service or ("head" if k == 0 else "follower")
         argv, cenv = compose_invocation(service, {**self.values, "RAYFREE_NODE_RANK": str(k)})
-        proc = NodeProc(self.sim.nodes[k], argv, {**cenv, **self.env, **env})
+        proc = NodeProc(self.sim.nodes[k], argv, {**cenv, **self.env, **env}).start()
         self.started.append(proc)
         proc.others = self.started
         return proc

@@ -171,7 +171,7 @@ def _follower(sim: SimulatedCluster, model: str, common: dict[str, str]) -> Node
     """`rayfree node --headless` with vLLM's worker, on node 1."""
     argv = [sys.executable, "-m", "rayfree.cli", "node", "--headless", "--node-rank", "1"]
     argv += ["--worker", "rayfree.integrations.vllm:VllmWorker", "--worker-kwargs", json.dumps(engine_args(model))]
-    return NodeProc(sim.nodes[1], argv, _env(**common))
+    return NodeProc(sim.nodes[1], argv, _env(**common)).start()
 
 
 def _two_nodes(sim: SimulatedCluster, model: str, mode: str, secret: str) -> tuple[NodeProc, NodeProc]:
@@ -182,7 +182,7 @@ def _two_nodes(sim: SimulatedCluster, model: str, mode: str, secret: str) -> tup
         sim.nodes[0],
         [sys.executable, "-m", "tests.support.vllm_engine", model, "rayfree", mode],
         _env(**common, RAYFREE_NODE_RANK="0"),
-    )
+    ).start()
     lead.others = follow.others = [lead, follow]
     return lead, follow
 
@@ -231,15 +231,15 @@ def test_the_openai_server_across_two_simulated_nodes_gives_mp_s_tokens_and_heal
             sim.nodes[0],
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *SERVE, "--port", "8000"],
             _env(**common, RAYFREE_NODE_RANK="0"),
-        )
+        ).start()
         server.others = follow.others = [server, follow]
         server.expect("Application startup complete", 600)
         client = NodeProc(
             sim.nodes[0], [sys.executable, "-m", "tests.support.openai_client", "http://127.0.0.1:8000", model], _env()
-        )
+        ).start()
         r = client.result("TOKENS", 300)
         health = "http://127.0.0.1:8000/health"
-        probe = NodeProc(sim.nodes[0], [sys.executable, "-m", "tests.support.probe", health], {})
+        probe = NodeProc(sim.nodes[0], [sys.executable, "-m", "tests.support.probe", health], {}).start()
         probe.expect(r"^PROBE 200 ", 60)
         t0 = time.monotonic()
         sim.nodes[1].kill()
