@@ -5,7 +5,8 @@ bench/rpc.py times calls the worker answers at once; an engine's calls take mill
 waits its reader parks, so waking it costs every step. Here the worker computes for real (torch.mm into
 tensors made before timing, one thread; no sleep), times its own compute and returns that time; the caller's
 cost is the call's wall time minus it. Rigs, alternated in rounds (a slow spell hits each alike): rayfree's
-transport queues (a broadcast queue and a reply queue, as the executor holds them), `collective_rpc` at 1 and
+transport queues (a broadcast queue and a reply queue, as the executor holds them; and both on the remote path,
+ZeroMQ over TCP loopback, sealed as between nodes), `collective_rpc` at 1 and
 4 workers, vLLM's MessageQueue both ways (as its executor holds them; when vLLM imports, e.g. with its venv),
 and a blocking pipe, each up alone in turn (vLLM's readers spin while they wait: beside another rig they would
 take its core). Beside each: the caller process's CPU while steps run, as a share of one core (its waiting),
@@ -85,6 +86,16 @@ class QueueRig(bt.MQRig):
         self.bq.enqueue((ms,))
         took = self.rq.dequeue(timeout=60)
         return time.perf_counter() - t0, took
+
+
+class RemoteQueueRig(QueueRig):
+    """The same queues with the reader on the remote path (ZeroMQ over TCP loopback, sealed as between nodes,
+    the reply too): what a step costs a caller whose worker is on another node."""
+
+    name = "rayfree remote"
+
+    def __init__(self, n: int) -> None:
+        bt.MQRig.__init__(self, 0, n, answer=step_answer)
 
 
 # -- vLLM's MessageQueue both ways --------------------------------------------------
@@ -277,11 +288,19 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps-ms", default="0.1,1,5,30")
     ap.add_argument("--workers", default="1,4", help="collective_rpc's worker counts")
-    ap.add_argument("--rigs", default="queues,pipe,vllm,rpc", help="which rigs (rpc: collective_rpc)")
+    ap.add_argument(
+        "--rigs",
+        default="queues,remote,pipe,vllm,rpc",
+        help="which rigs (rpc: collective_rpc; remote: the queues over TCP loopback)",
+    )
     args = ap.parse_args()
     steps = [float(x) for x in args.steps_ms.split(",")]
     want = set(args.rigs.split(","))
-    makers: dict[str, object] = {"queues": lambda: QueueRig(1), "pipe": lambda: PipeRig(1)}
+    makers: dict[str, object] = {
+        "queues": lambda: QueueRig(1),
+        "remote": lambda: RemoteQueueRig(1),
+        "pipe": lambda: PipeRig(1),
+    }
     makers = {k: v for k, v in makers.items() if k in want}
     if "vllm" in want and bt._has_vllm():
         makers["vllm"] = lambda: VllmRig(1)
@@ -293,7 +312,10 @@ def main() -> int:
         f"idle = the caller's and the workers' for a second after the steps stop"
         + ("" if "vllm" in makers else " (vLLM is not importable here: run with its venv for its column)")
     )
-    res, idle, names = run(makers, steps, args.rounds, args.quick)
+    from rayfree.cli.demo import demo_secret
+
+    with demo_secret():  # (the remote rig's TCP needs a cluster secret: a throwaway one)
+        res, idle, names = run(makers, steps, args.rounds, args.quick)
     hdr = f"{'rig':>20} {'step ms':>8} {'cost p50':>9} {'cost p99':>9} {'cpu %':>6} {'idle %':>7}"
     print(hdr)
     print("-" * len(hdr))

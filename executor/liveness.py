@@ -348,24 +348,22 @@ class FollowerLiveness(NodeLiveness):
             self.beater.on_replica_drain = lambda m: soon(send, DrainHeard(m.dp_rank))
             self.beater.on_regroup = lambda m: soon(send, Regrouped(m.epoch, tuple(m.members)))
         self.beater.start(self.policy)  # (wired: node 0's first word meets every callback; a crash fails the node)
-        logger.info(
-            "node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
-            self.node,
-            par.master_addr,
-            par.master_port,
-            self.beater.endpoint,
-            cfg.join_timeout_s,
-        )
+        logger.info("node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
+                    self.node, par.master_addr, par.master_port, self.beater.endpoint, cfg.join_timeout_s)  # fmt: skip
 
     def _head_bye(self, _node: int, clean: bool, reason: str) -> None:
         if clean:
             logger.info("node %d: node 0 stopped the cluster; stopping this node's workers", self.node)
-            self.stopped_cleanly = reason or "node 0 stopped"
-            self.settled.set()
+            self.policy.sup.call_soon(self._stopped_by_node_0, reason or "node 0 stopped")  # (before the report)
             self.policy.report("node 0's goodbye", None)
         else:
             why = f"it stopped after a failure: {reason}"
             self.policy.report("node 0's goodbye", LeaderLost(self.node, why))
+
+    def _stopped_by_node_0(self, why: str) -> None:
+        """The policy thread, the one writer of `stopped_cleanly`: node 0 stopped the cluster."""
+        self.stopped_cleanly = why
+        self.settled.set()
 
     def _replica_down(self, msg: ReplicaDown) -> None:
         err = ReplicaLost(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)

@@ -240,11 +240,21 @@ def test_gpu_check_offline_names_the_wheel_its_wheelhouse_lacks(tmp_path) -> Non
 @pytest.mark.timeout(300)
 def test_step_bench_runs_every_rig_at_every_step_length() -> None:
     cmd = [sys.executable, os.path.join(ROOT, "bench", "step.py"), "--quick", "--rounds", "1", "--rigs",
-           "queues,pipe,rpc", "--workers", "1", "--steps-ms", "1,5"]  # fmt: skip
+           "queues,remote,pipe,rpc", "--workers", "1", "--steps-ms", "1,5"]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, f"bench/step.py failed:\n{out.stdout}\n{out.stderr}"
     rows = re.findall(r"^\s*(.+?)\s+([\d.]+)\s+(-?\d+)\s+(-?\d+)\s+([\d.]+)\s+([\d.]+)$", out.stdout, re.M)
-    assert [(r[0], r[1]) for r in rows] == [
-        (rig, ms) for ms in ("1", "5") for rig in ("rayfree queues", "blocking pipe", "collective_rpc x1")
-    ], out.stdout
+    rigs = ("rayfree queues", "rayfree remote", "blocking pipe", "collective_rpc x1")
+    assert [(r[0], r[1]) for r in rows] == [(rig, ms) for ms in ("1", "5") for rig in rigs], out.stdout
     assert "vLLM is not importable here" in out.stdout or "vLLM MessageQueue" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_seal_handoff_bench_measures_every_hand_off_against_the_seal_and_insecure() -> None:
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "seal_handoff.py"), "--rounds", "1", "--messages", "5"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, f"bench/seal_handoff.py failed:\n{out.stdout}\n{out.stderr}"
+    rows = dict(re.findall(r"^\s*([\w ]+): cpu\s+(\d+)", out.stdout, re.M))
+    assert list(rows) == ["seal only", "insecure", "tracked", "owned", "copied"], out.stdout
+    assert all(int(v) > 0 for v in rows.values()), rows
+    assert out.stdout.count("over insecure") == 3, out.stdout

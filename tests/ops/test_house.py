@@ -186,6 +186,41 @@ def test_every_thread_is_started_by_the_supervisor() -> None:
     assert not bad, f"threads started outside rayfree/supervisor.py (use supervisor().start): {bad}"
 
 
+def _thread_names(path: str) -> list[str]:
+    """The names of the threads `supervisor().start(...)` calls in a file start, `{...}` as `<x>`."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    out = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "start"
+            and isinstance(node.func.value, ast.Call)
+            and getattr(node.func.value.func, "id", "") == "supervisor"
+        ):
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant):
+                out.append(arg.value)
+            elif isinstance(arg, ast.JoinedStr):
+                out.append("".join(v.value if isinstance(v, ast.Constant) else "<x>" for v in arg.values))
+            else:
+                out.append(ast.unparse(arg) if arg is not None else "?")
+    return out
+
+
+def test_every_thread_the_library_starts_is_in_the_architecture_pages_table() -> None:
+    """docs/architecture.md, "Threads and who stops them", lists every thread by name: each name a
+    `supervisor().start` in the library gives is a row there (`<n>` and the like match any placeholder)."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        section = f.read().split("## Threads and who stops them", 1)[1].split("\n## ", 1)[0]
+    rows = {re.sub(r"<\w+>", "<x>", n) for n in re.findall(r"^\| `(Rayfree[\w<>-]+)` \|", section, re.M)}
+    started = {n: os.path.relpath(p, ROOT) for p in _modules().values() for n in _thread_names(p)}
+    started.pop("self._name", None)  # (the heartbeat threads: named by their class, both rows of the table)
+    missing = {n: where for n, where in started.items() if n not in rows}
+    assert len(started) >= 10 and not missing, f"threads the table lacks: {missing}"
+
+
 def test_nothing_reaches_into_a_room_from_outside_it() -> None:
     bad = []
     for path in _modules().values():

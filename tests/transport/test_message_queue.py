@@ -375,6 +375,50 @@ def test_shutdown_wakes_a_reader_blocked_in_another_thread(path: str) -> None:
         r.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_reader_that_learned_steady_steps_takes_every_message_in_order_and_still_hears_a_shutdown(
+    path: str,
+) -> None:
+    """Messages 5 ms apart teach the reader a rhythm (it naps until a lead before the next is due, then looks:
+    shm/waiting.py on both paths); then one comes at once, one later than the rhythm, and a shutdown arrives
+    while it waits: every message arrives once and in order, the shutdown ends the wait as a QueueShutdown."""
+    w, r = ready_pair(path)
+    got: list = []
+    errors: list[BaseException] = []
+    learned = threading.Event()
+
+    def read() -> None:
+        try:
+            for _ in range(43):
+                got.append(r.dequeue(timeout=30))
+                if len(got) == 40:
+                    learned.set()
+            r.dequeue(timeout=30)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        for i in range(40):
+            w.enqueue(i, timeout=5)
+            time.sleep(0.005)  # (the rhythm the reader learns; not a synchronisation)
+        assert learned.wait(30)
+        w.enqueue(40, timeout=5)  # at once
+        w.enqueue(41, timeout=5)
+        time.sleep(0.05)  # later than the rhythm
+        w.enqueue(42, timeout=5)
+        wait_until(lambda: len(got) == 43, 30, "every message read")
+        r.shutdown()  # the reader waits again, after the same rhythm
+        t.join(10)
+        assert not t.is_alive()
+        assert got == list(range(43)), got
+        assert len(errors) == 1 and isinstance(errors[0], QueueShutdown), errors
+    finally:
+        w.close()
+        r.close()
+
+
 def test_writer_close_ends_a_waiting_reader_with_queue_closed(path: str) -> None:
     w, r = ready_pair(path)
     w.enqueue("last", timeout=5)
