@@ -76,26 +76,21 @@ def step_answer():  # noqa: ANN201 - made in the reader's process
 
 
 class QueueRig(bt.MQRig):
+    """rayfree's queues as the executor holds them; `remote`: the reader on the remote path (ZeroMQ over TCP
+    loopback, sealed as between nodes, the reply too), as for a worker on another node."""
+
     name = "rayfree queues"
 
-    def __init__(self, n: int) -> None:
-        super().__init__(n, 0, answer=step_answer)
+    def __init__(self, n: int, remote: bool = False) -> None:
+        super().__init__(0 if remote else n, n if remote else 0, answer=step_answer)
+        if remote:
+            self.name = "rayfree remote"
 
     def step(self, ms: float) -> tuple[float, float]:
         t0 = time.perf_counter()
         self.bq.enqueue((ms,))
         took = self.rq.dequeue(timeout=60)
         return time.perf_counter() - t0, took
-
-
-class RemoteQueueRig(QueueRig):
-    """The same queues with the reader on the remote path (ZeroMQ over TCP loopback, sealed as between nodes,
-    the reply too): what a step costs a caller whose worker is on another node."""
-
-    name = "rayfree remote"
-
-    def __init__(self, n: int) -> None:
-        bt.MQRig.__init__(self, 0, n, answer=step_answer)
 
 
 # -- vLLM's MessageQueue both ways --------------------------------------------------
@@ -298,7 +293,7 @@ def main() -> int:
     want = set(args.rigs.split(","))
     makers: dict[str, object] = {
         "queues": lambda: QueueRig(1),
-        "remote": lambda: RemoteQueueRig(1),
+        "remote": lambda: QueueRig(1, remote=True),
         "pipe": lambda: PipeRig(1),
     }
     makers = {k: v for k, v in makers.items() if k in want}

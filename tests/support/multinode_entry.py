@@ -351,10 +351,12 @@ class EngineScales:
         self._last = ""
 
     def poll(self) -> None:
+        if not self.path:
+            return
         try:
             with open(self.path) as f:
                 want = f.read().strip()
-        except OSError:  # (none asked yet, or not replica 0)
+        except OSError:  # (none asked yet)
             return
         if want and want != self._last:
             self._last = want
@@ -436,10 +438,9 @@ def checked_step(ex, step: int) -> tuple[int, list[int]]:
 
 def coupled_widening(ex) -> int:
     """Coupled replicas while the width goes past --dp to 3 and back (asked by replica 0's engine, EngineScales):
-    each leader steps, every
-    step checked; a step that meets a change of the members runs again. Replicas 0 and 1 step until their groups
-    across replicas went [0, 1] -> [0, 1, 2] -> [0, 1], then RF_AFTER more; replica 2 (the scale-out's) steps
-    until it drains. Each new member set is said (MEMBERS)."""
+    each leader steps, every step checked; a step that meets a change of the members runs again. Replicas 0 and 1
+    step until their groups across replicas went [0, 1] -> [0, 1, 2] -> [0, 1], then RF_AFTER more; replica 2
+    (the scale-out's) steps until it drains. Each new member set is said (MEMBERS)."""
     from rayfree import ReplicaDrained, ReplicasChanged
 
     want, epoch = int(os.environ.get("RF_AFTER", "20")), ex.parallel_config.replica_epoch

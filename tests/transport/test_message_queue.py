@@ -379,9 +379,10 @@ def test_shutdown_wakes_a_reader_blocked_in_another_thread(path: str) -> None:
 def test_a_reader_that_learned_steady_steps_takes_every_message_in_order_and_still_hears_a_shutdown(
     path: str,
 ) -> None:
-    """Messages 5 ms apart teach the reader a rhythm (it naps until a lead before the next is due, then looks:
-    shm/waiting.py on both paths); then one comes at once, one later than the rhythm, and a shutdown arrives
-    while it waits: every message arrives once and in order, the shutdown ends the wait as a QueueShutdown."""
+    """Messages 5 ms apart teach the reader a rhythm (on shared memory it then naps until a lead before the next
+    is due and looks across it, shm/waiting.py; over TCP it waits in ZeroMQ as ever); then one comes at once, one
+    later than the rhythm, and a shutdown arrives while it waits: every message arrives once and in order, the
+    shutdown ends the wait as a QueueShutdown."""
     w, r = ready_pair(path)
     got: list = []
     errors: list[BaseException] = []
