@@ -140,62 +140,21 @@ def torch_equal(a, b) -> bool:
     return a is not None and torch.equal(a, b)
 
 
-def drive(executor) -> None:
-    """The simulated nodes' entry: a few checked steps across the two nodes' GPUs."""
-    from rayfree.cli.toy_engine import make_batch, reference_forward
-
-    for step in range(20):
-        batch = make_batch(step)
-        executor.collective_rpc("execute_model", args=(batch,), timeout=120)
-        tokens = executor.collective_rpc("sample_tokens", timeout=120, unique_reply_rank=0)
-        assert tokens == reference_forward(batch["x"]).argmax(dim=-1).tolist(), step
-    print("gpu-check: two nodes, 20 steps checked", flush=True)
-
-
 def two_nodes(n_gpus: int) -> None:
     from rayfree.testing import simulated_cluster
 
     per_node = {k: {"CUDA_VISIBLE_DEVICES": str(k % n_gpus)} for k in range(2)}  # (ignored on a node without GPUs)
     with simulated_cluster(
-        2, worker="rayfree.cli.toy_engine:ToyWorker", entry="bench.gpu_check:drive", tp=2, cwd=ROOT, node_env=per_node
+        2,
+        worker="rayfree.cli.toy_engine:ToyWorker",
+        entry="bench.gpu_check_entries:drive",
+        tp=2,
+        cwd=ROOT,
+        node_env=per_node,
     ) as c:
         codes = c.wait(timeout=180)
         assert codes == [0, 0] and "20 steps checked" in c.nodes[0].text(), c.output()
     print("  two simulated nodes, TP=2 across them, one GPU each: 20 steps, tokens equal the reference")
-
-
-def replica_steps(executor) -> int:
-    """The one-GPU simulated nodes' entry (two independent DP replicas of TP=1 sharing the GPU): replica 0 steps
-    until replica 1 was lost and is back, then 20 more; replica 1 steps until it is lost (its node is killed), or,
-    rejoined, 20 steps. Every step's tokens checked."""
-    import json
-    import threading
-
-    from rayfree import ExecutorFailed
-    from rayfree.cli.toy_engine import make_batch, reference_forward
-
-    k, epoch = executor.dp_rank, executor.parallel_config.replica_epoch
-    seen: list[str] = []
-    changed = threading.Event()
-    executor.register_replica_callback(lambda r, st: (seen.append(f"{r}:{st.state}:{st.epoch}"), changed.set()))
-    print(f"STEPPING:{json.dumps({'replica': k, 'epoch': epoch})}", flush=True)
-    steps, after, until = 0, 0, time.monotonic() + 240
-    try:
-        while time.monotonic() < until:
-            back = k == 0 and any(s.startswith("1:serving:") for s in seen)
-            if (k == 0 and back and after >= 20) or (k == 1 and epoch > 0 and steps >= 20):
-                break
-            batch = make_batch(steps, replica=k)
-            executor.collective_rpc("execute_model", args=(batch,), timeout=120)
-            tokens = executor.collective_rpc("sample_tokens", timeout=120, unique_reply_rank=0)
-            assert tokens == reference_forward(batch["x"]).argmax(dim=-1).tolist(), (k, steps)
-            steps += 1
-            after += back
-    except ExecutorFailed as e:
-        print(f"RESULT:{json.dumps({'replica': k, 'epoch': epoch, 'failed': type(e).__name__})}", flush=True)
-        return 1
-    print(f"RESULT:{json.dumps({'replica': k, 'epoch': epoch, 'steps': steps, 'seen': seen})}", flush=True)
-    return 0
 
 
 def replicas_on_one_gpu() -> None:
@@ -208,7 +167,7 @@ def replicas_on_one_gpu() -> None:
     t0 = time.monotonic()
     one = {k: {"CUDA_VISIBLE_DEVICES": "0"} for k in range(2)}  # (ignored on a node without GPUs)
     with simulated_cluster(
-        2, worker="rayfree.cli.toy_engine:ToyWorker", entry="bench.gpu_check:replica_steps", dp=2, cwd=ROOT,
+        2, worker="rayfree.cli.toy_engine:ToyWorker", entry="bench.gpu_check_entries:replica_steps", dp=2, cwd=ROOT,
         node_env=one, env={"RAYFREE_LOG_LEVEL": "INFO"},
     ) as c:  # fmt: skip
         for node in c.nodes:

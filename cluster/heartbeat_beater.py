@@ -4,6 +4,7 @@ follower's): the thread that owns one `ControlSocket`, its stop, and the rule th
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,16 @@ IDLE_LOOK_S = 1.0
 STALL_SHARE = 1 / 3
 
 
+def _schedstat() -> tuple[float, float] | None:
+    """This thread's time on a CPU and waiting for one, in seconds (Linux; None elsewhere): a stall's cause."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 def wait_ms(due: float) -> int:
     """Milliseconds from now until `due` (monotonic), rounded up so the look finds it due."""
     return max(0, int((due - time.monotonic()) * 1000) + 1)
@@ -82,6 +93,10 @@ class Beater:
         self.who = who
         #: when the thread last came back from waiting for messages (None: not yet)
         self._ran_at: float | None = None
+        self._sched: tuple[float, float] | None = None
+        self._had_torch = "torch" in sys.modules
+        #: when this thread last came back from a stall of its own: its peers' silence counts from then
+        self._resumed_at = 0.0
         self._stall_logged_at: float | None = None
 
     def start(self, domain: FailureDomain | None = None) -> None:
@@ -139,40 +154,65 @@ class Beater:
         start = time.monotonic()
         got = sock.receive(poll_ms)
         now = time.monotonic()
+        sched = _schedstat()
         if self._ran_at is not None:
             # (the time between two looks, less the wait asked for: what the thread spent not running)
             stalled = start - self._ran_at + max(0.0, now - start - poll_ms / 1000)
             if stalled > self.timeout * STALL_SHARE:
-                self._stalled(stalled)
-        self._ran_at = now
+                self._stalled(stalled, sched)
+                self._resumed_at = now
+        self._ran_at, self._sched, self._had_torch = now, sched, "torch" in sys.modules
         if sock.take_dropped():
             self.suspect_at = now
         return got
 
-    def _stalled(self, seconds: float) -> None:
+    def _stalled(self, seconds: float, sched: tuple[float, float] | None) -> None:
         """This thread did not run for `seconds`: the peers heard nothing from it meanwhile, and a stall past the
-        bound reads to them as this node lost. Said (once per WAIT_LOG_S at most), so such a loss names its cause."""
+        bound reads to them as this node lost. Said (once per WAIT_LOG_S at most), so such a loss names its cause:
+        how much of it the thread waited for a CPU, and how much it ran (the rest: Python's lock, or I/O)."""
         now = time.monotonic()
         if self._stall_logged_at is not None and now - self._stall_logged_at < WAIT_LOG_S:
             return
         self._stall_logged_at = now
+        split = ""
+        if sched is not None and self._sched is not None:
+            ran, waited = sched[0] - self._sched[0], sched[1] - self._sched[1]
+            split = f" (of which {waited:.2f}s waiting for a CPU, {ran:.2f}s running)"
+        cause = (
+            "the process was starved of CPU or stopped, or another thread held Python's lock that long (an entry "
+            "point that imports torch inside the function does: import it at the top of the entry's module)"
+        )
+        if not self._had_torch and "torch" in sys.modules:
+            cause = (
+                "another thread of this process imported torch meanwhile, which holds Python's lock while its "
+                "libraries load: import torch before the cluster starts (at the top of the entry's module)"
+            )
         logger.warning(
-            "%s: its heartbeat thread did not run for %.1fs (heartbeat_timeout_s=%s): the process was starved of "
-            "CPU or stopped, or another thread held Python's lock that long (an entry point that imports torch "
-            "inside the function does: import it at the top of the entry's module); past the bound, the other "
+            "%s: its heartbeat thread did not run for %.1fs%s (heartbeat_timeout_s=%s): %s; past the bound, the other "
             "nodes call this one lost",
             self.who,
             seconds,
+            split,
             self.timeout,
+            cause,
         )
+
+    def _held_up(self) -> float:
+        """When this thread last came back from a stall of its own (0.0: never), also one in the middle of a look,
+        found before the next one. A peer's silence and reconnect window count from then at the earliest: while
+        this thread could not run it could neither hear the peer nor beat so that the peer answers."""
+        now = time.monotonic()
+        if self._ran_at is not None and now - self._ran_at > self.timeout * STALL_SHARE:
+            self._resumed_at = max(self._resumed_at, now)
+        return self._resumed_at
 
     def _silence_due(self, last: float | None, dropped_at: float | None) -> float:
         """When `_silent` would first call this peer lost if it stays silent (armed only)."""
         assert self.armed_at is not None
-        since = max(last or 0.0, self.armed_at)
-        due = since + self.timeout
-        if dropped_at is not None and since < dropped_at:
-            due = min(due, dropped_at + self._window(dropped_at))
+        heard, resumed = max(last or 0.0, self.armed_at), self._held_up()
+        due = max(heard, resumed) + self.timeout
+        if dropped_at is not None and heard < dropped_at:
+            due = min(due, max(dropped_at, resumed) + self._window(dropped_at))
         return due
 
     def _window(self, dropped_at: float | None) -> float:
@@ -186,11 +226,11 @@ class Beater:
         """Why a peer last heard from at `last`, whose connection dropped at `dropped_at`, counts as lost now
         (None: it does not)."""
         assert self.armed_at is not None
-        since = max(last or 0.0, self.armed_at)
-        if now - since > self.timeout:
-            return f"no heartbeat for {now - since:.1f}s (heartbeat_timeout_s={self.timeout})"
+        heard, resumed = max(last or 0.0, self.armed_at), self._held_up()
+        if now - max(heard, resumed) > self.timeout:
+            return f"no heartbeat for {now - heard:.1f}s (heartbeat_timeout_s={self.timeout})"
         window = self._window(dropped_at)
-        if dropped_at is not None and since < dropped_at and now - dropped_at >= window:
+        if dropped_at is not None and heard < dropped_at and now - max(dropped_at, resumed) >= window:
             return (
                 f"its connection dropped and it did not connect and beat again within {self.suspect_window:.1f}s "
                 f"(its process died or was stopped, its host went down, or the link was cut)"

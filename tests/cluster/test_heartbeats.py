@@ -287,6 +287,71 @@ def test_a_confirmed_drop_shortens_only_its_own_window() -> None:
         b._sock.close()
 
 
+def test_a_heartbeat_threads_own_stall_is_not_its_peers_silence() -> None:
+    """The rule, on times: a thread that was held up (its last look long ago) gives a peer heard from before its
+    stall its whole bound again from when it runs again, and a dropped connection its reconnect window from then;
+    a peer silent past the bound while the thread ran is still lost, the silence named in full."""
+    from rayfree.cluster.heartbeat_beater import RECONNECT_S, Beater
+    from rayfree.transport.zmq.control import ControlSocket
+
+    b = Beater(0.05, 3.0, "test-beater", "node 0")
+    b._sock = ControlSocket.listen(f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}")
+    try:
+        t = time.monotonic()
+        b.armed_at, b._ran_at = t - 20, t - 0.5  # (looked half a second ago: not held up)
+        assert "no heartbeat for 5.0s" in (b._silent(t - 5, t, None) or ""), "a peer silent while it ran"
+        b._ran_at = t - 4  # this thread's last look was 4 s ago: it was held up (a third of the bound is enough)
+        assert b._silent(t - 5, t, None) is None, "its own stall counted against the peer"
+        assert b._silence_due(t - 5, None) >= t + 3.0
+        assert b._silent(t - 5, t + 2.9, None) is None
+        assert "no heartbeat for 8.1s" in (b._silent(t - 5, t + 3.1, None) or ""), "silent a whole bound after"
+        assert b._silent(t - 5, t + 0.1, t - 2) is None  # dropped during the stall: its window counts from now
+        assert "connection dropped" in (b._silent(t - 5, t + RECONNECT_S + 0.01, t - 2) or "")
+    finally:
+        b._sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_node_0_held_up_past_the_bound_loses_no_follower_that_beats_again_at_once() -> None:
+    """Another thread holds Python's lock for 2.5 s, past the 1.5 s bound (as a thread importing torch can under
+    load): the follower could not beat meanwhile either (it shares the lock here, as a starved machine's processes
+    share its cores), and beats again at once; node 0 calls nobody lost (it did, before: its own stall counted as
+    the follower's silence)."""
+    port = get_open_port("127.0.0.1")
+    lost: list[int] = []
+    server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 1.5, lambda n, r, ip, why: lost.append(n))
+    server.start()
+    follower = _follower(port)
+    switch, seq = sys.getswitchinterval(), 0
+
+    def beat_for(seconds: float) -> None:
+        nonlocal seq
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            seq += 1
+            follower.send(_encode(Beat(1, [1], "127.0.0.1", os.getpid(), seq)))
+            assert follower.poll(20_000), "node 0 did not answer"
+            while follower.poll(0):
+                follower.recv()
+            time.sleep(0.05)  # (the beat's rhythm, as a follower's thread keeps it)
+
+    try:
+        beat_for(0.3)
+        server.arm()
+        beat_for(0.5)
+        sys.setswitchinterval(10.0)  # node 0's heartbeat thread waits for the lock until this thread lets go
+        t_end = time.monotonic() + 2.5
+        while time.monotonic() < t_end:
+            pass
+        sys.setswitchinterval(switch)
+        beat_for(2.0)
+        assert not lost and server.running(), lost
+    finally:
+        sys.setswitchinterval(switch)
+        follower.close(linger=0)
+        server.close(timeout=10)
+
+
 @pytest.mark.timeout(60)
 def test_a_heartbeat_thread_that_crashes_is_a_failure_its_domain_hears_of() -> None:
     """A heartbeat thread that raises stops watching the peers: the domain it was started for (the node's

@@ -13,6 +13,12 @@ import threading
 import time
 from typing import Any
 
+# (torch at the top, not in the entries: an import inside the entry holds Python's lock for seconds while the
+# node's heartbeats run, and its peers may call it lost; the docs ask the same of every entry point)
+import torch
+
+from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
+
 
 def say(tag: str, **kw: Any) -> None:
     """One line in one write (so no log line from another thread lands inside it)."""
@@ -42,7 +48,6 @@ def tensor_home(worker: Any, t: Any) -> dict:
 
 def shared_arguments(ex) -> int:
     """A 32 MiB argument, eight times, to every rank: where each rank found its bytes."""
-    import torch
 
     t = torch.arange(8 << 20, dtype=torch.float32)
     homes = [ex.collective_rpc(tensor_home, args=(t,), timeout=120) for _ in range(8)]
@@ -65,9 +70,7 @@ def nap(worker: Any, seconds: float) -> int:
 def check(ex) -> int:
     """Toy engine equals the 1-process model; replies from remote ranks; unique_reply_rank on a remote rank;
     a remote rank's exception; the tiny round trip to remote and to local ranks."""
-    import torch
 
-    from rayfree.cli.toy_engine import make_batch, reference_forward
     from rayfree.executor import WorkerError
 
     steps = 20
@@ -124,7 +127,6 @@ def cut_stream(ex) -> int:
 def step_until_lost(ex) -> int:
     """Toy engine steps (PP send/recv between the nodes) until the test takes a node away: the peers' gloo
     calls fail first, and the executor must still name the lost node as the cause."""
-    from rayfree.cli.toy_engine import make_batch
 
     def steps() -> None:
         for s in range(1_000_000):
@@ -176,7 +178,6 @@ def steps_while_a_replica_is_lost(ex) -> int:
     """Toy steps until this replica fails or another one is reported lost (the test takes a node of replica 1
     away); a survivor then takes 20 more steps and says what it saw."""
     from rayfree import ExecutorFailed, ReplicaLost
-    from rayfree.cli.toy_engine import make_batch, reference_forward
 
     seen: list = []
     ex.register_replica_callback(lambda k, st: seen.append([k, st.state, st.why, time.monotonic()]))
@@ -214,7 +215,6 @@ def steps_through_rejoins(ex) -> int:
     RF_TAIL_UNTIL_FILE exists). Replica 1's
     leader: steps until its replica is lost (epoch 0), or 20 steps once it rejoined (a later epoch)."""
     from rayfree import ExecutorFailed
-    from rayfree.cli.toy_engine import make_batch, reference_forward
 
     epoch, want = ex.parallel_config.replica_epoch, int(os.environ.get("RF_REJOINS", "1"))
     seen: list = []
@@ -251,7 +251,6 @@ def steps_through_drain(ex) -> int:
     leader in epoch 0: steps until its replica drains (an engine routes nothing new to it), waits until it is
     drained, and makes one more call, which must be refused; in a later epoch (it was brought back): 20 steps."""
     from rayfree import ReplicaDrained
-    from rayfree.cli.toy_engine import make_batch, reference_forward
 
     epoch, seen = ex.parallel_config.replica_epoch, []
     ex.register_replica_callback(lambda k, st: seen.append([k, st.state, st.epoch]))
@@ -303,7 +302,6 @@ def widening(ex) -> int:
     served). Each replica callback it hears is said (HEARD); its tenth step too (STEPPED). Replica 0's engine
     asks for the widths RF_ENGINE_SCALES names (EngineScales)."""
     from rayfree import ReplicaDrained
-    from rayfree.cli.toy_engine import make_batch, reference_forward
 
     epoch, seen = ex.parallel_config.replica_epoch, []
     newest = int(os.environ.get("RF_NEWEST", "2"))
@@ -366,7 +364,6 @@ class EngineScales:
 
 def coupled_batch(step: int, replica: int) -> dict:
     """The toy's batch, whose sum is 10**replica: a step's all-reduced sum across replicas names its members."""
-    from rayfree.cli.toy_engine import make_batch
 
     batch = make_batch(step, replica=replica)
     x = batch["x"]
@@ -428,7 +425,6 @@ def coupled_steps(ex) -> int:
 def checked_step(ex, step: int) -> tuple[int, list[int]]:
     """One toy step of coupled replicas: 1 if its output is the model's in one process, and the replicas its sum
     across replicas names (ReplicasChanged and ReplicaDrained pass through)."""
-    from rayfree.cli.toy_engine import reference_forward
 
     batch = coupled_batch(step, ex.dp_rank)
     out = ex.execute_model(batch)
@@ -477,7 +473,6 @@ def coupled_widening(ex) -> int:
 
 
 def torch_equal(a: Any, b: Any) -> int:
-    import torch
 
     return int(torch.equal(a, b))
 
@@ -502,7 +497,6 @@ def idle(ex) -> int:
 
 def quick(ex) -> int:
     """A few steps (start-order tests)."""
-    from rayfree.cli.toy_engine import make_batch
 
     for s in range(3):
         ex.execute_model(make_batch(s))
@@ -515,9 +509,6 @@ def outsiders(ex) -> int:
     import subprocess
     import sys
 
-    import torch
-
-    from rayfree.cli.toy_engine import make_batch, reference_forward
     from rayfree.transport.secure.policy import process_secret
 
     remote = [r for r in range(ex.world_size) if ex.parallel_config.node_of(r) != 0]
@@ -546,9 +537,6 @@ def outsiders(ex) -> int:
 
 def dp_check(ex) -> int:
     """One DP replica's leader: its own batches through its ranks, the cross-replica all-reduce, its topology."""
-    import torch
-
-    from rayfree.cli.toy_engine import dp_sum, make_batch, reference_forward
 
     dp = ex.parallel_config.data_parallel_size
     par = ex.parallel_config
@@ -568,7 +556,6 @@ def dp_check(ex) -> int:
 
 def calls_then_serve(ex) -> int:
     """RF_CALLS steps, then stay up until stopped (the metrics test scrapes in between)."""
-    from rayfree.cli.toy_engine import make_batch
 
     n = int(os.environ.get("RF_CALLS", "25"))
     for s in range(n):
@@ -606,9 +593,6 @@ def _tx_bytes() -> int:
 def relay_bytes(ex) -> int:
     """The toy engine equals the 1-process model; then 1 MiB broadcasts, and the bytes node 0 sent for each;
     the relays as node 0 sees them (their parents, children and bytes)."""
-    import torch
-
-    from rayfree.cli.toy_engine import make_batch, reference_forward
 
     steps = 20
     equal = sum(
