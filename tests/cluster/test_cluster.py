@@ -150,14 +150,16 @@ def test_shared_dev_shm_means_one_node() -> None:
 def test_a_rank_that_never_joins_is_named_and_nothing_is_left() -> None:
     with SimulatedCluster(NODES) as sim:
         t0 = time.monotonic()
+        # (8 s: the present ranks must all have come by then, also beside another suite on two cores, where one
+        # once took over 3 s to start and was named missing too)
         res = results(
-            start(sim, "missing", range(WORLD - 1), port_for(sim), env={r: {"RF_JOIN_S": "3"} for r in range(WORLD)}),
+            start(sim, "missing", range(WORLD - 1), port_for(sim), env={r: {"RF_JOIN_S": "8"} for r in range(WORLD)}),
             timeout=60,
         )
         took = time.monotonic() - t0
         for rank, r in res.items():
             assert not r["ok"] and "rank(s) [3]" in r["error"], f"rank {rank}: {r}"
-            assert r["after_s"] < 6.0, f"rank {rank} took {r['after_s']:.1f}s for a 3 s timeout"
+            assert r["after_s"] < 16.0, f"rank {rank} took {r['after_s']:.1f}s for an 8 s timeout"
         for node in sim.nodes:
             assert all(p.poll() is not None for p in node.procs)
     assert took < 60
@@ -188,8 +190,10 @@ def test_nodes_started_with_different_sizes_are_told_so() -> None:
         assert not r["ok"], f"rank {rank} joined a world that cannot be: {r}"
         assert "disagree on the cluster's shape" in r["error"], f"rank {rank}: {r['error']}"
         assert "world size 2 (tp=2 nnodes=2)" in r["error"] and "world size 4 (tp=4 nnodes=2)" in r["error"]
-        # rank 0 hosts the store and keeps it open up to TELL_S so that late ranks hear of it too
-        bound = 5.0 + (TELL_S if rank == 0 else 0.0)
+        # noticed, not timed out: well inside the 20 s join timeout (a quiet run takes under a second; beside
+        # another suite on two cores, 6.7 s was seen). Rank 0 hosts the store and keeps it open up to TELL_S so
+        # that late ranks hear of it too
+        bound = 15.0 + (TELL_S if rank == 0 else 0.0)
         assert r["after_s"] < bound, f"rank {rank} took {r['after_s']:.1f}s to notice"
 
 
