@@ -1,6 +1,6 @@
 """The leader entries of `make gpu-check`'s simulated nodes (bench/gpu_check.py starts them).
 
-torch and the toy engine are imported here at the top, as docs/launchers/index.md asks of every entry point:
+torch and the toy engine are imported here at the top, as docs/operations.md ("Entry points") asks of every entry point:
 `rayfree node` imports this module before its heartbeats start, whereas an import inside the entry would hold
 Python's lock for seconds while they run, and the node's peers could call it lost.
 """
