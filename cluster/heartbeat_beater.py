@@ -4,6 +4,7 @@ follower's): the thread that owns one `ControlSocket`, its stop, and the rule th
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -50,14 +51,31 @@ IDLE_LOOK_S = 1.0
 STALL_SHARE = 1 / 3
 
 
-def _schedstat() -> tuple[float, float] | None:
-    """This thread's time on a CPU and waiting for one, in seconds (Linux; None elsewhere): a stall's cause."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            ran, waited = f.read().split()[:2]
-        return int(ran) / 1e9, int(waited) / 1e9
-    except (OSError, ValueError):
-        return None
+class _SchedStat:
+    """This thread's time on a CPU and waiting for one (Linux's /proc/thread-self/schedstat), read at every look
+    through one descriptor the thread keeps (a pread, not an open per look): a stall's cause. Made and closed on
+    the thread it measures; None where the file is missing."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def read(self) -> tuple[float, float] | None:
+        """(seconds on a CPU, seconds waiting for one) so far."""
+        if self._fd is None:
+            return None
+        try:
+            ran, waited = os.pread(self._fd, 128, 0).split()[:2]
+            return int(ran) / 1e9, int(waited) / 1e9
+        except (OSError, ValueError):
+            return None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def wait_ms(due: float) -> int:
@@ -94,6 +112,7 @@ class Beater:
         #: when the thread last came back from waiting for messages (None: not yet)
         self._ran_at: float | None = None
         self._sched: tuple[float, float] | None = None
+        self._schedstat: _SchedStat | None = None  # (made on the thread, at its first look)
         self._had_torch = "torch" in sys.modules
         #: when this thread last came back from a stall of its own: its peers' silence counts from then
         self._resumed_at = 0.0
@@ -105,7 +124,14 @@ class Beater:
         watch the peers any more), not a log line alone."""
         if self._thread is not None:
             raise SupervisorMisuse(f"{self._name} was started already")
-        self._thread = supervisor().start(self._name, self._run, stop=self.stop, domain=domain)
+        self._thread = supervisor().start(self._name, self._thread_main, stop=self.stop, domain=domain)
+
+    def _thread_main(self) -> None:
+        try:
+            self._run()
+        finally:
+            if self._schedstat is not None:
+                self._schedstat.close()
 
     def arm(self) -> None:
         """From now on, silence longer than the timeout is a loss."""
@@ -154,7 +180,9 @@ class Beater:
         start = time.monotonic()
         got = sock.receive(poll_ms)
         now = time.monotonic()
-        sched = _schedstat()
+        if self._schedstat is None:
+            self._schedstat = _SchedStat()
+        sched = self._schedstat.read()
         if self._ran_at is not None:
             # (the time between two looks, less the wait asked for: what the thread spent not running)
             stalled = start - self._ran_at + max(0.0, now - start - poll_ms / 1000)
