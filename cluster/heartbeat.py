@@ -38,7 +38,7 @@ from rayfree.transport.zmq.control import ControlSocket
 from . import heartbeat_messages as msgs
 from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
 from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
-from .heartbeat_peer import FollowerPeer, log_waiting, process_of
+from .heartbeat_peer import FollowerPeer, await_goodbyes, log_waiting, process_of, say_bye
 
 __all__ = ["Beat", "Bye", "Verdict", "HeartbeatServer"]
 
@@ -55,10 +55,6 @@ VERDICT_S = 0.1
 VERDICT_READY_S = 0.25
 #: while a connection that dropped is not yet known to be whose, how often node 0 asks
 FIND_DROPPED_S = 0.05
-
-#: how long node 0 waits for its followers to read its goodbye before it closes its socket, and how often it looks
-BYE_CONFIRM_S = 2.0
-_BYE_POLL_MS = 20
 
 #: how long a leader that failed keeps answering followers that have not beaten yet with its goodbye
 TELL_LATE_S = 2.0
@@ -126,23 +122,46 @@ class HeartbeatServer(Beater):
         sock.watch()
         try:
             while not self._stop.is_set():
-                for frames in self._receive(sock, wait_ms(self._next_due(next_log))):
-                    seq += 1
-                    self._on_message(sock, frames, me, seq)
+                seq = self._take(sock, wait_ms(self._next_due(next_log)), me, seq)
                 if self.suspect_at is not None and time.monotonic() - self.suspect_at < 2 * RECONNECT_S:
                     self._find_dropped(sock, self.suspect_at)  # (ZeroMQ drops the peer's pipe a little later)
-                self._check()
+                seq = self._judge(sock, me, seq)
                 if self.armed_at is None and time.monotonic() >= next_log:
                     log_waiting(self.peers, time.monotonic() - started, self.join_timeout)
                     next_log = time.monotonic() + JOIN_LOG_S
                 self._push_verdict(sock)
                 self._send_told(sock)
             self._send_told(sock)
-            self._await_goodbyes(sock, self._say_bye(sock))
+            await_goodbyes(sock, self.peers, say_bye(sock, self.peers, self._bye))
             if self._bye is not None and not self._bye.clean:
                 self._tell_latecomers(sock, poll_ms)
         finally:
             sock.close(BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
+
+    def _take(self, sock: ControlSocket, wait: int, me: int, seq: int) -> int:
+        """Read and answer what arrives within `wait` ms; returns the last beat's sequence number. A handshake
+        made is a suspect that may be reconnecting: its window counts again from then (`Beater._window_from`)."""
+        for frames in self._receive(sock, wait):
+            seq += 1
+            self._on_message(sock, frames, me, seq)
+        if sock.take_connected():
+            self.reconnected_at = time.monotonic()
+        return seq
+
+    def _judge(self, sock: ControlSocket, me: int, seq: int) -> int:
+        """Call the followers silent past their bound lost, judged on all that arrived: a beat may have come
+        while this thread was between its look and now (under load that can be most of a reconnect window)."""
+        if self._loss_due():
+            seq = self._take(sock, 0, me, seq)
+        self._check()
+        return seq
+
+    def _loss_due(self) -> bool:
+        """Would `_check` call a follower lost now?"""
+        now = time.monotonic()
+        if self.armed_at is None or now < self._look_at:
+            return False
+        return any(not p.gone and self._silent(p.last_seen, now, p.dropped_at) for p in self.peers.values())
 
     def _on_message(self, sock: ControlSocket, frames: list[bytes], me: int, seq: int) -> None:
         if len(frames) != 2:
@@ -363,33 +382,3 @@ class HeartbeatServer(Beater):
                 if isinstance(msg, Beat) and msg.node_rank in waiting:
                     waiting.discard(msg.node_rank)
                     sock.send_quietly([frames[0], _encode(self._bye)])
-
-    def _say_bye(self, sock: ControlSocket) -> dict[int, bytes]:
-        """The goodbye to every follower with a connection; returns whom it was sent to."""
-        told: dict[int, bytes] = {}
-        if self._bye is None:
-            return told
-        for peer in self.peers.values():  # (also one that beat as a node whose rank another claimed, and left)
-            if peer.identity is not None and (not peer.gone or peer.bye_from not in (None, peer.identity)):
-                sock.send_quietly([peer.identity, _encode(self._bye)])
-                told[peer.node_rank] = peer.identity
-        return told
-
-    def _await_goodbyes(self, sock: ControlSocket, told: dict[int, bytes]) -> None:
-        """ZeroMQ drops what its I/O thread has not sent yet when the process exits, and node 0 exits right after
-        its goodbye: wait (bounded) until every follower told has dropped its connection, which it does once it
-        read the goodbye. ZeroMQ refuses a message (a verdict, harmless if it comes after the goodbye) to a peer
-        with no connection."""
-        until = time.monotonic() + BYE_CONFIRM_S
-        while told:
-            told = {k: i for k, i in told.items() if sock.reachable([i, _encode(Verdict(self.peers[k].verdict))])}
-            if not told or time.monotonic() >= until:
-                break
-            sock.receive(_BYE_POLL_MS)
-        if told:
-            logger.warning(
-                "node 0: follower node(s) %s did not close their connection within %.1fs of node 0's goodbye; "
-                "leaving anyway (they may learn of it only from the lost connection)",
-                sorted(told),
-                BYE_CONFIRM_S,
-            )

@@ -98,6 +98,9 @@ class Beater:
         #: when a connection last dropped; a peer silent since then is lost after `suspect_window`
         self.suspect_at: float | None = None
         self.suspect_window = min(timeout, RECONNECT_S)
+        #: when a connection's handshake was last made (node 0; None: not noted): a peer whose connection dropped
+        #: before may be the one that reconnected, and has its window again from then
+        self.reconnected_at: float | None = None
         #: the drop (its `suspect_at`) another signal confirmed (a collective's connection error): a peer silent
         #: since that drop is lost at once; a later drop has its window again (None: none confirmed)
         self.corroborated_at: float | None = None
@@ -240,8 +243,18 @@ class Beater:
         heard, resumed = max(last or 0.0, self.armed_at), self._held_up()
         due = max(heard, resumed) + self.timeout
         if dropped_at is not None and heard < dropped_at:
-            due = min(due, max(dropped_at, resumed) + self._window(dropped_at))
+            due = min(due, self._window_from(dropped_at, resumed) + self._window(dropped_at))
         return due
+
+    def _window_from(self, dropped_at: float, resumed: float) -> float:
+        """When a dropped peer's reconnect window starts: at the drop, or later when this thread was held up, or
+        when a connection was made since (under load a peer's reconnection may take most of its window, and its
+        first beat on the new connection the rest; a process that died never reconnects). Each handshake lends
+        at most one window more, and the silence bound holds over all."""
+        start = max(dropped_at, resumed)
+        if self.reconnected_at is not None and self.reconnected_at > dropped_at:
+            start = max(start, self.reconnected_at)
+        return start
 
     def _window(self, dropped_at: float | None) -> float:
         """How long a peer whose connection dropped at `dropped_at` has to beat again: none once a collective
@@ -258,7 +271,7 @@ class Beater:
         if now - max(heard, resumed) > self.timeout:
             return f"no heartbeat for {now - heard:.1f}s (heartbeat_timeout_s={self.timeout})"
         window = self._window(dropped_at)
-        if dropped_at is not None and heard < dropped_at and now - max(dropped_at, resumed) >= window:
+        if dropped_at is not None and heard < dropped_at and now - self._window_from(dropped_at, resumed) >= window:
             return (
                 f"its connection dropped and it did not connect and beat again within {self.suspect_window:.1f}s "
                 f"(its process died or was stopped, its host went down, or the link was cut)"

@@ -1,15 +1,22 @@
 """What node 0 knows of each follower: its connection, its last beat, and which process it is (a node started
-again is another process, even where its pid is the same)."""
+again is another process, even where its pid is the same); and its goodbye to them."""
 
 from __future__ import annotations
 
 import logging
+import time
 
-from .heartbeat_messages import Beat
+from rayfree.transport.zmq.control import ControlSocket
 
-__all__ = ["FollowerPeer", "process_of", "log_waiting"]
+from .heartbeat_messages import Beat, Bye, Verdict, _encode
+
+__all__ = ["FollowerPeer", "process_of", "log_waiting", "say_bye", "await_goodbyes", "BYE_CONFIRM_S"]
 
 logger = logging.getLogger("rayfree.cluster")
+
+#: how long node 0 waits for its followers to read its goodbye before it closes its socket, and how often it looks
+BYE_CONFIRM_S = 2.0
+_BYE_POLL_MS = 20
 
 
 class FollowerPeer:
@@ -61,6 +68,38 @@ def log_waiting(peers: dict[int, FollowerPeer], waited: float, join_timeout: flo
         logger.info("node 0: waiting for node %d of %d (ranks %s) for %.0fs%s; a node still starting (pulling "
                     "its image, say) is fine until then", p.node_rank, total, _span(p.ranks), waited,
                     bound)  # fmt: skip
+
+
+def say_bye(sock: ControlSocket, peers: dict[int, FollowerPeer], bye: Bye | None) -> dict[int, bytes]:
+    """Node 0's goodbye to every follower with a connection; returns whom it was sent to."""
+    told: dict[int, bytes] = {}
+    if bye is None:
+        return told
+    for peer in peers.values():  # (also one that beat as a node whose rank another claimed, and left)
+        if peer.identity is not None and (not peer.gone or peer.bye_from not in (None, peer.identity)):
+            sock.send_quietly([peer.identity, _encode(bye)])
+            told[peer.node_rank] = peer.identity
+    return told
+
+
+def await_goodbyes(sock: ControlSocket, peers: dict[int, FollowerPeer], told: dict[int, bytes]) -> None:
+    """ZeroMQ drops what its I/O thread has not sent yet when the process exits, and node 0 exits right after
+    its goodbye: wait (bounded) until every follower told has dropped its connection, which it does once it
+    read the goodbye. ZeroMQ refuses a message (a verdict, harmless if it comes after the goodbye) to a peer
+    with no connection."""
+    until = time.monotonic() + BYE_CONFIRM_S
+    while told:
+        told = {k: i for k, i in told.items() if sock.reachable([i, _encode(Verdict(peers[k].verdict))])}
+        if not told or time.monotonic() >= until:
+            break
+        sock.receive(_BYE_POLL_MS)
+    if told:
+        logger.warning(
+            "node 0: follower node(s) %s did not close their connection within %.1fs of node 0's goodbye; "
+            "leaving anyway (they may learn of it only from the lost connection)",
+            sorted(told),
+            BYE_CONFIRM_S,
+        )
 
 
 def _span(ranks: list[int]) -> str:

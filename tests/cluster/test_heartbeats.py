@@ -15,9 +15,10 @@ import msgspec
 import pytest
 import zmq
 
-from rayfree.cluster.heartbeat import BYE_CONFIRM_S, Beat, Bye, HeartbeatServer
+from rayfree.cluster.heartbeat import Beat, Bye, HeartbeatServer
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.cluster.heartbeat_messages import _decode, _encode
+from rayfree.cluster.heartbeat_peer import BYE_CONFIRM_S
 from rayfree.transport import get_open_port
 from rayfree.transport.zmq.sockets import make_dealer
 from tests.support.waits import wait_until
@@ -285,6 +286,60 @@ def test_a_confirmed_drop_shortens_only_its_own_window() -> None:
         assert "connection dropped" in (b._silent(later - 0.1, later, later) or "")
     finally:
         b._sock.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_handshake_made_after_a_drop_gives_the_suspect_its_window_again() -> None:
+    """A follower whose link dropped under load reconnects, and its first beat on the new connection comes later:
+    a handshake node 0 saw after the drop starts the window again (once per handshake; the bound holds over all).
+    A handshake before the drop lends nothing. (A replacement was lost so beside another suite on two cores.)"""
+    from rayfree.cluster.heartbeat_beater import RECONNECT_S, Beater
+    from rayfree.transport.zmq.control import ControlSocket
+
+    b = Beater(0.05, 3.0, "test-beater", "node 0")
+    b._sock = ControlSocket.listen(f"tcp://127.0.0.1:{get_open_port('127.0.0.1')}")
+    try:
+        t = time.monotonic()
+        b.armed_at, dropped = t - 10, t - 1.0
+        b.reconnected_at = dropped - 0.1  # (before the drop: no help)
+        assert "connection dropped" in (b._silent(dropped - 0.1, dropped + RECONNECT_S + 0.01, dropped) or "")
+        b.reconnected_at = dropped + 0.25  # (a reconnection, late in the window)
+        assert b._silent(dropped - 0.1, dropped + RECONNECT_S + 0.01, dropped) is None
+        assert b._silence_due(dropped - 0.1, dropped) == pytest.approx(dropped + 0.25 + RECONNECT_S)
+        assert "connection dropped" in (b._silent(dropped - 0.1, dropped + 0.26 + RECONNECT_S, dropped) or "")
+        b.reconnected_at = dropped + 2.8  # (handshakes keep coming: the silence bound still ends it)
+        assert "no heartbeat for 3.2s" in (b._silent(dropped - 0.1, dropped + 3.1, dropped) or "")
+    finally:
+        b._sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_beat_that_waits_unread_when_the_window_ends_counts() -> None:
+    """Node 0 judges a suspect on all that arrived: its beat came while node 0's thread was between its look and
+    its judgement (held up under load), past the end of the reconnect window. Before, the beat waited unread and
+    the follower was called lost."""
+    port = get_open_port("127.0.0.1")
+    lost: list[int] = []
+    server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 5.0, lambda n, r, ip, why: lost.append(n))
+    follower = make_dealer(f"tcp://127.0.0.1:{port}")
+    try:
+        sock = server._sock
+        follower.send(_encode(Beat(1, [1], "127.0.0.1", os.getpid(), 1)))
+        seq = 0
+        wait_until(lambda: server._take(sock, 100, 0, seq) and server.peers[1].last_seen is not None, 20)
+        assert follower.poll(20_000), "node 0 never answered the beat"
+        now = time.monotonic()
+        server.armed_at, peer = now - 10, server.peers[1]
+        peer.last_seen, peer.dropped_at = now - 1.1, now - 1.0  # (its link dropped a second ago; it was silent)
+        server.reconnected_at = now - 2  # (its handshake came before the drop)
+        server._look_at = 0.0
+        follower.send(_encode(Beat(1, [1], "127.0.0.1", os.getpid(), 2)))  # (it reconnected and beat)
+        assert sock._sock.poll(20_000), "the beat never reached node 0's socket"
+        server._judge(sock, 0, seq)
+        assert lost == [] and not peer.gone and peer.dropped_at is None, peer.lost_why
+    finally:
+        follower.close(linger=0)
+        server.close(timeout=10)
 
 
 def test_a_heartbeat_threads_own_stall_is_not_its_peers_silence() -> None:
