@@ -104,14 +104,16 @@ class HeartbeatClient(Beater):
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
-                    seq += 1
-                    shape = "" if self.welcomed.is_set() else self.shape
-                    beat = Beat(
-                        self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status(), shape, incarnation
-                    )
-                    if sock.try_send([_encode(beat)]):
-                        self._sent_at = time.monotonic()
-                    # (else not connected yet, or the link is down: the timeout decides)
+                    if self.refused is None:  # (refused: it leaves, and beats no more)
+                        seq += 1
+                        shape = "" if self.welcomed.is_set() else self.shape
+                        beat = Beat(
+                            self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status(), shape,
+                            incarnation,
+                        )  # fmt: skip
+                        if sock.try_send([_encode(beat)]):
+                            self._sent_at = time.monotonic()
+                        # (else not connected yet, or the link is down: the timeout decides)
                     next_beat = now + self.interval
                 due = next_beat if self.contact.is_set() else min(next_beat, next_log)
                 if self.armed_at is not None:
@@ -128,7 +130,10 @@ class HeartbeatClient(Beater):
                         f"`rayfree doctor` prints the secret's fingerprint)"
                     )
                     self.welcomed.set()
-                if sock.take_connected() or self.suspect_at != dropped:  # (re)connected, or dropped: beat now
+                connected = sock.take_connected()
+                if connected:  # (a reconnection: node 0's answer to its first beat gets the window again)
+                    self.reconnected_at = time.monotonic()
+                if connected or self.suspect_at != dropped:  # (re)connected, or dropped: beat now
                     dropped, next_beat = self.suspect_at, 0.0
                 now = time.monotonic()
                 if not self.contact.is_set() and now >= next_log:

@@ -174,7 +174,10 @@ class Roster:
         node, pid, lay = ev.node, ev.pid, self.layout
         replicas = lay.replicas_of_node(node)
         why = ""
-        if ev.shape and ev.shape != ev.ours and not widens(ev.shape, ev.ours):
+        if not ev.shape:  # (a process welcomed or refused before beats without one: it is no replacement)
+            return self._refuse(pid, "ignore", f"node {node} beats again (pid {pid}) without the shape it was "
+                                               f"started as (a process refused before): refused")  # fmt: skip
+        if ev.shape != ev.ours and not widens(ev.shape, ev.ours):
             why = (f"node {node}'s replacement (pid {pid}) was started as {ev.shape!r} but the cluster is "
                    f"{ev.ours!r}: start it with the cluster's own sizes and --replica-coupling (for a wider DP "
                    f"width, only --dp and --nnodes raised)")  # fmt: skip

@@ -355,6 +355,20 @@ def test_a_node_of_a_draining_replica_that_comes_back_is_refused_and_changes_not
     assert kinds(r.handle(R.Admit(1, 8, "s", "s"))) == ["refuse"]  # said once per process
 
 
+def test_a_refused_replacement_that_beats_again_without_its_shape_is_not_admitted() -> None:
+    """A replacement of another shape is refused; until it exits it beats on, without its shape (node 0 answered
+    it). Under load such a beat came before it left, and was admitted: replica 2 rejoined from a refused process
+    in an epoch of its own."""
+    r = make(0)
+    r.handle(lost(2))
+    assert kinds(r.handle(R.Admit(2, 70, "t", "s"))) == ["say", "refuse"]
+    before = (r.states(), r.epoch)
+    again = r.handle(R.Admit(2, 70, "", "s"))
+    assert again[-1].kind == "ignore" and "without the shape" in again[-1].text, again
+    assert (r.states(), r.epoch) == before and r.phase(2) == "lost"
+    assert r.handle(R.Admit(2, 71, "s", "s"))[-1] == R.Decision("admit", 2, epoch=1)  # (the right one: epoch 1)
+
+
 def test_coupled_replicas_form_a_new_membership_epoch_at_every_change_of_the_members() -> None:
     r = make(0, coupling="coupled")
     assert [d for d in r.handle(lost(1)) if d.kind == "regroup"] == [R.Decision("regroup", epoch=1, members=(0, 2))]
