@@ -98,8 +98,8 @@ class Beater:
         #: when a connection last dropped; a peer silent since then is lost after `suspect_window`
         self.suspect_at: float | None = None
         self.suspect_window = min(timeout, RECONNECT_S)
-        #: when a connection's handshake was last made (node 0; None: not noted): a peer whose connection dropped
-        #: before may be the one that reconnected, and has its window again from then
+        #: when a connection's handshake was last made (None: none noted): a peer whose connection dropped before
+        #: may be the one that reconnected (node 0), or this side reconnected (a follower): its window counts again
         self.reconnected_at: float | None = None
         #: the drop (its `suspect_at`) another signal confirmed (a collective's connection error): a peer silent
         #: since that drop is lost at once; a later drop has its window again (None: none confirmed)
