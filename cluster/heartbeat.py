@@ -245,8 +245,8 @@ class HeartbeatServer(Beater):
 
     def _admitted(self, peer: FollowerPeer, msg: Beat | Bye) -> int | str | None:
         """A lost node beats again: from another process, a replacement node 0 may admit (epoch) or refuse (why)."""
-        if not isinstance(msg, Beat) or not msg.shape or process_of(msg) == peer.proc or self.admit is None:
-            return None  # (no shape: a process welcomed or refused before, not a replacement)
+        if not isinstance(msg, Beat) or process_of(msg) == peer.proc or self.admit is None:
+            return None
         return self.admit(peer.node_rank, msg.pid, msg.shape)
 
     def _started_again(self, peer: FollowerPeer, msg: Beat) -> None:
