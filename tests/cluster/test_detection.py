@@ -15,7 +15,7 @@ import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
 from tests.cluster.test_multinode import assert_nothing_left
-from tests.support.nodes import Nodes
+from tests.support.nodes import READY_TIMEOUT_S, Nodes
 
 pytestmark = pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
 
@@ -25,7 +25,7 @@ DEFAULTS = {
     "RAYFREE_HEARTBEAT_TIMEOUT_S": "10",  # the beats' own timeout must not be what decides
     "RAYFREE_SHUTDOWN_GRACE_S": "2",
     "RAYFREE_SHUTDOWN_TERM_S": "2",
-    "RAYFREE_READY_TIMEOUT_S": "60",
+    "RAYFREE_READY_TIMEOUT_S": READY_TIMEOUT_S,
     "RAYFREE_TENSOR_PARALLEL_SIZE": "2",
     "RAYFREE_PIPELINE_PARALLEL_SIZE": "1",
 }

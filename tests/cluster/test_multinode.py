@@ -14,7 +14,7 @@ import time
 import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster, can_use_netns
-from tests.support.nodes import Nodes, shm_files, wait_group_empty
+from tests.support.nodes import READY_TIMEOUT_S, Nodes, shm_files, wait_group_empty
 
 HB_TIMEOUT = 5.0
 #: Detection may take one heartbeat timeout, plus a poll period and scheduling on a loaded 2-core machine.
@@ -30,7 +30,7 @@ FAST = {
     "RAYFREE_LINK_TIMEOUT_S": "2.0",
     "RAYFREE_SHUTDOWN_GRACE_S": "2",
     "RAYFREE_SHUTDOWN_TERM_S": "2",
-    "RAYFREE_READY_TIMEOUT_S": "60",
+    "RAYFREE_READY_TIMEOUT_S": READY_TIMEOUT_S,
 }
 
 needs_root = pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")

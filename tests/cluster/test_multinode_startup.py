@@ -109,8 +109,7 @@ def test_nodes_whose_secret_files_differ_are_told_so_by_address_on_both_sides(tm
     other = str(tmp_path / "other.secret")
     write_secret(other)
     with SimulatedCluster(2) as sim:
-        # (a start-up slower than FAST's ready bound on a loaded machine is not what this test is about)
-        nodes = Nodes(sim, **{**FAST, "RAYFREE_READY_TIMEOUT_S": "150"})
+        nodes = Nodes(sim, **FAST)
         lead = nodes.start(0, RAYFREE_ENTRY="tests.support.multinode_entry:quick")
         follow = nodes.start(1, RAYFREE_SECRET_FILE=other)
         assert lead.wait(200) == 1, lead.text()[-3000:]

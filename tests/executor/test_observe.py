@@ -20,7 +20,7 @@ from rayfree.cluster.simulate import SimulatedCluster
 from rayfree.executor import MultiprocExecutor
 from rayfree.transport import get_open_port
 from rayfree.transport.secure.policy import SECRET_FILE_ENV, write_secret
-from tests.support.nodes import ROOT, NodeProc, Nodes, shm_files, wait_group_empty
+from tests.support.nodes import READY_TIMEOUT_S, ROOT, NodeProc, Nodes, shm_files, wait_group_empty
 from tests.support.paths import PYTHONPATH
 
 FAST = {
@@ -28,7 +28,7 @@ FAST = {
     "RAYFREE_HEARTBEAT_TIMEOUT_S": "2",
     "RAYFREE_SHUTDOWN_GRACE_S": "2",
     "RAYFREE_SHUTDOWN_TERM_S": "2",
-    "RAYFREE_READY_TIMEOUT_S": "60",
+    "RAYFREE_READY_TIMEOUT_S": READY_TIMEOUT_S,
 }
 
 

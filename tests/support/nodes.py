@@ -24,6 +24,10 @@ from tests.support.paths import PYTHONPATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COMPOSE = os.path.join(ROOT, "docker-compose.yml")
+#: The simulated nodes' start-up bound (RAYFREE_READY_TIMEOUT_S), far over a quiet start: the tests are about what
+#: comes after it. Beside another suite, two tests each started a node whose four workers were still importing
+#: torch after 60 s (both suites reached the same test at once: dozens of processes importing torch on two cores).
+READY_TIMEOUT_S = "150"
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*)|:\?([^}]*))?\}")
 
 
