@@ -171,12 +171,13 @@ class Beater:
         self.join(timeout)
 
     def _dropped(self, what: str) -> None:
-        """Report a message that was dropped, once per burst (a broken peer must not flood the log)."""
-        self.dropped += 1
+        """Report a message that was dropped, once per burst (a broken peer must not flood the log). Counted once
+        said: a count another thread reads has its line in the log already."""
         now = time.monotonic()
         if now - self._dropped_logged_at > 5.0:
             self._dropped_logged_at = now
-            logger.warning("heartbeat: dropped %s; %d dropped so far", what, self.dropped)
+            logger.warning("heartbeat: dropped %s; %d dropped so far", what, self.dropped + 1)
+        self.dropped += 1
 
     def _receive(self, sock: ControlSocket, poll_ms: int) -> list[list[bytes]]:
         """Wait up to `poll_ms` for messages; a dropped connection makes the peer(s) suspect."""

@@ -220,8 +220,22 @@ def test_a_node_started_again_is_a_replacement_at_once_even_with_the_same_pid(ca
         assert lost and lost[0][0] == 1 and "it was started again (pid 1)" in lost[0][1], lost
         assert admitted == [(1, 1, "tp=1")], admitted  # one loss, one admission, well within the 30 s timeout
         dropped = server.dropped
-        first.send(_encode(Beat(1, [1], "10.0.0.2", pid, 9, incarnation=11)))  # the earlier process, resumed
-        wait_until(lambda: server.dropped > dropped, 20, "node 0 refusing the earlier process's beat")
+        counted_when_said: list[int] = []  # the count another thread reads, as the line was written
+
+        class Said(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "earlier incarnation" in record.getMessage():
+                    counted_when_said.append(server.dropped)
+
+        said = Said()
+        logging.getLogger("rayfree.cluster").addHandler(said)
+        try:
+            first.send(_encode(Beat(1, [1], "10.0.0.2", pid, 9, incarnation=11)))  # the earlier process, resumed
+            wait_until(lambda: server.dropped > dropped, 20, "node 0 refusing the earlier process's beat")
+        finally:
+            logging.getLogger("rayfree.cluster").removeHandler(said)
+        # (once counted, the line is in the log: beside another suite the count was read before the line was written)
+        assert counted_when_said == [dropped], counted_when_said
         assert "node 1's earlier incarnation (epoch 0 or before)" in caplog.text, caplog.text
         assert len(lost) == 1 and len(admitted) == 1, (lost, admitted)
     finally:
