@@ -171,8 +171,8 @@ class Beater:
         self.join(timeout)
 
     def _dropped(self, what: str) -> None:
-        """Report a message that was dropped, once per burst (a broken peer must not flood the log). Counted once
-        said: a count another thread reads has its line in the log already."""
+        """Report a message that was dropped, once per burst (a broken peer must not flood the log). Counted after
+        its line, where it has one: a count another thread reads never runs ahead of the log."""
         now = time.monotonic()
         if now - self._dropped_logged_at > 5.0:
             self._dropped_logged_at = now
