@@ -39,7 +39,7 @@ TYPED := rayfree rayfree.transport rayfree.transport.channel rayfree.transport.e
 	rayfree.cluster.parallel_state rayfree.worker.base rayfree.executor rayfree.executor.errors \
 	rayfree.executor.abstract rayfree.executor.multiproc rayfree.executor.rpc rayfree.executor.view \
 	rayfree.executor.roster rayfree.executor.rejoin rayfree.executor.roles rayfree.executor.failure_policy \
-	rayfree.executor.liveness rayfree.executor.drain rayfree.executor.membership
+	rayfree.executor.node_liveness rayfree.executor.liveness rayfree.executor.follower_liveness rayfree.executor.drain rayfree.executor.membership
 $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,dev]'
 	touch $(DEV_STAMP)

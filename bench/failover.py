@@ -5,8 +5,9 @@ started as `rayfree node` starts them, with the lightest worker that still runs 
 gloo worlds and heartbeats (examples/echo_worker.py, distributed=True). Every replica's leader (this file's
 `replica_loop`) sends a 1 KiB `echo` to its ranks without pause (`--pace N`: N times a second, as an engine
 that waits for requests, which leaves this machine's two cores to a replacement as a real cluster's own nodes
-would) and records each call. Mid-run a follower node of replica 1 is SIGKILLed. Printed per coupling
-(`independent`, `one-world`):
+would) and records each call. Mid-run a follower node of replica 1 is SIGKILLed (`--lose node-0`: node 0,
+replica 0's leader; with TP=1 every replica runs on one node, and the others need nothing of node 0). Printed
+per coupling (`independent`, `one-world`):
 
 - replica 1 (it lost a node): how long after the kill its pending call ended, and with what error;
 - every other replica: its calls that failed (independent: none expected), its calls per second and p99 call
@@ -17,6 +18,7 @@ would) and records each call. Mid-run a follower node of replica 1 is SIGKILLed.
   time until the rejoined replica's leader calls is put beside that cold start.
 
     python bench/failover.py [--dp 3] [--tp 2] [--couplings independent,one-world] [--seconds 8] [--pace 0]
+                             [--lose follower|node-0]
 """
 
 from __future__ import annotations
@@ -89,11 +91,12 @@ def replica_loop(ex) -> int:
     return 0 if not kind else 1
 
 
-def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0) -> dict:
+def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0, lose: str = "follower") -> dict:
     from rayfree.cluster.simulate import SimulatedCluster
 
     n = dp * tp
-    victim = tp + 1 if tp > 1 else tp  # replica 1's first follower (its leader when TP=1)
+    victim = 0 if lose == "node-0" else tp + 1 if tp > 1 else tp  # replica 1's first follower (TP=1: its leader)
+    lost = victim // tp
     stop = os.path.join(os.path.dirname(secret()), f"stop-{coupling}")
     with SimulatedCluster(n) as sim:
         nodes = NodeRuns(sim)
@@ -122,7 +125,7 @@ def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0) -> d
         sim.nodes[victim].kill()
         time.sleep(seconds)  # (the window after the loss, and more)
         results, rejoin = {}, None
-        if coupling == "independent":  # replica 1's nodes, started again with the same command, rejoin
+        if coupling == "independent" and lost == 1:  # replica 1's nodes, started again the same way, rejoin
             again = [k for k in range(n) if k // tp == 1]
             for k in again:
                 nodes.popen[k].wait(60)  # (its survivors leave non-zero by themselves)
@@ -145,14 +148,14 @@ def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0) -> d
             results[k // tp] = r if r is not None else {"replica": k // tp, "missing": "".join(nodes.outs[k])[-2000:]}
         nodes.reap()
         os.unlink(stop)
-    return {"coupling": coupling, "dp": dp, "tp": tp, "victim": victim, "t_kill": t_kill, "cold_s": cold,
+    return {"coupling": coupling, "dp": dp, "tp": tp, "victim": victim, "lost": lost, "t_kill": t_kill, "cold_s": cold,
             "rejoin_s": rejoin, "results": results, "pace": pace}  # fmt: skip
 
 
 def report(r: dict) -> None:
     pace = f"{r['pace']:.0f} calls/s a replica" if r["pace"] else "calls without pause"
     print(f"\n{r['coupling']}: DP={r['dp']} x TP={r['tp']} on {r['dp'] * r['tp']} nodes; node {r['victim']} "
-          f"(replica 1) SIGKILLed; cold start {r['cold_s']:.2f} s; {pace}")  # fmt: skip
+          f"(replica {r['lost']}) SIGKILLed; cold start {r['cold_s']:.2f} s; {pace}")  # fmt: skip
     if r["rejoin_s"] is not None:
         print(f"  replica 1's nodes started again: it served again after {r['rejoin_s']:.2f} s "
               f"({r['rejoin_s'] / r['cold_s']:.2f}x the whole cluster's cold start)")  # fmt: skip
@@ -184,13 +187,15 @@ def main() -> int:
     ap.add_argument("--couplings", default="independent,one-world")
     ap.add_argument("--seconds", type=float, default=8.0, help="how long the replicas call after the kill")
     ap.add_argument("--pace", type=float, default=0.0, help="calls per second a replica (0: without pause)")
+    ap.add_argument("--lose", choices=("follower", "node-0"), default="follower",
+                    help="the node SIGKILLed: replica 1's first follower, or node 0 (replica 0's leader)")  # fmt: skip
     ap.add_argument("--json", help="also write the figures to this file")
     a = ap.parse_args()
     if not has_netns("failover.py"):
         return 2
     out = []
     for coupling in a.couplings.split(","):
-        r = run(a.dp, a.tp, coupling, a.seconds, a.pace)
+        r = run(a.dp, a.tp, coupling, a.seconds, a.pace, a.lose)
         report(r)
         out.append(r)
     write_json(a.json, out)

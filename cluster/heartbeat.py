@@ -38,7 +38,7 @@ from rayfree.transport.zmq.control import ControlSocket
 from . import heartbeat_messages as msgs
 from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
 from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
-from .heartbeat_peer import FollowerPeer, await_goodbyes, log_waiting, process_of, say_bye
+from .heartbeat_peer import FollowerPeer, await_goodbyes, log_waiting, process_of, say_bye, tell_latecomers
 
 __all__ = ["Beat", "Bye", "Verdict", "HeartbeatServer"]
 
@@ -93,6 +93,10 @@ class HeartbeatServer(Beater):
         self.tell_late_s = TELL_LATE_S
         #: a lost node beats again from another process (node, pid, its shape): its epoch if admitted, why if refused
         self.admit: Callable[[int, int, str], int | str | None] | None = None
+        #: a follower serves on without node 0 (node, why: Beat.alone), heard while this node 0 starts (the layer
+        #: above; None: its join's timeout tells)
+        self.on_alone: Callable[[int, str], None] | None = None
+        self._alone_heard: set[int] = set()
         #: node 0's first answer to a follower (a Welcome, encoded; the layer above), or None
         self.welcome_fn: Callable[[int], bytes] | None = None
         #: what other threads asked this one to send: (to which nodes, what), sent at its next turn
@@ -133,8 +137,8 @@ class HeartbeatServer(Beater):
                 self._send_told(sock)
             self._send_told(sock)
             await_goodbyes(sock, self.peers, say_bye(sock, self.peers, self._bye))
-            if self._bye is not None and not self._bye.clean:
-                self._tell_latecomers(sock, poll_ms)
+            if self._bye is not None and not self._bye.clean:  # (a failure, often at start-up)
+                tell_latecomers(sock, self.peers, self._bye, self.tell_late_s, lambda: self._receive(sock, poll_ms))
         finally:
             sock.close(BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
 
@@ -178,6 +182,9 @@ class HeartbeatServer(Beater):
             return
         if not isinstance(msg, (Beat, Bye)):  # a verdict, a welcome, word on a replica: only node 0 sends them
             self._dropped(f"a {type(msg).__name__} sent to node 0 (only node 0 sends them)")
+            return
+        if isinstance(msg, Beat) and msg.alone:
+            self._alone(msg)
             return
         peer = self.peers.get(msg.node_rank)
         if peer is None and isinstance(msg, Beat) and msg.shape and self.armed_at and self.admit is not None:
@@ -226,6 +233,21 @@ class HeartbeatServer(Beater):
             peer.status = msg.status
         # False: its queue is full: it is not reading, and its own timeout will tell it
         sock.try_send([identity, _encode(Beat(0, [], "", me, seq))])
+
+    def _alone(self, msg: Beat) -> None:
+        """A follower that lost node 0 and serves on without it beats (to a node 0 started again, or to this one
+        after a cut or a stop): it will not come back. Running, node 0 counts it lost; starting, it cannot form
+        the cluster it started for (`on_alone`, once a node)."""
+        peer, node = self.peers.get(msg.node_rank), msg.node_rank
+        if self.armed_at is None:
+            if self.on_alone is not None and node not in self._alone_heard:
+                self._alone_heard.add(node)
+                self.on_alone(node, msg.alone)
+        elif peer is not None and not peer.gone:
+            peer.gone = True
+            peer.lost_why = why = f"it serves on without node 0, which it lost ({msg.alone})"
+            logger.error("follower node %d (%s, ranks %s) lost: %s", node, msg.ip, peer.ranks, why)
+            self.on_lost(node, peer.ranks, msg.ip, why)
 
     def _newcomer(self, sock: ControlSocket, identity: bytes, msg: Beat) -> FollowerPeer | None:
         """A node past those the cluster started with beats (a scale-out's new replica): admitted as a lost
@@ -364,21 +386,3 @@ class HeartbeatServer(Beater):
     def all_done(self, nodes: list[int]) -> bool:
         """Have these nodes all reported `done`?"""
         return all(self.peers[k].done for k in nodes)
-
-    def _tell_latecomers(self, sock: ControlSocket, poll_ms: int) -> None:
-        """After a failure (often at start-up), followers that have not beaten yet would only learn of it at
-        their join timeout: answer their first beat with the goodbye, for up to TELL_LATE_S."""
-        assert self._bye is not None
-        waiting = {k for k, p in self.peers.items() if p.identity is None and not p.gone}
-        until = time.monotonic() + self.tell_late_s
-        while waiting and time.monotonic() < until:
-            for frames in self._receive(sock, poll_ms):
-                if len(frames) != 2:
-                    continue
-                try:
-                    msg = _decode(frames[1])
-                except msgspec.DecodeError:
-                    continue
-                if isinstance(msg, Beat) and msg.node_rank in waiting:
-                    waiting.discard(msg.node_rank)
-                    sock.send_quietly([frames[0], _encode(self._bye)])

@@ -40,7 +40,8 @@ STATUS_MAX_BYTES = 48 << 10
 
 #: on_lost(node_rank, ranks, ip, why) / on_bye(node_rank, clean, reason)
 LostCallback = Callable[[int, list[int], str, str], None]
-ByeCallback = Callable[[int, bool, str], None]
+#: node 0's goodbye (node, clean, why); on a follower, True: it serves on without node 0 (it beats on, alone)
+ByeCallback = Callable[[int, bool, str], bool | None]
 
 
 #: how long a peer whose connection dropped has to connect and beat again before it is lost

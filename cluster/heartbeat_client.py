@@ -49,7 +49,7 @@ class HeartbeatClient(Beater):
         ip: str,
         interval: float,
         timeout: float,
-        on_lost: Callable[[str], None],
+        on_lost: Callable[[str], bool | None],
         on_bye: ByeCallback,
         shape: str = "",
     ) -> None:
@@ -58,8 +58,12 @@ class HeartbeatClient(Beater):
         self.node_rank = node_rank
         self.ranks = ranks
         self.ip = ip
+        #: node 0 lost (why); True: this node serves on without it, and beats on `alone`
         self.on_lost = on_lost
         self.on_bye = on_bye
+        #: why node 0 was lost, once this node serves on without it: its beats say so to whoever answers at
+        #: node 0's address from then on, and it hears nothing of them
+        self.alone = ""
         #: node 0 says a DP replica was lost, is back, or drains (set by the layer above; None: not expected)
         self.on_replica_down: Callable[[ReplicaDown], None] | None = None
         self.on_replica_up: Callable[[ReplicaUp], None] | None = None
@@ -109,7 +113,7 @@ class HeartbeatClient(Beater):
                         shape = "" if self.welcomed.is_set() else self.shape
                         beat = Beat(
                             self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status(), shape,
-                            incarnation,
+                            incarnation, self.alone,
                         )  # fmt: skip
                         if sock.try_send([_encode(beat)]):
                             self._sent_at = time.monotonic()
@@ -149,13 +153,18 @@ class HeartbeatClient(Beater):
                     silent = self._silent(self.last_reply, now, self.suspect_at)
                     if silent is not None:
                         why = f"the leader at {self.endpoint}: {silent}"
-                        logger.error("node %d: leader lost: %s", self.node_rank, why)
-                        self.on_lost(why)
-                        return
-            if self._bye is not None:
+                        if self.on_lost(why) is not True:  # (it says what that costs; True: it serves on)
+                            return
+                        self._go_alone(why)
+            if self._bye is not None and not self.alone:  # (alone: nobody it was part of a cluster with listens)
                 sock.send_quietly([_encode(self._bye)])
         finally:
-            sock.close(BYE_LINGER_MS if self._bye is not None else 0)  # the bye goes out first
+            sock.close(BYE_LINGER_MS if self._bye is not None and not self.alone else 0)  # the bye goes out first
+
+    def _go_alone(self, why: str) -> None:
+        """Node 0 is lost and this node serves on: no silence bound any more (nobody to lose), and its beats say
+        `alone`, so a node 0 that answers at that address again knows it at once."""
+        self.alone, self.armed_at = why, None
 
     def _status(self) -> bytes:
         if self.status_fn is None:
@@ -180,10 +189,14 @@ class HeartbeatClient(Beater):
         except msgspec.DecodeError as e:
             self._dropped(f"an unreadable message from the leader ({e})")
             return False
+        if self.alone:
+            return False  # (node 0 lost: a process answering in its place hears of it from the beats)
         if isinstance(msg, Bye):
             logger.info("node %d: the leader stopped (%s)", self.node_rank, msg.reason)
-            self.on_bye(msg.node_rank, msg.clean, msg.reason)
-            return True
+            if self.on_bye(msg.node_rank, msg.clean, msg.reason) is not True:
+                return True
+            self._go_alone(f"it stopped: {msg.reason}")
+            return False
         if isinstance(msg, Verdict):
             self.leader_verdict = msg.reason
             return False

@@ -28,6 +28,9 @@ class Beat(msgspec.Struct, tag="beat", array_like=True):
     #: drawn at random when the node's process starts: a process started again is another incarnation even where
     #: its pid is the same (pid 1 in a container the launcher restarted)
     incarnation: int = 0
+    #: why this node lost node 0, once it did and serves its replicas without it (it beats on, to tell a node 0
+    #: started again, which cannot rejoin them, and one that was only cut off or stopped for a while); "" before
+    alone: str = ""
 
 
 class Bye(msgspec.Struct, tag="bye", array_like=True):

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+
+import msgspec
 
 from rayfree.transport.zmq.control import ControlSocket
 
-from .heartbeat_messages import Beat, Bye, Verdict, _encode
+from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
 
-__all__ = ["FollowerPeer", "process_of", "log_waiting", "say_bye", "await_goodbyes", "BYE_CONFIRM_S"]
+__all__ = ["FollowerPeer", "process_of", "log_waiting", "say_bye", "await_goodbyes", "tell_latecomers", "BYE_CONFIRM_S"]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -104,3 +107,27 @@ def await_goodbyes(sock: ControlSocket, peers: dict[int, FollowerPeer], told: di
 
 def _span(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)) else str(ranks)
+
+
+def tell_latecomers(
+    sock: ControlSocket,
+    peers: dict[int, FollowerPeer],
+    bye: Bye,
+    tell_s: float,
+    receive: Callable[[], list[list[bytes]]],
+) -> None:
+    """After a failure (often at start-up), followers that have not beaten yet would only learn of it at their join
+    timeout: answer their first beat with the goodbye, for up to `tell_s`."""
+    waiting = {k for k, p in peers.items() if p.identity is None and not p.gone}
+    until = time.monotonic() + tell_s
+    while waiting and time.monotonic() < until:
+        for frames in receive():
+            if len(frames) != 2:
+                continue
+            try:
+                msg = _decode(frames[1])
+            except msgspec.DecodeError:
+                continue
+            if isinstance(msg, Beat) and msg.node_rank in waiting:
+                waiting.discard(msg.node_rank)
+                sock.send_quietly([frames[0], _encode(bye)])

@@ -109,7 +109,8 @@ class NodeLost(ExecutorFailed):
 
 
 class LeaderLost(ExecutorFailed):
-    """On a follower: the leader node fell silent, or stopped because something failed."""
+    """On a follower: the leader node fell silent, or stopped because something failed. (A node whose independent
+    replicas each run on it alone serves on instead: node 0's replicas are lost, `ReplicaLost`.)"""
 
     def __init__(self, node_rank: int, why: str) -> None:
         super().__init__(f"node {node_rank}: the leader (node 0) is gone: {why}; this node stopped its workers")

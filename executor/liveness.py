@@ -1,251 +1,35 @@
-"""Cluster-wide liveness: one node's part, shared by the executors (DP replicas) that node runs, in two roles.
-
-Node 0 (`LeaderLiveness`) runs the heartbeat server and every other node (`FollowerLiveness`) beats toward
-it, so a lost node is noticed in one place and every replica hears of it: with data parallelism the ranks of
-all replicas share collectives (expert parallelism, the DP all-reduce), and one replica carrying on alone
-would hang in them. What a failure means is the node's policy's (failure_policy.py); the heartbeats only
-report to it, and this module says goodbye to the other nodes when the policy decides the node stops:
-
-- the node failed (a node lost, a worker, a replica): `Bye(failed)` to every
-  other node (node 0), or to node 0 (a follower), and they fail too;
-- every executor of the node stopped cleanly: `Bye(clean)`; a clean stop of the
-  whole cluster waits for every replica leader: each leader's node reports
-  `done` once its entry points returned (`finish`), node 0 waits for all of
-  them, stops, and says `Bye(clean)`, and every node stops.
-"""
+"""Node 0's liveness (`LeaderLiveness`: the heartbeat server every follower beats toward), and `for_node`,
+which gives a node its role: node 0's, or a follower's (follower_liveness.py). What both share, and what a
+node's liveness does, is node_liveness.py's."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import weakref
-from collections.abc import Iterator
 from typing import Any
 
 from rayfree.cluster.config import ClusterConfig, ConfigError
-from rayfree.cluster.heartbeat import Bye, HeartbeatServer
-from rayfree.cluster.heartbeat_client import HeartbeatClient
-from rayfree.cluster.heartbeat_messages import ReplicaDown
-from rayfree.cluster.join import shape_of
-from rayfree.supervisor import Failure, Severity
-from rayfree.transport import get_ip
+from rayfree.cluster.heartbeat import HeartbeatServer
 from rayfree.transport.net import bind_address
 
 from . import drain
-from .errors import LeaderLost, NodeLost, ReplicaFailed, ReplicaLost
-from .failure_policy import NodePolicy, why_of
-from .health import follower_verdict, followers_verdict, verdicts
-from .rejoin import Rejoins, ReplicaEpochs
-from .roles import PolicyExecutor
-from .roster import Back, DrainHeard, Regrouped, Welcomed
-from .status_messages import cluster_status, encode, node_status
+from .errors import NodeLost
+from .follower_liveness import FollowerLiveness
+from .health import followers_verdict, verdicts
+from .node_liveness import FINISH_POLL_S, NodeLiveness
+from .rejoin import Rejoins
+from .status_messages import cluster_status, encode
 
-__all__ = ["NodeLiveness", "LeaderLiveness", "FollowerLiveness"]
+__all__ = ["NodeLiveness", "LeaderLiveness", "FollowerLiveness", "for_node"]
 
 logger = logging.getLogger("rayfree.executor")
 
-#: How often `finish()` on node 0 looks at the other replica leaders' `done`.
-_FINISH_POLL_S = 0.05
-#: How long node 0 that refuses to start waits for followers to beat, to tell them why (`refuse`).
-REFUSE_TELL_S = 5.0
-#: how much of a failure a goodbye carries (a join's disagreement names both sides: about 500 characters)
-WHY_CHARS = 1000
-#: How often the policy looks whether the heartbeat thread has ended (`close_steps`), and for how long at most.
-_CLOSE_POLL_S = 0.02
-_CLOSE_WAIT_S = 10.0
 
-
-class NodeLiveness:
-    """This node's heartbeats (none on a one-node cluster) and its failure policy, for `replicas` executors
-    (`attach` each as it starts). `for_node` gives the role: node 0's or a follower's."""
-
-    beater: HeartbeatServer | HeartbeatClient | None = None
-
-    @staticmethod
-    def for_node(config: ClusterConfig, replicas: int = 1, owner: Any = None) -> NodeLiveness:
-        cls = LeaderLiveness if config.parallel.node_rank == 0 else FollowerLiveness
-        return cls(config, replicas, owner)
-
-    def __init__(self, config: ClusterConfig, replicas: int = 1, owner: Any = None) -> None:
-        if type(self) is NodeLiveness:
-            raise TypeError("a node's liveness has a role: make it with NodeLiveness.for_node(config)")
-        self.config = config
-        self.par = par = config.parallel
-        self.node = par.node_rank
-        self.replicas = replicas
-        self._owner = None if owner is None else weakref.ref(owner)
-        self.policy = NodePolicy(self)
-        self._lock = threading.Lock()
-        self._executors: list[weakref.ref[PolicyExecutor]] = []
-        self._ready = 0
-        self._stopped = 0
-        self._closed = False
-        #: set when the operator stops this node (SIGTERM, Ctrl-C): its stop is a clean one for the cluster,
-        #: even if it cut a call short (what the other nodes are told, e.g. "SIGTERM on node 0")
-        self.stop_requested = ""
-        #: the executors record each call's latency (someone serves metrics); set before they start
-        self.histograms = False
-        #: set when the cluster's fate is decided: node 0 said goodbye, or something failed
-        self.settled = threading.Event()
-        #: node 0 stopped the cluster cleanly (its goodbye, on a follower): why, or "" while it has not
-        self.stopped_cleanly = ""
-        self.ip = get_ip(peer=par.master_addr) if par.nnodes > 1 else "127.0.0.1"
-        self._refused = ""
-        #: every DP replica's epoch and state (node 0: and its admission of replacements)
-        self.replica_epochs = (Rejoins if self.node == 0 else ReplicaEpochs)(self)
-        self.independent = par.data_parallel_size > 1 and not par.one_world
-        #: coupled DP replicas: the membership epoch and the replicas in it (membership.py; node 0 declares each)
-        self.membership: tuple[int, list[int]] = (0, list(range(par.data_parallel_size)))
-
-    @property
-    def owner(self) -> Any:
-        """The executor that made this liveness for itself (its heartbeats end with it), or None (NodeReplicas')."""
-        return None if self._owner is None else self._owner()
-
-    @property
-    def failure(self) -> Exception | None:
-        """The node's failure, as its policy recorded it (None while it runs)."""
-        if self._refused:
-            return RuntimeError(self._refused)
-        record = self.policy.record
-        return None if record is None else record.cause
-
-    def verdict_s(self) -> float:
-        """How long the heartbeats take at most to call a node whose processes died lost (0: one node)."""
-        b = self.beater
-        return 0.0 if b is None else b.suspect_window + b.interval + 0.3
-
-    def peer_verdict(self, grace: float | None = None) -> str:
-        """What the heartbeats say of the other nodes' readiness ("" ready); see health.ready."""
-        return ""
-
-    # -- the executors ---------------------------------------------------------------------
-
-    def attach(self, ex: PolicyExecutor) -> None:
-        if self.histograms:
-            ex.record_latencies()
-        with self._lock:
-            self._executors.append(weakref.ref(ex))
-            failure = self.failure
-        if failure is not None:
-            # The node failed before this executor attached (node 0 refused to start, or said goodbye, while
-            # this node was still starting): `fail_all` did not see it, so it starts no workers at all.
-            raise failure
-
-    def executors(self) -> list[PolicyExecutor]:
-        with self._lock:
-            return [x for x in (r() for r in self._executors) if x is not None]
-
-    @property
-    def ready_count(self) -> int:
-        """How many of this node's executors are ready."""
-        return self._ready
-
-    def ready(self) -> None:
-        """One executor is ready; once all of this node's are, silence counts as a loss."""
-        with self._lock:
-            self._ready += 1
-            arm = self._ready == self.replicas
-        if arm and self.beater is not None:
-            self.beater.arm()
-
-    def nodes(self) -> list[int]:
-        """The cluster's nodes as this node knows them (node 0's: also those a scale-out past --dp added)."""
-        return list(range(self.par.nnodes))
-
-    def lost_nodes(self) -> set[int]:
-        """The nodes whose every replica is lost: no longer part of the cluster's readiness."""
-        lost = self.policy.lost
-        return {k for k in self.nodes() if lost and all(r in lost for r in self.par.replicas_of_node(k))}
-
-    def scale(self, width: int) -> str:
-        """Node 0: ask for `width` DP replicas (drain.py's `scale`): one line."""
-        return drain.scale(self, width)
-
-    def welcome_epochs(self, timeout: float) -> dict[int, int]:
-        """(A follower's: node 0 says which epoch each of its replicas starts in.)"""
-        return {}
-
-    def fail_all(self, error: Exception) -> None:
-        """Report a failure of the whole node (any thread): its policy fails every executor with `error`, FATAL
-        whatever the error's own type weighs."""
-        self.policy.sup.post(Failure("this node", error, Severity.FATAL, self.policy))
-
-    # -- what the policy tells it (the policy thread) -------------------------------------------------------
-
-    def failed(self, f: Failure) -> None:
-        """The node failed: say so to the other side(s), who stop too, without waiting for a timeout."""
-        if isinstance(f.cause, LeaderLost):
-            self._close(None)  # node 0 is gone or said goodbye: nobody to tell
-            return
-        self._close(Bye(self.node, False, why_of(f.cause)[:WHY_CHARS]))
-
-    def stopping(self, ex: PolicyExecutor) -> None:
-        """Executor `ex` begins its shutdown. A clean one counts toward the node's clean goodbye; one with a
-        reason to stop (its entry point raised) fails the node's other replicas and the cluster."""
-        reason = ex.stop_reason or ""
-        failure = ex.failure
-        if (self.stop_requested or self.stopped_cleanly) and not isinstance(failure, (NodeLost, LeaderLost)):
-            failure, reason = None, ""  # stopped on purpose (here, or by node 0): the others stop cleanly too
-        lost = self.policy.lost
-        if ex.dp_rank in lost:
-            failure, reason = None, ""  # an independent replica lost: not the node's failure, and not running
-        if failure is not None or reason:
-            if self.policy.record is None:  # (an interrupted call, an entry that raised, a failed start-up)
-                why = reason or why_of(failure)
-                cause = failure or ReplicaFailed(ex.dp_rank, why)
-                # (the node's failure whatever the cause's own weight: an interrupted call included)
-                self.policy.apply(Failure(f"DP replica {ex.dp_rank}", cause, Severity.FATAL, self.policy, ex))
-            return
-        with self._lock:
-            self._stopped += 1
-            last = self._stopped >= len(self._executors)
-        drained = last and self.policy.drained_only()
-        if ex.dp_rank in lost and not drained:
-            return  # (counted: once the node's other replicas stop cleanly, its goodbye is a clean one)
-        if last:
-            why = f"stopped on request ({self.stop_requested})" if self.stop_requested else (
-                f"its DP replica(s) {self.par.node_replicas} were drained" if drained else "shut down"
-            )  # fmt: skip
-            self._close(Bye(self.node, True, why))
-
-    def _close(self, bye: Bye | None) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        if self.beater is not None:  # the other side(s) stop too, without waiting for a timeout
-            self.beater.stop(bye)
-
-    def close_steps(self) -> Iterator[float]:
-        """Until the heartbeat thread has said its goodbye and ended (bounded): the policy's steps."""
-        self._close(None)
-        waited = 0.0
-        while self.beater is not None and self.beater.running() and waited < _CLOSE_WAIT_S:
-            waited += _CLOSE_POLL_S
-            yield _CLOSE_POLL_S
-
-    def close(self, timeout: float = _CLOSE_WAIT_S) -> None:
-        """The heartbeats end (from a thread that is not theirs): a node's last step."""
-        self._close(None)
-        if self.beater is not None:
-            self.beater.join(timeout)
-
-    def finish(self) -> bool:
-        """This node's entry points have returned: wait until the whole cluster may stop (True), or it failed."""
-        raise NotImplementedError
-
-    def refuse(self, reason: str, tell_s: float = REFUSE_TELL_S) -> None:
-        """Node 0 refuses to start (say, its master port is taken): tell every follower that beats within
-        `tell_s` (followers started with it are still importing), so none waits for its join timeout; then
-        close, as soon as every follower was told."""
-        self._refused = reason
-        self.settled.set()
-        if isinstance(self.beater, HeartbeatServer):
-            self.beater.tell_late_s = tell_s
-        self._close(Bye(self.node, False, reason[:WHY_CHARS]))
-        self.close(tell_s + 5.0)
+def for_node(config: ClusterConfig, replicas: int = 1, owner: Any = None) -> NodeLiveness:
+    """This node's liveness, in its role, for `replicas` executors (`owner`: the executor that made it for
+    itself, whose heartbeats end with it)."""
+    cls = LeaderLiveness if config.parallel.node_rank == 0 else FollowerLiveness
+    return cls(config, replicas, owner)
 
 
 class LeaderLiveness(NodeLiveness):
@@ -281,6 +65,7 @@ class LeaderLiveness(NodeLiveness):
             beater.verdict_fn = self._judged
             beater.drain_fn = lambda k: drain.request(self, k)
             beater.scale_fn = lambda n: drain.scale(self, n)
+        beater.on_alone = self._served_without_me
         beater.start(self.policy)  # (wired: its first beat meets every callback; a crash of it fails the node)
         logger.info("node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
                     self.beater.endpoint, len(others), cfg.join_timeout_s)  # fmt: skip
@@ -290,6 +75,15 @@ class LeaderLiveness(NodeLiveness):
         assert isinstance(self.replica_epochs, Rejoins) and isinstance(self.beater, HeartbeatServer)
         self.replica_epochs.look(self.beater, time.monotonic())
         return verdicts(self)
+
+    def _served_without_me(self, node: int, why: str) -> None:
+        """The heartbeat thread, while this node 0 starts: a node that lost node 0's earlier process serves its
+        replicas without it (follower_liveness.py); the cluster this node 0 was started for cannot form."""
+        self.fail_all(ConfigError(
+            f"node {node} serves DP replica(s) {self.par.replicas_of_node(node)} without node 0 since it lost node "
+            f"0's earlier process ({why}): a node 0 started again does not rejoin replicas that serve on; stop "
+            f"every node, then start the cluster again"
+        ))  # fmt: skip
 
     def nodes(self) -> list[int]:
         return [0, *sorted(self.beater.peers)] if self.beater is not None else [0]
@@ -310,88 +104,7 @@ class LeaderLiveness(NodeLiveness):
             logger.info(
                 "node 0: this node's replicas are done; waiting for the replica leader(s) on node(s) %s", leaders
             )
-        while not self.settled.wait(_FINISH_POLL_S):
+        while not self.settled.wait(FINISH_POLL_S):
             if self.beater.all_done([k for k in leaders if k not in self.lost_nodes()]):
                 return True
-        return self.failure is None
-
-
-class FollowerLiveness(NodeLiveness):
-    """Any other node: beats toward node 0 with its status; node 0 lost, or its goodbye, stops this node."""
-
-    beater: HeartbeatClient
-
-    def __init__(self, config: ClusterConfig, replicas: int = 1, owner: Any = None) -> None:
-        super().__init__(config, replicas, owner)
-        par, cfg = self.par, self.config
-        self.beater = HeartbeatClient(
-            par.master_addr,
-            cfg.heartbeat_endpoint_port,
-            self.node,
-            par.node_ranks(self.node),
-            self.ip,
-            cfg.heartbeat_interval_s,
-            cfg.heartbeat_timeout_s,
-            lambda why: self.policy.report("the heartbeats", LeaderLost(self.node, why)),
-            self._head_bye,
-            shape_of(par),  # (a replacement of a lost node is admitted only with the cluster's shape)
-        )
-        self.beater.status_fn = lambda: encode(node_status(self))
-        self.beater.on_disowned = lambda why: self.policy.report("node 0", NodeLost(
-            self.node, par.node_ranks(self.node), self.ip,
-            f"node 0 counts it lost ({why}) and will not take this process back: start the node again",
-        ))  # fmt: skip
-        if self.independent:  # (what node 0 says reaches the roster on the policy thread, in the order it came)
-            send, soon = self.replica_epochs.send, self.policy.sup.call_soon
-            self.beater.on_replica_down = self._replica_down
-            self.beater.on_replica_up = lambda m: soon(send, Back(m.dp_rank, m.epoch))
-            self.beater.on_replica_drain = lambda m: soon(send, DrainHeard(m.dp_rank))
-            self.beater.on_regroup = lambda m: soon(send, Regrouped(m.epoch, tuple(m.members)))
-        self.beater.start(self.policy)  # (wired: node 0's first word meets every callback; a crash fails the node)
-        logger.info("node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
-                    self.node, par.master_addr, par.master_port, self.beater.endpoint, cfg.join_timeout_s)  # fmt: skip
-
-    def _head_bye(self, _node: int, clean: bool, reason: str) -> None:
-        if clean:
-            logger.info("node %d: node 0 stopped the cluster; stopping this node's workers", self.node)
-            self.policy.sup.call_soon(self._stopped_by_node_0, reason or "node 0 stopped")  # (before the report)
-            self.policy.report("node 0's goodbye", None)
-        else:
-            why = f"it stopped after a failure: {reason}"
-            self.policy.report("node 0's goodbye", LeaderLost(self.node, why))
-
-    def _stopped_by_node_0(self, why: str) -> None:
-        """The policy thread, the one writer of `stopped_cleanly`: node 0 stopped the cluster."""
-        self.stopped_cleanly = why
-        self.settled.set()
-
-    def _replica_down(self, msg: ReplicaDown) -> None:
-        err = ReplicaLost(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)
-        self.policy.report("node 0", err)
-
-    def welcome_epochs(self, timeout: float) -> dict[int, int]:
-        """Independent replicas: the epoch of each replica this node runs, from node 0's first answer (a node
-        that replaces a lost one rejoins in a later epoch); {} if node 0 fails or stays silent meanwhile."""
-        deadline = time.monotonic() + timeout
-        while not self.beater.welcomed.wait(_FINISH_POLL_S):
-            if self.settled.is_set() or time.monotonic() > deadline:
-                return {}
-        if self.beater.refused is not None:
-            raise ConfigError(self.beater.refused)
-        welcome = self.beater.welcome
-        assert welcome is not None
-        self.replica_epochs.send(Welcomed(tuple(welcome.epochs.items())))
-        mine = set(self.par.node_replicas)
-        for msg in welcome.lost:  # (lost before this node started: it knows them as the others do)
-            if msg.dp_rank not in mine:
-                self._replica_down(msg)
-        return {k: e for k, e in welcome.epochs.items() if k in mine}
-
-    def peer_verdict(self, grace: float | None = None) -> str:
-        return follower_verdict(self.beater)
-
-    def finish(self) -> bool:
-        """Report `done` in the beats and wait for node 0's goodbye (bounded: its silence is a loss)."""
-        self.beater.done = True
-        self.settled.wait()
         return self.failure is None

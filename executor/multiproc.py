@@ -27,7 +27,7 @@ from .abstract import Executor
 from .broadcast import NodeBroadcast
 from .drain import refuse_if_draining
 from .errors import FatalWorkerError, NotLeaderError, WorkerDied, failed_as
-from .liveness import NodeLiveness
+from .liveness import NodeLiveness, for_node
 from .membership import Membership
 from .observe import StallWatch
 from .peers import cause_of
@@ -130,7 +130,7 @@ class MultiprocExecutor(Executor):
                         f"node {par.node_rank} runs {par.replicas_per_node} DP replicas: start them "
                         f"together with rayfree.executor.NodeReplicas (or `rayfree node`)"
                     )
-                self.liveness = NodeLiveness.for_node(self.config, owner=self)
+                self.liveness = for_node(self.config, owner=self)
             self.liveness.attach(self)
             self.broadcast = NodeBroadcast(self.config, weak_callback(self._report_relay))
             if self.broadcast.queue is not None:

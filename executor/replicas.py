@@ -20,7 +20,7 @@ from rayfree.cluster.config import ClusterConfig
 from rayfree.supervisor import supervisor
 
 from .errors import ReplicaDrained
-from .liveness import NodeLiveness
+from .liveness import NodeLiveness, for_node
 from .multiproc import MultiprocExecutor
 
 __all__ = ["NodeReplicas"]
@@ -54,7 +54,7 @@ class NodeReplicas:
         par = config.parallel
         self.config = config
         self.dp_ranks = par.node_replicas
-        self.liveness = NodeLiveness.for_node(config, len(self.dp_ranks))
+        self.liveness = for_node(config, len(self.dp_ranks))
         if on_liveness is not None:
             on_liveness(self.liveness)
         self.executors: list[MultiprocExecutor] = []

@@ -207,7 +207,7 @@ class _Node:
 
     def _refused(self) -> bool:
         """Node 0 whose master port another process holds: one line now, the followers told, exit 2."""
-        from rayfree.executor.liveness import NodeLiveness
+        from rayfree.executor.liveness import for_node
         from rayfree.executor.startup import MasterPortInUse, check_master_port
 
         try:
@@ -215,7 +215,7 @@ class _Node:
         except MasterPortInUse as e:
             print(f"rayfree node: {e}", file=sys.stderr, flush=True)
             if self.par.nnodes > 1:
-                NodeLiveness.for_node(self.config).refuse(f"node 0 refused to start: {e}")
+                for_node(self.config).refuse(f"node 0 refused to start: {e}")
             return True
         return False
 

@@ -14,7 +14,7 @@ import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster
 from tests.cluster.test_dp import start
-from tests.cluster.test_multinode import HB_TIMEOUT, KILLS_ONLY, SLACK, assert_nothing_left, needs_root
+from tests.cluster.test_multinode import HB_TIMEOUT, LONG_BOUNDS, SLACK, assert_nothing_left, needs_root
 from tests.support.nodes import NodeProc, Nodes
 
 pytestmark = needs_root
@@ -37,7 +37,7 @@ def restart(nodes: Nodes, k: int) -> NodeProc:
 @pytest.mark.timeout(400)
 def test_a_lost_replica_shrinks_the_groups_across_replicas_and_its_rejoin_grows_them() -> None:
     with SimulatedCluster(2) as sim:
-        nodes = Nodes(sim, **KILLS_ONLY)
+        nodes = Nodes(sim, **LONG_BOUNDS)
         procs = start(nodes, 2, 2, 2, ENTRY, **ENV)
         for k in range(2):
             procs[k].expect(r"^ACROSS:", 180)

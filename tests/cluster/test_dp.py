@@ -28,7 +28,13 @@ def start(
     nodes: Nodes, nnodes: int, dp: int, tp: int, entry: str, order: str = "leaders first", **env: str
 ) -> dict[int, NodeProc]:
     """Every node of a DP layout; the first node of each replica leads it (head on node 0, leader elsewhere)."""
-    layout = ParallelConfig(data_parallel_size=dp, nnodes=nnodes)
+    ks = list(range(nnodes)) if order == "leaders first" else list(reversed(range(nnodes)))
+    return {k: start_node(nodes, k, nnodes, dp, tp, entry, **env) for k in ks}
+
+
+def start_node(nodes: Nodes, k: int, nnodes: int, dp: int, tp: int, entry: str, **env: str) -> NodeProc:
+    """Node k of a DP layout (`start`'s), started (again) with the command of its service."""
+    lead = ParallelConfig(data_parallel_size=dp, nnodes=nnodes).leads(k)
     shape = {
         "RAYFREE_NNODES": str(nnodes),
         "RAYFREE_DATA_PARALLEL_SIZE": str(dp),
@@ -36,13 +42,8 @@ def start(
         "RAYFREE_PIPELINE_PARALLEL_SIZE": "1",
         **env,
     }
-    ks = list(range(nnodes)) if order == "leaders first" else list(reversed(range(nnodes)))
-    procs = {}
-    for k in ks:
-        lead = layout.leads(k)
-        service = "head" if k == 0 else "leader" if lead else "follower"
-        procs[k] = nodes.start(k, service, **shape, **({"RAYFREE_ENTRY": entry} if lead else {}))
-    return procs
+    service = "head" if k == 0 else "leader" if lead else "follower"
+    return nodes.start(k, service, **shape, **({"RAYFREE_ENTRY": entry} if lead else {}))
 
 
 ONE_WORLD = {"RAYFREE_REPLICA_COUPLING": "one-world"}
@@ -191,10 +192,10 @@ def test_a_lost_node_of_independent_replica_1_fails_it_alone(victim: int, how: s
 
 
 @pytest.mark.timeout(240)
-def test_node_0_lost_is_the_cluster_lost_even_with_independent_replicas() -> None:
-    """Node 0 is the heartbeats' hub and the rendezvous: SIGKILLed, every replica stops. Replica 1's leader ends
-    its call with LeaderLost (not ReplicaLost) within the heartbeats' bound, and every other node leaves
-    non-zero."""
+def test_node_0_lost_stops_independent_replicas_spread_over_several_nodes() -> None:
+    """Node 0 is the heartbeats' hub of a replica spread over several nodes: SIGKILLed, every replica stops.
+    Replica 1's leader ends its call with LeaderLost (not ReplicaLost) within the heartbeats' bound, and every
+    other node leaves non-zero. (Replicas that each run on one node serve on: tests/cluster/test_node0_lost.py.)"""
     with SimulatedCluster(4) as sim:
         procs = stepping(sim)
         t_kill = time.monotonic()

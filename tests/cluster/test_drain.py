@@ -12,7 +12,7 @@ import pytest
 from rayfree.cluster.simulate import SimulatedCluster
 from tests.cluster.test_dp import start
 from tests.cluster.test_health import probe, until
-from tests.cluster.test_multinode import KILLS_ONLY, assert_nothing_left, needs_root
+from tests.cluster.test_multinode import LONG_BOUNDS, assert_nothing_left, needs_root
 from tests.cluster.test_rejoin import restart
 from tests.support.nodes import ROOT, Nodes
 
@@ -33,7 +33,7 @@ def rayfree(sim: SimulatedCluster, nodes: Nodes, k: int, *args: str) -> subproce
 @pytest.mark.timeout(400)
 def test_a_drained_replica_stops_cleanly_and_comes_back_while_the_other_serves_on() -> None:
     with SimulatedCluster(4) as sim:
-        nodes = Nodes(sim, **KILLS_ONLY)
+        nodes = Nodes(sim, **LONG_BOUNDS)
         env = {"RAYFREE_HEALTH_PORT": PORT, "RAYFREE_MIN_SERVING_REPLICAS": "2"}
         procs = start(nodes, 4, 2, 2, ENTRY, **env)
         for k in (0, 2):

@@ -14,7 +14,7 @@ import pytest
 from rayfree.cluster.simulate import SimulatedCluster
 from rayfree.transport.secure.policy import write_secret
 from tests.cluster.test_dp import start
-from tests.cluster.test_multinode import FAST, KILLS_ONLY, assert_nothing_left, needs_root
+from tests.cluster.test_multinode import LONG_BOUNDS, assert_nothing_left, needs_root
 from tests.executor.test_observe import _status
 from tests.support.nodes import ROOT, NodeProc, Nodes
 from tests.support.paths import PYTHONPATH
@@ -39,7 +39,7 @@ def restart(nodes: Nodes, k: int, **env: str) -> NodeProc:
 def three_replicas(sim: SimulatedCluster, lose: tuple[int, ...]) -> tuple[Nodes, dict[int, NodeProc]]:
     """DP=3 x TP=1 on three nodes, every replica stepping; then the nodes `lose`, killed one after the other,
     each known lost by node 0."""
-    nodes = Nodes(sim, **KILLS_ONLY)
+    nodes = Nodes(sim, **LONG_BOUNDS)
     procs = start(nodes, 3, 3, 1, ENTRY)
     for k in range(3):
         procs[k].expect(r"^STEPPING:", 180)
@@ -59,7 +59,7 @@ def restart3(nodes: Nodes, k: int, **env: str) -> NodeProc:
 @pytest.mark.timeout(400)
 def test_a_lost_replica_rejoins_twice_while_the_other_serves_on() -> None:
     with SimulatedCluster(4) as sim:
-        nodes = Nodes(sim, **KILLS_ONLY)
+        nodes = Nodes(sim, **LONG_BOUNDS)
         procs = start(nodes, 4, 2, 2, ENTRY, RF_REJOINS="2")
         first = {k: procs[k].result("STEPPING", 180) for k in (0, 2)}
         everyone = list(procs.values())
@@ -103,7 +103,7 @@ def test_a_replacement_with_another_secret_changes_nothing_and_the_lost_incarnat
     wrong, tail = str(tmp_path / "other.secret"), str(tmp_path / "tail-done")
     write_secret(wrong)
     with SimulatedCluster(4) as sim:
-        nodes = Nodes(sim, **FAST)
+        nodes = Nodes(sim, **LONG_BOUNDS)  # (node 3 stopped is known past them: this is not about how fast)
         procs = start(nodes, 4, 2, 2, ENTRY, RF_TAIL_UNTIL_FILE=tail)
         for k in (0, 2):
             procs[k].expect(r"^STEPPING:", 180)
@@ -155,7 +155,7 @@ def test_a_replacement_that_fails_mid_rejoin_restarts_the_rejoin_and_its_partner
     once more, it is admitted in epoch 2, and node 2 (admitted in epoch 1, waiting in a rendezvous that can no
     longer complete) is told at once, leaves non-zero, and started again joins epoch 2; the replica serves."""
     with SimulatedCluster(4) as sim:
-        nodes = Nodes(sim, **KILLS_ONLY)
+        nodes = Nodes(sim, **LONG_BOUNDS)
         procs = start(nodes, 4, 2, 2, ENTRY)
         for k in (0, 2):
             procs[k].expect(r"^STEPPING:", 180)

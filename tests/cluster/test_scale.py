@@ -15,7 +15,7 @@ from tests.cluster.test_coupled import ENV as COUPLED_ENV
 from tests.cluster.test_coupled import restart as restart_coupled
 from tests.cluster.test_dp import start
 from tests.cluster.test_drain import rayfree
-from tests.cluster.test_multinode import KILLS_ONLY, assert_nothing_left, needs_root
+from tests.cluster.test_multinode import LONG_BOUNDS, assert_nothing_left, needs_root
 from tests.cluster.test_rejoin import restart
 from tests.support.nodes import NodeProc, Nodes
 
@@ -28,7 +28,7 @@ def stepping(
     sim: SimulatedCluster, nnodes: int, dp: int, tp: int, entry: str, leaders: tuple[int, ...], **env: str
 ) -> tuple[Nodes, dict[int, NodeProc]]:
     """The layout started as test_dp.start starts it, once the replicas' leaders on `leaders` step."""
-    nodes = Nodes(sim, **KILLS_ONLY)
+    nodes = Nodes(sim, **LONG_BOUNDS)
     procs = start(nodes, nnodes, dp, tp, entry, **env)
     for k in leaders:
         procs[k].expect(r"^STEPPING:", 180)
@@ -78,7 +78,7 @@ def test_coupled_replicas_scale_in_and_out_by_command_while_they_step() -> None:
     short, its node exits 0) and replica 0's groups across replicas shrink to itself; `--dp 2` and node 1 started
     again with the same command: they grow back. Replica 0 keeps its processes and fails no step."""
     with SimulatedCluster(2) as sim:
-        nodes = Nodes(sim, **KILLS_ONLY)
+        nodes = Nodes(sim, **LONG_BOUNDS)
         procs = start(nodes, 2, 2, 2, COUPLED_ENTRY, **COUPLED_ENV)
         for k in range(2):
             procs[k].expect(r"^ACROSS:", 180)

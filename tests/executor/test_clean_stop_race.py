@@ -16,7 +16,7 @@ import pytest
 from rayfree.cluster.config import ClusterConfig, ParallelConfig
 from rayfree.cluster.heartbeat import Bye, HeartbeatServer
 from rayfree.executor.errors import WorkerDied
-from rayfree.executor.liveness import NodeLiveness
+from rayfree.executor.liveness import for_node
 from rayfree.supervisor import Severity
 from rayfree.transport import get_open_port
 
@@ -74,7 +74,7 @@ def test_a_rank_death_held_for_the_verdict_is_no_failure_when_node_0_stopped_cle
     config = ClusterConfig(parallel=par, heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0, heartbeat_port=port)
     server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 5.0, lambda *a: None)
     server.start()
-    lv = NodeLiveness.for_node(config)
+    lv = for_node(config)
     ex = _Replica(config)
     try:
         lv.attach(ex)  # type: ignore[arg-type]

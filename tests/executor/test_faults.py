@@ -290,9 +290,17 @@ def test_a_worker_that_dies_in_the_start_up_handshake_is_named_and_leaves_nothin
         MultiprocExecutor(cfg(path), ECHO, {"die_in_handshake_on": [1]})
     text = str(info.value)
     assert "worker rank 1" in text and "rayfree::Worker_TP1" in text and "exit code 9" in text, text
-    # (tests running beside this one have live segments of their own: only ours, or a dead maker's, count)
-    left = {e for e in entries() - before if creator_pid(e) == os.getpid() or not creator_alive(e)}
-    assert not left, f"left behind: {sorted(left)}"
+
+    # (tests running beside this one have live segments of their own: only ours, or a dead maker's, count; and
+    # another suite's dead worker leaves its segments to its own executor, which removes them a moment later,
+    # where a leak stays: beside another suite one was seen here in that moment)
+    def left() -> set[str]:
+        return {e for e in entries() - before if creator_pid(e) == os.getpid() or not creator_alive(e)}
+
+    try:
+        wait_until(lambda: not left(), 20, "what a dead maker left removed", every=0.1)
+    except AssertionError:
+        raise AssertionError(f"left behind: {sorted(left())}") from None
 
 
 # -- the engine's process dies ----------------------------------------------------------------------
@@ -491,7 +499,7 @@ def test_a_follower_told_of_node_0s_failure_before_its_executor_started_starts_n
     the node's liveness): the executor raises LeaderLost at once and spawns nothing (it waited for its ranks'
     READY until ready_timeout_s before, as a relay did for its ranks)."""
     from rayfree.executor.errors import LeaderLost
-    from rayfree.executor.liveness import NodeLiveness
+    from rayfree.executor.liveness import for_node
     from rayfree.transport import get_open_port
 
     port, hb = get_open_port("127.0.0.1"), get_open_port("127.0.0.1")
@@ -502,10 +510,10 @@ def test_a_follower_told_of_node_0s_failure_before_its_executor_started_starts_n
         )
         return ClusterConfig(parallel=par, heartbeat_port=hb, join_timeout_s=30, ready_timeout_s=60)
 
-    leader = NodeLiveness.for_node(node(0))
+    leader = for_node(node(0))
     refusing = threading.Thread(target=leader.refuse, args=("node 0 refused to start: a test's reason", 20))
     refusing.start()
-    follower = NodeLiveness.for_node(node(1))
+    follower = for_node(node(1))
     try:
         assert follower.settled.wait(20), "the follower was never told of node 0's failure"
         before, seen, done = set(descendants(os.getpid())), set(), threading.Event()

@@ -170,6 +170,23 @@ def test_failover_bench_loses_one_independent_replica_and_no_call_of_the_other()
 
 
 @pytest.mark.timeout(300)
+def test_failover_bench_loses_node_0_and_no_call_of_the_other_replicas() -> None:
+    """DP=3 x TP=1, independent, on three simulated nodes, node 0 (replica 0's leader) SIGKILLed mid-run: replicas
+    1 and 2 fail no call, and none is answered wrong, lost by a rank or run twice (counts, asserted)."""
+    from rayfree.cluster.simulate import can_use_netns
+
+    if not can_use_netns():
+        pytest.skip("needs root for network namespaces")
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "failover.py"), "--dp", "3", "--tp", "1", "--seconds", "2",
+           "--lose", "node-0", "--couplings", "independent"]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280, env=STARVED)
+    assert out.returncode == 0, f"bench/failover.py failed:\n{out.stdout}\n{out.stderr}"
+    assert "node 0 (replica 0) SIGKILLed" in out.stdout, out.stdout
+    served = re.findall(r"^  ([12]) +served on +0 +\d+ +\S+ .* 0 +0 +0$", out.stdout, re.M)
+    assert served == ["1", "2"], out.stdout
+
+
+@pytest.mark.timeout(300)
 def test_coupled_bench_shrinks_and_grows_with_every_step_right() -> None:
     """DP=3 x TP=1, coupled, on three simulated nodes: replica 2's node SIGKILLed, then started again. Every step
     of every replica is right (a count, asserted), the survivors have a shrink time and a grow time (the times

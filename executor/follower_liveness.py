@@ -1,0 +1,138 @@
+"""A follower node's liveness (node_liveness.py has what the roles share, liveness.py node 0's): it beats
+toward node 0 with its status, hears node 0's word on the replicas, and stops with node 0's goodbye or its
+loss, unless its independent replicas need nothing of node 0 (`outlives_node_0`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
+from rayfree.cluster.heartbeat_client import HeartbeatClient
+from rayfree.cluster.heartbeat_messages import ReplicaDown
+from rayfree.cluster.join import shape_of
+
+from .errors import LeaderLost, NodeLost, ReplicaLost
+from .health import follower_verdict
+from .node_liveness import FINISH_POLL_S, NodeLiveness
+from .roster import Back, DrainHeard, Regrouped, Welcomed
+from .status_messages import encode, node_status
+
+__all__ = ["FollowerLiveness", "outlives_node_0"]
+
+logger = logging.getLogger("rayfree.executor")
+
+
+def outlives_node_0(par: ParallelConfig) -> bool:
+    """Does this node serve on when node 0 is lost (its loss costing node 0's replicas only)? Where its replicas
+    are independent (coupled ones' groups across replicas re-form as node 0 declares; one world fails together)
+    and each runs on this node alone: a replica spread over nodes has node 0 as its heartbeats' hub."""
+    if par.data_parallel_size == 1 or par.one_world or par.coupled or par.node_rank == 0:
+        return False
+    return all(par.nodes_of_replica(k) == [par.node_rank] for k in par.node_replicas)
+
+
+class FollowerLiveness(NodeLiveness):
+    """Any other node: beats toward node 0 with its status; node 0 lost, or its goodbye, stops this node."""
+
+    beater: HeartbeatClient
+
+    def __init__(self, config: ClusterConfig, replicas: int = 1, owner: Any = None) -> None:
+        super().__init__(config, replicas, owner)
+        par, cfg = self.par, self.config
+        self.outlives_node_0 = outlives_node_0(par)
+        #: why node 0 was lost, once it was and this node serves on
+        self.node_0_lost = ""
+        self.beater = HeartbeatClient(
+            par.master_addr,
+            cfg.heartbeat_endpoint_port,
+            self.node,
+            par.node_ranks(self.node),
+            self.ip,
+            cfg.heartbeat_interval_s,
+            cfg.heartbeat_timeout_s,
+            self._node_0_lost,
+            self._head_bye,
+            shape_of(par),  # (a replacement of a lost node is admitted only with the cluster's shape)
+        )
+        self.beater.status_fn = lambda: encode(node_status(self))
+        self.beater.on_disowned = lambda why: self.policy.report("node 0", NodeLost(
+            self.node, par.node_ranks(self.node), self.ip,
+            f"node 0 counts it lost ({why}) and will not take this process back: start the node again",
+        ))  # fmt: skip
+        if self.independent:  # (what node 0 says reaches the roster on the policy thread, in the order it came)
+            send, soon = self.replica_epochs.send, self.policy.sup.call_soon
+            self.beater.on_replica_down = self._replica_down
+            self.beater.on_replica_up = lambda m: soon(send, Back(m.dp_rank, m.epoch))
+            self.beater.on_replica_drain = lambda m: soon(send, DrainHeard(m.dp_rank))
+            self.beater.on_regroup = lambda m: soon(send, Regrouped(m.epoch, tuple(m.members)))
+        self.beater.start(self.policy)  # (wired: node 0's first word meets every callback; a crash fails the node)
+        logger.info("node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
+                    self.node, par.master_addr, par.master_port, self.beater.endpoint, cfg.join_timeout_s)  # fmt: skip
+
+    def _node_0_lost(self, why: str, source: str = "the heartbeats") -> bool:
+        """The heartbeat thread: node 0 fell silent. A node whose independent replicas all run on it alone needs
+        nothing of node 0 to serve (its worlds are formed; each replica's fate is its own): node 0's replicas are
+        lost, and this node's serve on. Any other node stops, and so does one still starting (its worlds form on
+        node 0's store): node 0 is their hub. True: this node serves on."""
+        if not self.outlives_node_0 or self.ready_count < self.replicas:
+            logger.error("node %d: leader lost: %s", self.node, why)
+            self.policy.report(source, LeaderLost(self.node, why))
+            return False
+        gone = self.par.replicas_of_node(0)
+        self.node_0_lost = why
+        logger.error(
+            "node %d: node 0 was lost (%s): DP replica(s) %s with it; this node's replica(s) %s serve on without "
+            "node 0 (no replacement is admitted and `rayfree status` has no cluster view until the cluster is "
+            "started again)", self.node, why, gone, self.par.node_replicas,
+        )  # fmt: skip
+        self.policy.report(source, NodeLost(0, self.par.node_ranks(0), self.par.master_addr, why, gone))
+        return True
+
+    def _head_bye(self, _node: int, clean: bool, reason: str) -> bool:
+        if not clean:  # (node 0 failed as a whole: lost, to this node, as if it fell silent)
+            return self._node_0_lost(f"it stopped after a failure: {reason}", "node 0's goodbye")
+        logger.info("node %d: node 0 stopped the cluster; stopping this node's workers", self.node)
+        self.policy.sup.call_soon(self._stopped_by_node_0, reason or "node 0 stopped")  # (before the report)
+        self.policy.report("node 0's goodbye", None)
+        return False
+
+    def _stopped_by_node_0(self, why: str) -> None:
+        """The policy thread, the one writer of `stopped_cleanly`: node 0 stopped the cluster."""
+        self.stopped_cleanly = why
+        self.settled.set()
+
+    def _replica_down(self, msg: ReplicaDown) -> None:
+        err = ReplicaLost(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)
+        self.policy.report("node 0", err)
+
+    def welcome_epochs(self, timeout: float) -> dict[int, int]:
+        """Independent replicas: the epoch of each replica this node runs, from node 0's first answer (a node
+        that replaces a lost one rejoins in a later epoch); {} if node 0 fails or stays silent meanwhile."""
+        deadline = time.monotonic() + timeout
+        while not self.beater.welcomed.wait(FINISH_POLL_S):
+            if self.settled.is_set() or time.monotonic() > deadline:
+                return {}
+        if self.beater.refused is not None:
+            raise ConfigError(self.beater.refused)
+        welcome = self.beater.welcome
+        assert welcome is not None
+        self.replica_epochs.send(Welcomed(tuple(welcome.epochs.items())))
+        mine = set(self.par.node_replicas)
+        for msg in welcome.lost:  # (lost before this node started: it knows them as the others do)
+            if msg.dp_rank not in mine:
+                self._replica_down(msg)
+        return {k: e for k, e in welcome.epochs.items() if k in mine}
+
+    def peer_verdict(self, grace: float | None = None) -> str:
+        return "" if self.node_0_lost else follower_verdict(self.beater)
+
+    def finish(self) -> bool:
+        """Report `done` in the beats and wait for node 0's goodbye (bounded: its silence is a loss); with node 0
+        lost and this node serving on, nobody is left to wait for."""
+        self.beater.done = True
+        while not self.settled.wait(FINISH_POLL_S):
+            if self.node_0_lost:
+                break
+        return self.failure is None
