@@ -5,17 +5,36 @@ the real HeartbeatServer and HeartbeatClient, no mocks."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from rayfree.cluster.heartbeat import HeartbeatServer
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.transport import get_open_port
+from rayfree.transport.zmq.sockets import SocketError
 from tests.support.waits import wait_until
 
 
-def _node_0(port: int, lost: list, armed: bool) -> HeartbeatServer:
-    server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 5.0, lambda n, r, ip, why: lost.append((n, why)))
+def _node_0(
+    port: int, lost: list, armed: bool, on_alone: Callable[[int, str], object] | None = None
+) -> HeartbeatServer:
+    """Node 0 at `port`: bound again as soon as ZeroMQ has let the port go (it closes an earlier socket in its
+    own I/O thread, after the close returned)."""
+    made: list[HeartbeatServer] = []
+
+    def bound() -> bool:
+        try:
+            made.append(
+                HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 5.0, lambda n, r, ip, why: lost.append((n, why)))
+            )
+        except SocketError:
+            return False
+        return True
+
+    wait_until(bound, 20, f"port {port} free to bind again", every=0.05)
+    server = made[0]
+    server.on_alone = on_alone  # type: ignore[assignment]
     server.start()
     if armed:
         server.arm()
@@ -47,9 +66,7 @@ def test_a_follower_that_serves_on_without_node_0_tells_each_node_0_that_answers
 
         heard: list[tuple[int, str]] = []
         told = threading.Event()
-        again = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 5.0, lambda n, r, ip, why: first.append(n))
-        again.on_alone = lambda node, why: (heard.append((node, why)), told.set())
-        again.start()
+        again = _node_0(port, first, armed=False, on_alone=lambda node, why: (heard.append((node, why)), told.set()))
         try:
             assert told.wait(20), "node 0 started again never heard that node 1 serves without it"
         finally:
