@@ -18,7 +18,7 @@ import pytest
 
 from rayfree.cluster.config import ParallelConfig
 from rayfree.cluster.simulate import SimulatedCluster
-from tests.cluster.test_multinode import FAST, HB_TIMEOUT, SLACK, assert_nothing_left, needs_root
+from tests.cluster.test_multinode import DETECT, FAST, HB_TIMEOUT, SLACK, assert_nothing_left, needs_root
 from tests.support.nodes import NodeProc, Nodes
 
 pytestmark = needs_root
@@ -139,7 +139,7 @@ def test_a_lost_node_of_replica_1_in_one_world_fails_both_replicas_naming_it(vic
 
 def stepping(sim: SimulatedCluster) -> dict[int, NodeProc]:
     """DP=2 x TP=2 on four nodes, independent, both leaders stepping until a replica is lost."""
-    procs = start(Nodes(sim, **FAST), 4, 2, 2, "tests.support.multinode_entry:steps_while_a_replica_is_lost")
+    procs = start(Nodes(sim, **DETECT), 4, 2, 2, "tests.support.multinode_entry:steps_while_a_replica_is_lost")
     for k in (0, 2):
         procs[k].expect(r"^STEPPING:", 180)
     return procs

@@ -17,7 +17,7 @@ import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster
 from tests.cluster.test_dp import start, start_node
-from tests.cluster.test_multinode import FAST, HB_TIMEOUT, SLACK, assert_nothing_left, needs_root
+from tests.cluster.test_multinode import DETECT, FAST, HB_TIMEOUT, SLACK, assert_nothing_left, needs_root
 from tests.support.nodes import Nodes
 
 pytestmark = needs_root
@@ -33,7 +33,7 @@ def test_node_0_lost_costs_only_its_replica_when_each_replica_runs_on_one_node(h
     replicas 1 and 2 lost once it runs or is reachable again (one then the other, maybe: its entry takes its 20 steps
     at the first): it served its own replica through it."""
     with SimulatedCluster(3) as sim:
-        procs = start(Nodes(sim, **FAST), 3, 3, 1, ENTRY)
+        procs = start(Nodes(sim, **DETECT), 3, 3, 1, ENTRY)
         for k in range(3):
             procs[k].expect(r"^STEPPING:", 180)
         t_lost = time.monotonic()

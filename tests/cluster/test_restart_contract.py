@@ -19,8 +19,10 @@ from tests.support.waits import wait_until
 pytestmark = pytest.mark.skipif(not can_use_netns(), reason="needs root for network namespaces")
 
 PORT = 8490
-#: "within 2 s" on an idle machine; this one has two cores shared with the rest of the suite
-SLACK = 1.0
+#: "within 2 s" on an idle machine (0.92-0.96 s here, alone, by this test's print); this one has two cores shared
+#: with the rest of the suite, and beside a second suite node 0 took 3.4 s. The entry sleeps 120 s, so a node 0
+#: that waited for it, or for anything of ours left behind, is still far past this bound.
+SLACK = 4.0
 #: how long torchrun's agent may take to leave after its child (node 0) did: its poll, its own teardown
 TORCHRUN_AGENT_S = 10.0
 ENV = {"PYTHONPATH": PYTHONPATH, "TORCH_CPP_LOG_LEVEL": "ERROR", "RAYFREE_LOG_LEVEL": "INFO", "RF_SERVE_S": "120"}
