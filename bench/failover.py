@@ -14,8 +14,9 @@ per coupling (`independent`, `one-world`):
   latency in the 5 s before the kill and in the 5 s after it (the floor is the same replica before the loss),
   and, from sequence numbers, its calls answered wrong, lost by a rank, or run twice by one (none expected);
 - the cluster's cold start (every node started until every leader calls), which is what a cluster in one
-  world pays again after a loss; independent, replica 1's nodes are then started again with the same command, and the
-  time until the rejoined replica's leader calls is put beside that cold start.
+  world pays again after a loss; independent, the lost replica's nodes (node 0 with `--lose node-0`) are then
+  started again with the same command, and the time until the rejoined replica's leader calls is put beside that
+  cold start (the others call on meanwhile: their failed calls count the whole run).
 
     python bench/failover.py [--dp 3] [--tp 2] [--couplings independent,one-world] [--seconds 8] [--pace 0]
                              [--lose follower|node-0]
@@ -139,10 +140,16 @@ def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0, lose
                 launch(k)
             rejoin = nodes.stepping([again[0]], t_again)
             time.sleep(1.0)
+        elif coupling == "independent" and lost == 0 and tp == 1:  # node 0 started again resumes the cluster
+            nodes.popen[0].wait(60)
+            t_again = time.monotonic()
+            launch(0)
+            rejoin = nodes.stepping([0], t_again)
+            time.sleep(1.0)
         with open(stop, "w"):
             pass
         for k in leaders:
-            if k == victim or k // tp in results:
+            if k == victim and not (lost == 0 and rejoin is not None) or k // tp in results:
                 continue
             r = entry_result(nodes, k, stop)
             results[k // tp] = r if r is not None else {"replica": k // tp, "missing": "".join(nodes.outs[k])[-2000:]}
@@ -157,7 +164,7 @@ def report(r: dict) -> None:
     print(f"\n{r['coupling']}: DP={r['dp']} x TP={r['tp']} on {r['dp'] * r['tp']} nodes; node {r['victim']} "
           f"(replica {r['lost']}) SIGKILLed; cold start {r['cold_s']:.2f} s; {pace}")  # fmt: skip
     if r["rejoin_s"] is not None:
-        print(f"  replica 1's nodes started again: it served again after {r['rejoin_s']:.2f} s "
+        print(f"  replica {r['lost']}'s nodes started again: it served again after {r['rejoin_s']:.2f} s "
               f"({r['rejoin_s'] / r['cold_s']:.2f}x the whole cluster's cold start)")  # fmt: skip
     t_kill = r["t_kill"]
     print(f"  {'replica':<9}{'outcome':<34}{'failed':>7}{'calls/s before':>16}{'after':>8}"

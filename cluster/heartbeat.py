@@ -38,7 +38,7 @@ from rayfree.transport.zmq.control import ControlSocket
 from . import heartbeat_messages as msgs
 from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
 from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
-from .heartbeat_peer import FollowerPeer, await_goodbyes, log_waiting, process_of, say_bye, tell_latecomers
+from .heartbeat_peer import FollowerPeer, answer, await_goodbyes, log_waiting, process_of, say_bye, tell_latecomers
 
 __all__ = ["Beat", "Bye", "Verdict", "HeartbeatServer"]
 
@@ -93,9 +93,16 @@ class HeartbeatServer(Beater):
         self.tell_late_s = TELL_LATE_S
         #: a lost node beats again from another process (node, pid, its shape): its epoch if admitted, why if refused
         self.admit: Callable[[int, int, str], int | str | None] | None = None
-        #: a follower serves on without node 0 (node, why: Beat.alone), heard while this node 0 starts (the layer
-        #: above; None: its join's timeout tells)
-        self.on_alone: Callable[[int, str], None] | None = None
+        #: a follower serves on without node 0 (node, its beat: Beat.alone), heard while this node 0 starts (the
+        #: layer above; None: its join's timeout tells); once armed, `adopt` gives what takes such a follower back
+        #: (a Resumed, encoded; None: it is lost, as one that left the cluster)
+        self.on_alone: Callable[[int, Beat], None] | None = None
+        self.adopt: Callable[[int, Beat], bytes | None] | None = None
+        #: a follower's first beat, before it is welcomed (the layer above; None: welcomed at once): True holds it
+        #: (node 0 does not know yet whether it starts the cluster or resumes one; `heard` counts it), a string
+        #: counts the follower lost, why (a process started beside a node 0 that resumes: a replacement)
+        self.hold: Callable[[int], bool | str] | None = None
+        self.heard: set[int] = set()
         self._alone_heard: set[int] = set()
         #: node 0's first answer to a follower (a Welcome, encoded; the layer above), or None
         self.welcome_fn: Callable[[int], bytes] | None = None
@@ -178,13 +185,13 @@ class HeartbeatServer(Beater):
             self._dropped(f"an unreadable message ({e})")
             return
         if isinstance(msg, (msgs.StatusQuery, msgs.DrainReplica, msgs.ScaleReplicas)):
-            self._answer(sock, identity, msg)
+            sock.try_send([identity, answer(self, msg)])
             return
         if not isinstance(msg, (Beat, Bye)):  # a verdict, a welcome, word on a replica: only node 0 sends them
             self._dropped(f"a {type(msg).__name__} sent to node 0 (only node 0 sends them)")
             return
         if isinstance(msg, Beat) and msg.alone:
-            self._alone(msg)
+            self._alone(sock, identity, msg)
             return
         peer = self.peers.get(msg.node_rank)
         if peer is None and isinstance(msg, Beat) and msg.shape and self.armed_at and self.admit is not None:
@@ -222,6 +229,8 @@ class HeartbeatServer(Beater):
             logger.warning("follower node %d (%s) stopped: %s", peer.node_rank, peer.ip, msg.reason)
             self.on_lost(peer.node_rank, peer.ranks, peer.ip, f"it stopped ({msg.reason})")
             return
+        if peer.last_seen is None and not peer.epoch and self.hold is not None and self._held(peer, msg):
+            return
         if peer.last_seen is None:
             logger.info("follower node %d (%s, ranks %s) is beating", msg.node_rank, msg.ip, msg.ranks)
             if self.welcome_fn is not None:
@@ -234,20 +243,41 @@ class HeartbeatServer(Beater):
         # False: its queue is full: it is not reading, and its own timeout will tell it
         sock.try_send([identity, _encode(Beat(0, [], "", me, seq))])
 
-    def _alone(self, msg: Beat) -> None:
+    def _alone(self, sock: ControlSocket, identity: bytes, msg: Beat) -> None:
         """A follower that lost node 0 and serves on without it beats (to a node 0 started again, or to this one
-        after a cut or a stop): it will not come back. Running, node 0 counts it lost; starting, it cannot form
-        the cluster it started for (`on_alone`, once a node)."""
+        after a cut or a stop). Starting, node 0 hears it (`on_alone`, once a node); running, it takes it back
+        where it was started again to resume the cluster (`adopt`: the follower is told, and beats as before),
+        else counts it lost."""
         peer, node = self.peers.get(msg.node_rank), msg.node_rank
         if self.armed_at is None:
             if self.on_alone is not None and node not in self._alone_heard:
                 self._alone_heard.add(node)
-                self.on_alone(node, msg.alone)
+                self.on_alone(node, msg)
+        elif peer is not None and not peer.gone and self.adopt is not None and (told := self.adopt(node, msg)):
+            peer.follows_again(identity, msg)  # (its silence counts from now)
+            self._look_at = 0.0
+            sock.try_send([identity, told])
         elif peer is not None and not peer.gone:
             peer.gone = True
             peer.lost_why = why = f"it serves on without node 0, which it lost ({msg.alone})"
             logger.error("follower node %d (%s, ranks %s) lost: %s", node, msg.ip, peer.ranks, why)
             self.on_lost(node, peer.ranks, msg.ip, why)
+
+    def _held(self, peer: FollowerPeer, msg: Beat | Bye) -> bool:
+        """Is this first beat held (see `hold`)? One counted lost is replaced at its next beat. One without the shape
+        is an earlier node 0's follower's, sent before it knew that node 0 lost (ZeroMQ keeps it): `alone` follows."""
+        assert self.hold is not None
+        verdict = self.hold(peer.node_rank)
+        if verdict is False:
+            return False
+        if isinstance(msg, Beat) and not msg.shape:
+            return True
+        self.heard.add(peer.node_rank)
+        if isinstance(verdict, str) and isinstance(msg, Beat):
+            peer.gone, peer.ip, peer.proc = True, msg.ip, None  # (its next beat: an admission)
+            logger.warning("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, msg.ip, peer.ranks, verdict)
+            self.on_lost(peer.node_rank, peer.ranks, msg.ip, verdict)
+        return True
 
     def _newcomer(self, sock: ControlSocket, identity: bytes, msg: Beat) -> FollowerPeer | None:
         """A node past those the cluster started with beats (a scale-out's new replica): admitted as a lost
@@ -356,24 +386,6 @@ class HeartbeatServer(Beater):
                 peer = self.peers.get(k)
                 if peer is not None and peer.identity is not None and not peer.gone:
                     sock.try_send([peer.identity, payload])
-
-    def _answer(self, sock: ControlSocket, identity: bytes, msg: msgs.StatusQuery | msgs.DrainReplica |
-                msgs.ScaleReplicas) -> None:  # fmt: skip
-        """`rayfree status` (the cluster's status, encoded), `rayfree drain` and `rayfree scale` (one line each)
-        get their answer."""
-        line = not isinstance(msg, msgs.StatusQuery)
-        try:
-            if isinstance(msg, msgs.DrainReplica):
-                reply = (self.drain_fn(msg.dp_rank) if self.drain_fn else "refused: nothing here drains").encode()
-            elif isinstance(msg, msgs.ScaleReplicas):
-                reply = (self.scale_fn(msg.width) if self.scale_fn else "refused: this cluster has no DP replicas of "
-                         "their own to scale").encode()  # fmt: skip
-            else:
-                reply = self.status_fn() if self.status_fn is not None else b""
-        except Exception as e:  # noqa: BLE001 - a query must never stop the heartbeats
-            logger.exception("heartbeat: could not answer a %s", type(msg).__name__)
-            reply = f"refused: {type(e).__name__}: {e}".encode() if line else b""
-        sock.try_send([identity, reply])
 
     def peer_views(self) -> list[tuple[int, str, list[int], float | None, bool, bytes]]:
         """(node, ip, ranks, seconds since its last beat or None, lost or gone, its last status) per follower."""

@@ -25,6 +25,7 @@ from .heartbeat_messages import (
     Regroup,
     ReplicaDown,
     ReplicaUp,
+    Resumed,
     StatusQuery,
     Verdict,
     Welcome,
@@ -64,6 +65,11 @@ class HeartbeatClient(Beater):
         #: why node 0 was lost, once this node serves on without it: its beats say so to whoever answers at
         #: node 0's address from then on, and it hears nothing of them
         self.alone = ""
+        #: every DP replica's epoch as this node knew them when it lost node 0 (the layer above, as it goes alone)
+        self.alone_epochs: dict[int, int] = {}
+        #: a node 0 started again leads the cluster again and takes this node back (the layer above; None: a
+        #: node serving alone hears nothing of any node 0)
+        self.on_resumed: Callable[[Resumed], None] | None = None
         #: node 0 says a DP replica was lost, is back, or drains (set by the layer above; None: not expected)
         self.on_replica_down: Callable[[ReplicaDown], None] | None = None
         self.on_replica_up: Callable[[ReplicaUp], None] | None = None
@@ -113,7 +119,7 @@ class HeartbeatClient(Beater):
                         shape = "" if self.welcomed.is_set() else self.shape
                         beat = Beat(
                             self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status(), shape,
-                            incarnation, self.alone,
+                            incarnation, self.alone, self.alone_epochs if self.alone else {},
                         )  # fmt: skip
                         if sock.try_send([_encode(beat)]):
                             self._sent_at = time.monotonic()
@@ -166,6 +172,14 @@ class HeartbeatClient(Beater):
         `alone`, so a node 0 that answers at that address again knows it at once."""
         self.alone, self.armed_at = why, None
 
+    def _follow_again(self, msg: Resumed) -> None:
+        """A node 0 started again took this node back: its silence is a loss again, counted from now."""
+        assert self.on_resumed is not None
+        now = time.monotonic()
+        self.alone, self.alone_epochs = "", {}
+        self.last_reply, self.suspect_at, self.armed_at = now, None, now
+        self.on_resumed(msg)
+
     def _status(self) -> bytes:
         if self.status_fn is None:
             return b""
@@ -189,8 +203,10 @@ class HeartbeatClient(Beater):
         except msgspec.DecodeError as e:
             self._dropped(f"an unreadable message from the leader ({e})")
             return False
-        if self.alone:
-            return False  # (node 0 lost: a process answering in its place hears of it from the beats)
+        if self.alone:  # (node 0 lost: a process answering in its place hears of it from the beats)
+            if isinstance(msg, Resumed) and self.on_resumed is not None:
+                self._follow_again(msg)
+            return False
         if isinstance(msg, Bye):
             logger.info("node %d: the leader stopped (%s)", self.node_rank, msg.reason)
             if self.on_bye(msg.node_rank, msg.clean, msg.reason) is not True:

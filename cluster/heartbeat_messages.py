@@ -6,7 +6,7 @@ import msgspec
 
 __all__ = [
     "Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "DrainReplica", "Regroup", "Welcome",
-    "Refused", "Disowned", "ScaleReplicas",
+    "Refused", "Disowned", "ScaleReplicas", "Resumed",
 ]  # fmt: skip
 
 
@@ -29,8 +29,12 @@ class Beat(msgspec.Struct, tag="beat", array_like=True):
     #: its pid is the same (pid 1 in a container the launcher restarted)
     incarnation: int = 0
     #: why this node lost node 0, once it did and serves its replicas without it (it beats on, to tell a node 0
-    #: started again, which cannot rejoin them, and one that was only cut off or stopped for a while); "" before
+    #: started again, which resumes the cluster from it, and one that was only cut off or stopped for a while,
+    #: which counts it lost); "" before
     alone: str = ""
+    #: with `alone`: every DP replica's epoch as this node knew them when it lost node 0 (frozen since: nothing is
+    #: admitted without node 0); a node 0 started again resumes from them
+    epochs: dict[int, int] = {}
 
 
 class Bye(msgspec.Struct, tag="bye", array_like=True):
@@ -111,6 +115,16 @@ class Disowned(msgspec.Struct, tag="disowned", array_like=True):
     reason: str
 
 
+class Resumed(msgspec.Struct, tag="resumed", array_like=True):
+    """A node 0 started again, once its own replicas serve, to a follower that serves without node 0 (it beats
+    `alone`): node 0 leads the cluster again, and every replica's epoch is `epochs` (node 0's own in the one past
+    the follower's), `lost` the replicas out of service meanwhile (the follower heard of none); the follower follows
+    it again, as before its loss."""
+
+    epochs: dict[int, int]
+    lost: list[ReplicaDown] = []
+
+
 class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
     """`rayfree status` asks node 0 for the cluster's status (it must hold the secret to get through)."""
 
@@ -129,4 +143,5 @@ _decode = msgspec.msgpack.Decoder(
     | Disowned
     | StatusQuery
     | ScaleReplicas
+    | Resumed
 ).decode

@@ -6,14 +6,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from rayfree.transport.zmq.control import ControlSocket
 
-from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
+from .heartbeat_messages import Beat, Bye, DrainReplica, ScaleReplicas, StatusQuery, Verdict, _decode, _encode
 
-__all__ = ["FollowerPeer", "process_of", "log_waiting", "say_bye", "await_goodbyes", "tell_latecomers", "BYE_CONFIRM_S"]
+__all__ = ["FollowerPeer", "process_of", "log_waiting", "say_bye", "await_goodbyes", "tell_latecomers", "answer",
+           "BYE_CONFIRM_S"]  # fmt: skip
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -48,6 +50,11 @@ class FollowerPeer:
         self.verdict = "starting"
         #: why node 0 lost it ("": not lost, or it said goodbye)
         self.lost_why = ""
+
+    def follows_again(self, identity: bytes, beat: Beat) -> None:
+        """This node served without node 0 and a node 0 started again took it back: alive, heard now."""
+        self.identity, self.ip, self.last_seen, self.dropped_at = identity, beat.ip, time.monotonic(), None
+        self.pid, self.proc, self.status = beat.pid, process_of(beat), beat.status
 
     def reincarnate(self, beat: Beat, epoch: int) -> None:
         """A replacement of this lost node was admitted: a node that has not beaten yet, in `epoch`."""
@@ -131,3 +138,19 @@ def tell_latecomers(
             if isinstance(msg, Beat) and msg.node_rank in waiting:
                 waiting.discard(msg.node_rank)
                 sock.send_quietly([frames[0], _encode(bye)])
+
+
+def answer(server: Any, msg: StatusQuery | DrainReplica | ScaleReplicas) -> bytes:
+    """Node 0's answer to `rayfree status` (the cluster's status, encoded), `rayfree drain` and `rayfree scale`
+    (one line each), from the functions the layer above set on its HeartbeatServer."""
+    line = not isinstance(msg, StatusQuery)
+    try:
+        if isinstance(msg, DrainReplica):
+            return (server.drain_fn(msg.dp_rank) if server.drain_fn else "refused: nothing here drains").encode()
+        if isinstance(msg, ScaleReplicas):
+            return (server.scale_fn(msg.width) if server.scale_fn else "refused: this cluster has no DP replicas of "
+                    "their own to scale").encode()  # fmt: skip
+        return server.status_fn() if server.status_fn is not None else b""  # type: ignore[no-any-return]
+    except Exception as e:  # noqa: BLE001 - a query must never stop the heartbeats
+        logger.exception("heartbeat: could not answer a %s", type(msg).__name__)
+        return f"refused: {type(e).__name__}: {e}".encode() if line else b""

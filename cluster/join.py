@@ -113,16 +113,18 @@ def join(
     shape: str = "",
     node: int = -1,
     prefix: str = "",
+    serve_store: bool = False,
 ):
     """The TCPStore of the world at host:port, once every rank has registered; JoinError otherwise. With
-    `prefix`, the ranks meet under it at a store another process hosts (a DP replica that rejoins)."""
+    `prefix`, the ranks meet under it at a store another process hosts (a DP replica that rejoins), or that this
+    rank 0 hosts (`serve_store`: node 0 started again, whose replica rejoins)."""
     import torch.distributed as dist
 
     from rayfree.transport import get_ip
 
     t0 = time.monotonic()
     deadline = t0 + timeout_s
-    hosts = rank == 0 and not prefix
+    hosts = rank == 0 and (not prefix or serve_store)
     if not hosts and not _wait_for_port(host, port, deadline):
         raise JoinError(
             f"rank {rank} could not reach the rendezvous at {host}:{port} within {timeout_s:.0f}s "

@@ -82,17 +82,18 @@ def init_distributed_environment(
     shape: str = "",
     node: int = -1,
     device_backend: str | None = None,
-    rendezvous: tuple[int, int, str, bool] | None = None,
+    rendezvous: tuple[int, int, str, bool, bool] | None = None,
 ) -> Group:
     """Join the world (torch.distributed, gloo on CPU) and return the world group.
 
     `shape` (join.shape_of) and `node` let a rank that finds others with another shape say so. With
     `device_backend` ("nccl" on GPUs) every group is a pair, as vLLM's GroupCoordinator: `cpu_group` (gloo,
     the control plane's bytes) and `device_group` (that backend, the tensors on the device); without, the
-    device group is the gloo group itself. `rendezvous` (size, rank, name, alone): the rendezvous is not this
-    world's alone: independent DP replicas meet there (the first rank of all hosts it) and each forms a world
-    of its own under its name in the store; `alone`: a replica that rejoins meets under its name, its ranks
-    only, at the store the first incarnations' rank 0 still hosts.
+    device group is the gloo group itself. `rendezvous` (size, rank, name, alone, hosts): the rendezvous is not
+    this world's alone: independent DP replicas meet there (the first rank of all hosts it) and each forms a
+    world of its own under its name in the store; `alone`: a replica that rejoins meets under its name, its ranks
+    only, at the store the first incarnations' rank 0 still hosts, or (`hosts`) this rank hosts it: node 0's
+    first rank, node 0 started again.
     """
     global _WORLD, _STORE, _TIMEOUT_S, _FORCE_REMOTE, _MASTER, _DEVICE_BACKEND
     if _WORLD is not None:
@@ -102,8 +103,9 @@ def init_distributed_environment(
     if not 0 <= rank < world_size:
         raise GroupError(f"rank {rank} is out of range for world_size {world_size}")
     host, port = _parse_init_method(distributed_init_method)
-    size, at, name, alone = rendezvous or (world_size, rank, "", False)
-    store = join(host, port, size, at, timeout_s, shape, node, prefix=f"rayfree/rejoin/{name}/" if alone else "")
+    size, at, name, alone, hosts = rendezvous or (world_size, rank, "", False, False)
+    prefix = f"rayfree/rejoin/{name}/" if alone else ""
+    store = join(host, port, size, at, timeout_s, shape, node, prefix=prefix, serve_store=hosts)
     dist.init_process_group(
         backend,
         store=PrefixStore(f"rayfree/world/{name}", store) if name else store,

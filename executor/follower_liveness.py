@@ -10,7 +10,7 @@ from typing import Any
 
 from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
 from rayfree.cluster.heartbeat_client import HeartbeatClient
-from rayfree.cluster.heartbeat_messages import ReplicaDown
+from rayfree.cluster.heartbeat_messages import ReplicaDown, Resumed
 from rayfree.cluster.join import shape_of
 
 from .errors import LeaderLost, NodeLost, ReplicaLost
@@ -19,7 +19,7 @@ from .node_liveness import FINISH_POLL_S, NodeLiveness
 from .roster import Back, DrainHeard, Regrouped, Welcomed
 from .status_messages import encode, node_status
 
-__all__ = ["FollowerLiveness", "outlives_node_0"]
+__all__ = ["FollowerLiveness", "outlives_node_0", "followers_outlive_node_0"]
 
 logger = logging.getLogger("rayfree.executor")
 
@@ -31,6 +31,14 @@ def outlives_node_0(par: ParallelConfig) -> bool:
     if par.data_parallel_size == 1 or par.one_world or par.coupled or par.node_rank == 0:
         return False
     return all(par.nodes_of_replica(k) == [par.node_rank] for k in par.node_replicas)
+
+
+def followers_outlive_node_0(par: ParallelConfig) -> bool:
+    """Does every node but node 0 serve on when node 0 is lost (`outlives_node_0`)? Then a node 0 started again
+    resumes the cluster from them (liveness.py)."""
+    if par.data_parallel_size == 1 or par.one_world or par.coupled or par.nnodes == 1:
+        return False
+    return all(len(par.nodes_of_replica(k)) == 1 for k in range(par.data_parallel_size))
 
 
 class FollowerLiveness(NodeLiveness):
@@ -67,6 +75,8 @@ class FollowerLiveness(NodeLiveness):
             self.beater.on_replica_up = lambda m: soon(send, Back(m.dp_rank, m.epoch))
             self.beater.on_replica_drain = lambda m: soon(send, DrainHeard(m.dp_rank))
             self.beater.on_regroup = lambda m: soon(send, Regrouped(m.epoch, tuple(m.members)))
+        if self.outlives_node_0:
+            self.beater.on_resumed = self._node_0_back
         self.beater.start(self.policy)  # (wired: node 0's first word meets every callback; a crash fails the node)
         logger.info("node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
                     self.node, par.master_addr, par.master_port, self.beater.endpoint, cfg.join_timeout_s)  # fmt: skip
@@ -82,6 +92,7 @@ class FollowerLiveness(NodeLiveness):
             return False
         gone = self.par.replicas_of_node(0)
         self.node_0_lost = why
+        self.beater.alone_epochs = dict(self.replica_epochs.epochs)  # (what a node 0 started again resumes from)
         logger.error(
             "node %d: node 0 was lost (%s): DP replica(s) %s with it; this node's replica(s) %s serve on without "
             "node 0 (no replacement is admitted and `rayfree status` has no cluster view until the cluster is "
@@ -89,6 +100,24 @@ class FollowerLiveness(NodeLiveness):
         )  # fmt: skip
         self.policy.report(source, NodeLost(0, self.par.node_ranks(0), self.par.master_addr, why, gone))
         return True
+
+    def _node_0_back(self, msg: Resumed) -> None:
+        """The heartbeat thread: a node 0 started again took this node back. Node 0's replicas serve again in the
+        epochs it says, and this node follows node 0 again (its loss, its goodbye) as before it was lost."""
+        back = self.par.replicas_of_node(0)
+        logger.warning(
+            "node %d: node 0 is back and leads the cluster again: DP replica(s) %s serve again (epoch(s) %s); this "
+            "node follows it again", self.node, back, [msg.epochs.get(k, 0) for k in back],
+        )  # fmt: skip
+        self.node_0_lost = ""
+        send, soon, mine = self.replica_epochs.send, self.policy.sup.call_soon, set(self.par.node_replicas)
+        known, out = self.replica_epochs.epochs, {m.dp_rank for m in msg.lost}
+        for m in msg.lost:  # (lost meanwhile: this node heard nothing of them while it served alone)
+            if m.dp_rank not in mine:
+                self._replica_down(m)
+        for k, e in sorted(msg.epochs.items()):  # (node 0's replicas, and any that rejoined meanwhile)
+            if k not in mine and k not in out and (k in back or e > known.get(k, 0)):
+                soon(send, Back(k, e))
 
     def _head_bye(self, _node: int, clean: bool, reason: str) -> bool:
         if not clean:  # (node 0 failed as a whole: lost, to this node, as if it fell silent)

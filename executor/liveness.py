@@ -5,24 +5,31 @@ node's liveness does, is node_liveness.py's."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
 from rayfree.cluster.config import ClusterConfig, ConfigError
 from rayfree.cluster.heartbeat import HeartbeatServer
+from rayfree.cluster.heartbeat_messages import Beat
+from rayfree.cluster.join import JoinError
 from rayfree.transport.net import bind_address
 
 from . import drain
 from .errors import NodeLost
-from .follower_liveness import FollowerLiveness
+from .follower_liveness import FollowerLiveness, followers_outlive_node_0
 from .health import followers_verdict, verdicts
 from .node_liveness import FINISH_POLL_S, NodeLiveness
 from .rejoin import Rejoins
+from .roster import Resume
 from .status_messages import cluster_status, encode
 
 __all__ = ["NodeLiveness", "LeaderLiveness", "FollowerLiveness", "for_node"]
 
 logger = logging.getLogger("rayfree.executor")
+
+#: how often a node 0 that may have been started again looks whether its followers beat yet (once, at start)
+_RESUME_POLL_S = 0.01
 
 
 def for_node(config: ClusterConfig, replicas: int = 1, owner: Any = None) -> NodeLiveness:
@@ -42,6 +49,15 @@ class LeaderLiveness(NodeLiveness):
         super().__init__(config, replicas, owner)
         self.beater = None
         par, cfg = self.par, self.config
+        #: the followers serve on without node 0 (follower_liveness.py), so a node 0 started again resumes them
+        #: (its replicas started together, NodeReplicas: `welcome_epochs` decides before any worker starts)
+        self.resumable = owner is None and followers_outlive_node_0(par)
+        #: followers heard serving without node 0 while this node starts (node -> its beat); the follower whose
+        #: epochs this node 0 resumed the cluster from (None: it started the cluster), and those it took back
+        self._alone: dict[int, Beat] = {}
+        self._heard_alone = threading.Event()
+        self.resumed_from: int | None = None
+        self._taken_back: set[int] = set()
         if par.nnodes == 1:
             return
         others = {k: par.node_ranks(k) for k in range(1, par.nnodes)}
@@ -66,6 +82,8 @@ class LeaderLiveness(NodeLiveness):
             beater.drain_fn = lambda k: drain.request(self, k)
             beater.scale_fn = lambda n: drain.scale(self, n)
         beater.on_alone = self._served_without_me
+        if self.resumable:
+            beater.adopt, beater.hold = self._take_back, self._hold
         beater.start(self.policy)  # (wired: its first beat meets every callback; a crash of it fails the node)
         logger.info("node 0: heartbeat endpoint %s; waiting for %d other node(s) to join (join_timeout_s=%.0f)",
                     self.beater.endpoint, len(others), cfg.join_timeout_s)  # fmt: skip
@@ -76,14 +94,79 @@ class LeaderLiveness(NodeLiveness):
         self.replica_epochs.look(self.beater, time.monotonic())
         return verdicts(self)
 
-    def _served_without_me(self, node: int, why: str) -> None:
+    def _served_without_me(self, node: int, beat: Beat) -> None:
         """The heartbeat thread, while this node 0 starts: a node that lost node 0's earlier process serves its
-        replicas without it (follower_liveness.py); the cluster this node 0 was started for cannot form."""
+        replicas without it (follower_liveness.py). Where every follower can, this node 0 resumes the cluster
+        from it (`welcome_epochs`); elsewhere the cluster this node 0 was started for cannot form."""
+        if self.resumable and self.resumed_from is None and not self._fresh:
+            self._alone.setdefault(node, beat)
+            self._heard_alone.set()
+            return
+        if self.resumable and self.resumed_from is not None:
+            return  # (resumed: taken back once this node 0 serves)
         self.fail_all(ConfigError(
             f"node {node} serves DP replica(s) {self.par.replicas_of_node(node)} without node 0 since it lost node "
-            f"0's earlier process ({why}): a node 0 started again does not rejoin replicas that serve on; stop "
-            f"every node, then start the cluster again"
+            f"0's earlier process ({beat.alone}): a node 0 started again rejoins only replicas that each run on one "
+            f"node; stop every node, then start the cluster again"
         ))  # fmt: skip
+
+    #: set once every follower beat as a node starting with this one: a fresh cluster
+    _fresh = False
+
+    def welcome_epochs(self, timeout: float) -> dict[int, int]:
+        """Where the followers serve on without node 0: is this node 0 starting the cluster (every follower beats
+        as a node that starts: {}), or was it started again while they serve (one beats `alone`)? Then this node's
+        replicas rejoin in the epoch past the followers' (`Resume`), meeting alone at a store of their own, and
+        the followers are taken back once they serve (`_take_back`)."""
+        beater = self.beater
+        if not self.resumable or beater is None:
+            return {}
+        deadline = time.monotonic() + timeout
+        while not self._alone:
+            if all(p.last_seen is not None or k in beater.heard for k, p in list(beater.peers.items())):
+                self._fresh = True
+                return {}
+            if self.settled.is_set():
+                return {}
+            if time.monotonic() > deadline:
+                silent = sorted(
+                    k for k, p in list(beater.peers.items()) if p.last_seen is None and k not in beater.heard
+                )
+                raise JoinError(
+                    f"node 0: node(s) {silent} never beat to its heartbeats at {beater.endpoint} within "
+                    f"{timeout:.0f}s (join_timeout_s): check that they started and can reach that address"
+                )
+            self._heard_alone.wait(_RESUME_POLL_S)
+        node, beat = min(self._alone.items())
+        self.resumed_from = node
+        self.replica_epochs.send(Resume(tuple(sorted(beat.epochs.items())), node))
+        epochs = self.replica_epochs.epochs
+        return {k: epochs[k] for k in self.par.node_replicas}
+
+    def _hold(self, node: int) -> bool | str:
+        """The heartbeat thread, at a follower's first beat (as a node that starts, not `alone`): held until this
+        node 0 knows whether it starts the cluster (then welcomed at its next beat) or resumes one: then it is a
+        node started beside node 0 after its earlier process was lost too, counted lost and admitted as its
+        replacement at its next beat (its replica rejoins in the next epoch, as any lost replica's nodes)."""
+        if self._fresh:
+            return False
+        if self.resumed_from is None:
+            return True
+        return ("it was started again while node 0 was away (the others served without node 0): its earlier "
+                "process is lost, and node 0 admits it as its replacement")  # fmt: skip
+
+    def _take_back(self, node: int, beat: Beat) -> bytes | None:
+        """The heartbeat thread, once this node 0 serves: a follower that served without node 0 beats. Started
+        again to resume the cluster, node 0 takes it back (a Resumed, encoded); else None (it is lost)."""
+        if self.resumed_from is None:
+            return None
+        if node not in self._taken_back:
+            self._taken_back.add(node)
+            logger.info("node 0: node %d (%s), which served DP replica(s) %s without node 0, follows it again",
+                        node, beat.ip, self.par.replicas_of_node(node))  # fmt: skip
+        rejoins = self.replica_epochs
+        assert isinstance(rejoins, Rejoins)
+        return rejoins.resumed()
 
     def nodes(self) -> list[int]:
         return [0, *sorted(self.beater.peers)] if self.beater is not None else [0]

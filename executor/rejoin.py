@@ -22,7 +22,15 @@ import threading
 from typing import TYPE_CHECKING
 
 from rayfree.cluster.heartbeat import HeartbeatServer
-from rayfree.cluster.heartbeat_messages import DrainReplica, Regroup, ReplicaDown, ReplicaUp, Welcome, _encode
+from rayfree.cluster.heartbeat_messages import (
+    DrainReplica,
+    Regroup,
+    ReplicaDown,
+    ReplicaUp,
+    Resumed,
+    Welcome,
+    _encode,
+)
 from rayfree.cluster.join import shape_of
 from rayfree.supervisor import SupervisorMisuse
 
@@ -155,6 +163,12 @@ class Rejoins(ReplicaEpochs):
         lost = self.roster.lost()
         gone = [ReplicaDown(k, e.node_rank, e.ranks, e.why[:300]) for k, e in lost.items()]
         return _encode(Welcome(self.epochs, [m for m in gone if m.dp_rank not in self.rejoining]))
+
+    def resumed(self) -> bytes:
+        """A node 0 started again, to a follower that served without it: every replica's epoch, and those out of
+        service (lost, drained or rejoining: the follower heard of none while it served alone)."""
+        lost = [ReplicaDown(k, e.node_rank, e.ranks, e.why[:300]) for k, e in self.roster.lost().items()]
+        return _encode(Resumed(self.epochs, lost))
 
     def look(self, server: HeartbeatServer, now: float) -> None:
         """The heartbeat thread, at each verdict: a replica whose nodes all beat and report themselves ready

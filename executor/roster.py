@@ -44,6 +44,7 @@ from .roster_events import (
     Lost,
     Ready,
     Regrouped,
+    Resume,
     RosterMisuse,
     Scale,
     Tick,
@@ -51,7 +52,7 @@ from .roster_events import (
 )
 
 __all__ = ["Roster", "PHASES", "Layout", "Lost", "Admit", "Ready", "Back", "Drain", "DrainHeard", "Scale", "Tick",
-           "Regrouped", "Welcomed", "Event", "Decision", "KINDS", "RosterMisuse"]  # fmt: skip
+           "Regrouped", "Welcomed", "Resume", "Event", "Decision", "KINDS", "RosterMisuse"]  # fmt: skip
 
 PHASES = ("starting", "serving", "draining", "drained", "lost", "rejoining")
 #: the phases whose replicas count as serving (the effective width). Coupled replicas' groups span the serving
@@ -254,16 +255,9 @@ class Roster:
         if why:
             return [Decision("answer", k, text=f"refused: {why}")]
         nodes = tuple(lay.nodes_of_replica(k))
-        return self._drain(k) + [
-            Decision("tell_drain", k),
-            Decision(
-                "answer",
-                k,
-                text=f"DP replica {k} drains: its calls in flight finish, then node(s) "
-                f"{list(nodes)} stop and exit 0. Start them again with the same command to "
-                f"bring it back",
-            ),  # fmt: skip
-        ]
+        text = (f"DP replica {k} drains: its calls in flight finish, then node(s) {list(nodes)} stop and exit 0. "
+                f"Start them again with the same command to bring it back")  # fmt: skip
+        return self._drain(k) + [Decision("tell_drain", k), Decision("answer", k, text=text)]
 
     def _why_not_drain(self, k: int) -> str:
         lay, dp = self.layout, len(self._r)
@@ -376,6 +370,17 @@ class Roster:
         for k, e in ev.epochs:
             self._r.setdefault(k, _Replica("serving")).epoch = e
         return []
+
+    def _on_resume(self, ev: Resume) -> list[Decision]:
+        """Node 0 started again: the followers' epochs are the cluster's, node 0's own replicas' one past theirs."""
+        mine = self.layout.node_replicas
+        for k, e in (*ev.epochs, *((k, 0) for k in mine if k not in dict(ev.epochs))):
+            r = self._r.setdefault(k, _Replica("serving"))
+            r.epoch, r.rejoins = (e + 1, r.rejoins + 1) if k in mine else (e, r.rejoins)
+        text = (f"node 0 was started again while node {ev.node} and the others served without it: it resumes the "
+                f"cluster from their epochs; its DP replica(s) {mine} rejoin in epoch(s) "
+                f"{[self._r[k].epoch for k in mine]}")  # fmt: skip
+        return [Decision("say", epoch=1, text=text)]
 
     def _declare(self) -> list[Decision]:
         """Node 0: the members changed: a new membership epoch (coupled replicas form it; followers are told)."""

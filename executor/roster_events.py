@@ -10,7 +10,7 @@ from .abstract import ReplicaState
 from .errors import ReplicaLost
 
 __all__ = ["Layout", "Lost", "Admit", "Ready", "Back", "Drain", "DrainHeard", "Scale", "Tick", "Regrouped",
-           "Welcomed", "Event", "Decision", "KINDS", "RosterMisuse", "LEADERS", "FOLLOWERS"]  # fmt: skip
+           "Welcomed", "Resume", "Event", "Decision", "KINDS", "RosterMisuse", "LEADERS", "FOLLOWERS"]  # fmt: skip
 
 
 class Layout(Protocol):
@@ -111,9 +111,19 @@ class Welcomed:
     epochs: tuple[tuple[int, int], ...]
 
 
-Event = Lost | Admit | Ready | Back | Drain | DrainHeard | Scale | Tick | Regrouped | Welcomed
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """Node 0, started again while the other nodes serve without it: each replica's epoch as one of them knew it
+    when node 0 was lost; node 0's own replicas come back in the epoch past theirs."""
+
+    epochs: tuple[tuple[int, int], ...]
+    #: the follower that said so
+    node: int
+
+
+Event = Lost | Admit | Ready | Back | Drain | DrainHeard | Scale | Tick | Regrouped | Welcomed | Resume
 #: what node 0 alone decides, and what a follower alone hears from it
-LEADERS = (Admit, Ready, Drain, Scale, Tick)
+LEADERS = (Admit, Ready, Drain, Scale, Tick, Resume)
 FOLLOWERS = (Back, DrainHeard, Regrouped, Welcomed)
 
 

@@ -135,9 +135,10 @@ class WorkerBase:
         """Release what load_model took (the process groups are released by rayfree)."""
 
 
-def _rendezvous(par: Any, rank: int) -> tuple[int, int, str, bool]:
+def _rendezvous(par: Any, rank: int) -> tuple[int, int, str, bool, bool]:
     """Independent replicas: where this rank meets its world's. The first incarnations of every replica meet
-    together (a missing rank is named); a replica that rejoins (epoch > 0) meets alone, under its epoch's name."""
+    together (a missing rank is named); a replica that rejoins (epoch > 0) meets alone, under its epoch's name, at
+    the store node 0's first rank hosts (that rank hosts it anew when node 0 itself was started again)."""
     if par.replica_epoch == 0:
-        return par.world_size_across_dp, par.global_rank(rank), f"dp{par.dp_rank}", False
-    return par.world_size, rank, f"dp{par.dp_rank}.e{par.replica_epoch}", True
+        return par.world_size_across_dp, par.global_rank(rank), f"dp{par.dp_rank}", False, False
+    return par.world_size, rank, f"dp{par.dp_rank}.e{par.replica_epoch}", True, par.global_rank(rank) == 0

@@ -63,6 +63,7 @@ EVENTS: dict[str, Callable[[R.Roster, int], R.Event]] = {
     "tick": lambda r, k: R.Tick(1e9),
     "regrouped": lambda r, k: R.Regrouped(r.epoch + 5, (0,)),
     "welcomed": lambda r, k: R.Welcomed(((k, 7),)),
+    "resume": lambda r, k: R.Resume(((k, 4),), 2),
 }
 
 #: node 0: (phase, event) -> the replica's phase after, the decisions' kinds in order, the requested width after
@@ -146,6 +147,13 @@ NODE_0 = [
     ("drained", "welcomed", "drained", "MISUSE", 3),
     ("lost", "welcomed", "lost", "MISUSE", 3),
     ("rejoining", "welcomed", "rejoining", "MISUSE", 3),
+    # node 0 started again takes the epochs a follower serving without it knew; no replica's phase changes
+    ("starting", "resume", "starting", "say", 4),
+    ("serving", "resume", "serving", "say", 3),
+    ("draining", "resume", "draining", "say", 3),
+    ("drained", "resume", "drained", "say", 3),
+    ("lost", "resume", "lost", "say", 3),
+    ("rejoining", "resume", "rejoining", "say", 3),
 ]
 
 #: a follower (node 1, running replica 1): the phases it can see (node 0 alone knows "starting" and "rejoining")
@@ -202,6 +210,10 @@ FOLLOWER = [
     ("draining", "welcomed", "draining", "", 3),
     ("drained", "welcomed", "drained", "", 3),
     ("lost", "welcomed", "lost", "", 3),
+    ("serving", "resume", "serving", "MISUSE", 3),
+    ("draining", "resume", "draining", "MISUSE", 3),
+    ("drained", "resume", "drained", "MISUSE", 3),
+    ("lost", "resume", "lost", "MISUSE", 3),
 ]
 
 
@@ -254,6 +266,23 @@ def test_a_replacement_that_failed_is_replaced_again_in_a_new_epoch_and_its_part
     down = [d for d in again if d.kind == "tell_down"]
     assert len(down) == 1 and down[0].nodes == (3,) and "epoch 2" in down[0].text
     assert again[-1] == R.Decision("admit", 1, epoch=2)
+
+
+def test_node_0_started_again_resumes_from_a_followers_epochs_its_own_replicas_one_past_them() -> None:
+    """Node 0 (replicas 0 and 1 of 6 on 3 nodes) started again while node 1 served without it: every replica
+    takes the epoch node 1 knew, node 0's own the one past it (counted as a rejoin); nothing else changes."""
+    r = R.Roster(ParallelConfig(data_parallel_size=6, nnodes=3, node_rank=0, replica_coupling="independent"))
+    out = r.handle(R.Resume(((0, 2), (1, 0), (2, 1), (3, 0), (4, 5), (5, 0)), 1))
+    assert r.epochs() == {0: 3, 1: 1, 2: 1, 3: 0, 4: 5, 5: 0}, r.epochs()
+    assert [d.kind for d in out] == ["say"] and "node 1" in out[0].text and "[0, 1] rejoin in epoch(s) [3, 1]" in (
+        out[0].text
+    ), out  # fmt: skip
+    assert {k: s.state for k, s in r.states().items()} == dict.fromkeys(range(6), "serving")
+    assert r.counts(0) == r.counts(1) == (0, 1) and r.counts(2) == (0, 0)
+    # a follower that knew no epoch of node 0's replicas: they start again in epoch 1
+    fresh = R.Roster(ParallelConfig(data_parallel_size=2, nnodes=2, node_rank=0, replica_coupling="independent"))
+    fresh.handle(R.Resume(((1, 0),), 1))
+    assert fresh.epochs() == {0: 1, 1: 0}
 
 
 OURS = "tp=2 pp=1 pcp=1 dp=3 nnodes=3 replicas=independent"

@@ -246,6 +246,41 @@ def steps_through_rejoins(ex) -> int:
         return 1
 
 
+def steps_through_node_0_restart(ex) -> int:
+    """Independent replicas, one a node. The replicas RF_BACK names (node 0's, "0", by default) step until their
+    node is killed, and once started again (a later epoch) take 20 checked steps. Every other replica steps,
+    checked, until it has heard each of them serve again in a later epoch, then 20 more, and says what it saw."""
+    from rayfree import ExecutorFailed
+
+    epoch, back = ex.parallel_config.replica_epoch, [int(k) for k in os.environ.get("RF_BACK", "0").split(",")]
+    seen: list = []
+    ex.register_replica_callback(lambda k, st: seen.append([k, st.state, st.epoch, time.monotonic()]))
+    say("STEPPING", replica=ex.dp_rank, epoch=epoch, pid=os.getpid(), t=time.monotonic())
+    steps = equal = after = 0
+
+    def all_back() -> bool:
+        return all(any(j == k and state == "serving" and e > 0 for j, state, e, _t in seen) for k in back)
+
+    try:
+        until = time.monotonic() + 240
+        while time.monotonic() < until and (epoch == 0 if ex.dp_rank in back else not all_back()):
+            batch = make_batch(steps, replica=ex.dp_rank)
+            equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
+            steps += 1
+        for s in range(20):
+            batch = make_batch(s, replica=ex.dp_rank)
+            equal += torch_equal(ex.execute_model(batch), reference_forward(batch["x"]))
+            after += 1
+        states = {k: [v.state, v.epoch] for k, v in ex.replica_states().items()}
+        say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome="served", steps=steps, after=after, equal=equal,
+            seen=seen, states=states, t=time.monotonic())  # fmt: skip
+        return 0
+    except ExecutorFailed as e:
+        say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome="failed", kind=type(e).__name__, error=str(e),
+            steps=steps)  # fmt: skip
+        return 1
+
+
 def steps_through_drain(ex) -> int:
     """Replica 0's leader: toy steps until replica 1 was drained and serves again, then 20 more. Replica 1's
     leader in epoch 0: steps until its replica drains (an engine routes nothing new to it), waits until it is
