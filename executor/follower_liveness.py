@@ -8,6 +8,8 @@ import logging
 import time
 from typing import Any
 
+import msgspec
+
 from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.cluster.heartbeat_messages import ReplicaDown, Resumed
@@ -36,9 +38,9 @@ def outlives_node_0(par: ParallelConfig) -> bool:
 def followers_outlive_node_0(par: ParallelConfig) -> bool:
     """Does every node but node 0 serve on when node 0 is lost (`outlives_node_0`)? Then a node 0 started again
     resumes the cluster from them (liveness.py)."""
-    if par.data_parallel_size == 1 or par.one_world or par.coupled or par.nnodes == 1:
-        return False
-    return all(len(par.nodes_of_replica(k)) == 1 for k in range(par.data_parallel_size))
+    return par.nnodes > 1 and all(
+        outlives_node_0(msgspec.structs.replace(par, node_rank=k)) for k in range(1, par.nnodes)
+    )
 
 
 class FollowerLiveness(NodeLiveness):

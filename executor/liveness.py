@@ -58,6 +58,8 @@ class LeaderLiveness(NodeLiveness):
         self._heard_alone = threading.Event()
         self.resumed_from: int | None = None
         self._taken_back: set[int] = set()
+        #: set once every follower beat as a node starting with this one: a fresh cluster
+        self._fresh = False
         if par.nnodes == 1:
             return
         others = {k: par.node_ranks(k) for k in range(1, par.nnodes)}
@@ -109,9 +111,6 @@ class LeaderLiveness(NodeLiveness):
             f"0's earlier process ({beat.alone}): a node 0 started again rejoins only replicas that each run on one "
             f"node; stop every node, then start the cluster again"
         ))  # fmt: skip
-
-    #: set once every follower beat as a node starting with this one: a fresh cluster
-    _fresh = False
 
     def welcome_epochs(self, timeout: float) -> dict[int, int]:
         """Where the followers serve on without node 0: is this node 0 starting the cluster (every follower beats
