@@ -20,7 +20,10 @@ arrival at each node's reader, one clock), node 0's bytes out per broadcast, nod
 and whole process CPU while idle, false losses while both cores are kept busy, and the detection time of
 the last node killed.
 
-    python bench/control_plane.py [--nodes 32,64,128,256] [--procs 4] [--rounds 100] [--json FILE]
+With `--watch 0,8`, each node count runs with node 0 watching every node's quick link (0, as before the watch)
+and with the watch tree (cluster/watch.py, fan-out 8), one after the other.
+
+    python bench/control_plane.py [--nodes 32,64,128,256] [--watch 0,8] [--procs 4] [--rounds 100] [--json FILE]
 """
 
 from __future__ import annotations
@@ -206,9 +209,11 @@ def host(n: int, nodes: list[int], master: str, ip: str, rounds: int) -> int:
     """Nodes `nodes` in this process: each joins, beats, attaches its broadcast end and reads."""
     from rayfree.cluster.heartbeat_client import HeartbeatClient
     from rayfree.cluster.join import join
+    from rayfree.cluster.watch import watchers
     from rayfree.executor.broadcast import NodeBroadcast
 
     ready_then_go()
+    tree = watchers(config(n, 0, master).parallel)
     bye = threading.Event()
     lat: dict[int, list[float]] = {}
     errors: list[str] = []
@@ -217,7 +222,8 @@ def host(n: int, nodes: list[int], master: str, ip: str, rounds: int) -> int:
         try:
             beat = HeartbeatClient(master, HB_PORT, k, [k], ip, INTERVAL, TIMEOUT,
                                    lambda why: bye.is_set() or errors.append(f"node {k}: {why}"),
-                                   lambda _n, _clean, _why: bye.set())  # fmt: skip
+                                   lambda _n, _clean, _why: bye.set(), "", tree[k],
+                                   [c for c, w in tree.items() if w == k])  # fmt: skip
             beat.start()
             store = join(master, PORT, n, k, 600.0, shape="sim", node=k)
             cfg = config(n, k, master)
@@ -247,7 +253,7 @@ def host(n: int, nodes: list[int], master: str, ip: str, rounds: int) -> int:
 # -- the bench ------------------------------------------------------------------------------------------------
 
 
-def run(n: int, procs: int, rounds: int, load_s: float) -> dict:
+def run(n: int, procs: int, rounds: int, load_s: float, fanout: int) -> dict:
     from rayfree.cluster.simulate import SimulatedCluster
 
     with SimulatedCluster(2, shm_size="8g") as sim:  # (each relay's ring is allocated whole: 96 MiB)
@@ -255,7 +261,7 @@ def run(n: int, procs: int, rounds: int, load_s: float) -> dict:
         go = os.path.join(os.path.dirname(secret()), f"go-{n}")
         env = {"PYTHONPATH": pythonpath(), "RAYFREE_SECRET_FILE": secret(), "RAYFREE_LOG_LEVEL": "WARNING",
                "TORCH_CPP_LOG_LEVEL": "ERROR", "SIM_GO": go, "SIM_MASTER": master,
-               "SIM_IP": ip}  # fmt: skip
+               "SIM_IP": ip, "RAYFREE_WATCH_FANOUT": str(fanout)}  # fmt: skip
         me = [sys.executable, os.path.abspath(__file__), "--n", str(n), "--rounds", str(rounds)]
         outs: list[list[str]] = []
         popen: list[subprocess.Popen] = []
@@ -320,7 +326,7 @@ def run(n: int, procs: int, rounds: int, load_s: float) -> dict:
         for d, xs in h["by_depth"].items():
             by_depth.setdefault(int(d), []).extend(xs)
     detection = result["detected_at"] - t_kill if result["detected_at"] else None
-    return {"n": n, "formed": formed, "result": {k: v for k, v in result.items() if k != "own"},
+    return {"n": n, "fanout": fanout, "formed": formed, "result": {k: v for k, v in result.items() if k != "own"},
             "by_depth": {d: sorted(xs) for d, xs in sorted(by_depth.items())}, "detection": detection,
             "errors": errors, "hosts": len(hosts)}  # fmt: skip
 
@@ -328,13 +334,14 @@ def run(n: int, procs: int, rounds: int, load_s: float) -> dict:
 def report(rows: list[dict]) -> None:
     print(f"\ncontrol plane, simulated nodes (1 rank each, relay fan-out {FANOUT}, sealed), heartbeats every "
           f"{INTERVAL} s")  # fmt: skip
-    head = ("nodes", "join s", "beating s", "ready s", "hb out KB/s", "out/1MiB", "hb cpu%", "node0 cpu%", "false",
-            "detect s")  # fmt: skip
+    head = ("nodes", "watch", "join s", "beating s", "ready s", "hb out KB/s", "out/1MiB", "hb cpu%", "node0 cpu%",
+            "false", "detect s")  # fmt: skip
     print("  " + " ".join(f"{h:>10}" for h in head) + "  tiny p50 ms by tree depth")
     for r in rows:
         f, x = r["formed"], r["result"]
         det = f"{r['detection']:.2f}" if r["detection"] is not None else "-"
-        cells = (r["n"], f"{f['join']:.1f}", f"{f['beating']:.1f}", f"{f['ready']:.1f}", f"{x['idle_tx'] / 1e3:.1f}",
+        cells = (r["n"], r.get("fanout", 0), f"{f['join']:.1f}", f"{f['beating']:.1f}", f"{f['ready']:.1f}",
+                 f"{x['idle_tx'] / 1e3:.1f}",
                  f"{x['big_tx'] / x['big']:.2f}", f"{x['hb_cpu'] * 100:.2f}", f"{x['proc_cpu'] * 100:.2f}",
                  x["false_losses"], det)  # fmt: skip
         depths = " ".join(f"{d}:{xs[len(xs) // 2] * 1e3:.2f}" for d, xs in r["by_depth"].items() if xs)
@@ -349,6 +356,11 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=16, help="processes that host the nodes other than 0 and the last")
     ap.add_argument("--rounds", type=int, default=100, help="tiny broadcasts timed")
     ap.add_argument("--load", type=float, default=15.0, help="seconds both cores are kept busy (false losses)")
+    ap.add_argument(
+        "--watch",
+        default="8",
+        help="RAYFREE_WATCH_FANOUT per run, alternated at each node count (0: node 0 watches every node)",
+    )
     ap.add_argument("--json")
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -363,8 +375,9 @@ def main() -> int:
         return 2
     rows = []
     for n in (int(x) for x in a.nodes.split(",")):
-        rows.append(run(n, a.procs, a.rounds, a.load))
-        report(rows[-1:])
+        for fanout in (int(x) for x in a.watch.split(",")):
+            rows.append(run(n, a.procs, a.rounds, a.load, fanout))
+            report(rows[-1:])
     report(rows)
     write_json(a.json, rows)
     return 0

@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from rayfree import settings
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
@@ -39,6 +40,8 @@ from . import heartbeat_messages as msgs
 from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
 from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
 from .heartbeat_peer import FollowerPeer, answer, await_goodbyes, log_waiting, process_of, say_bye, tell_latecomers
+from .heartbeat_returns import Returns
+from .watch import WatchBook
 
 __all__ = ["Beat", "Bye", "Verdict", "HeartbeatServer"]
 
@@ -60,7 +63,7 @@ FIND_DROPPED_S = 0.05
 TELL_LATE_S = 2.0
 
 
-class HeartbeatServer(Beater):
+class HeartbeatServer(Returns, Beater):
     """On the leader: answers every follower's beat and reports a follower that falls silent."""
 
     def __init__(
@@ -74,6 +77,8 @@ class HeartbeatServer(Beater):
         join_timeout: float | None = None,
     ) -> None:
         super().__init__(interval, timeout, "RayfreeHeartbeatServer", "node 0")
+        #: who watches which follower's quick link, where not node 0, and where (watch.py)
+        self.watch = WatchBook()
         #: how long the followers have to join (the progress lines say how much of it has passed)
         self.join_timeout = join_timeout
         self.endpoint = tcp_endpoint(bind_ip, port)
@@ -111,7 +116,8 @@ class HeartbeatServer(Beater):
         #: no follower falls silent before this (the earliest deadline at the last look: a beat only puts one
         #: later); 0: look now. A look per deadline, not per message: a large cluster beats hundreds a second
         self._look_at = self._probed_at = 0.0
-        self._sock = ControlSocket.listen(self.endpoint)  # in the caller's thread: a busy port fails the start-up
+        # (in the caller's thread: a busy port fails the start-up; with watchers, each follower paces its own link)
+        self._sock = ControlSocket.listen(self.endpoint, pings=not settings.get("RAYFREE_WATCH_FANOUT"))
 
     def tell(self, nodes: list[int], msg: msgs.ReplicaDown | msgs.ReplicaUp | msgs.DrainReplica | msgs.Regroup) -> None:
         """Send `msg` to these followers (any thread: the heartbeat thread owns the socket and sends it)."""
@@ -187,6 +193,9 @@ class HeartbeatServer(Beater):
         if isinstance(msg, (msgs.StatusQuery, msgs.DrainReplica, msgs.ScaleReplicas)):
             sock.try_send([identity, answer(self, msg)])
             return
+        if isinstance(msg, msgs.WatchLost):
+            self._watch_lost(msg, identity)
+            return
         if not isinstance(msg, (Beat, Bye)):  # a verdict, a welcome, word on a replica: only node 0 sends them
             self._dropped(f"a {type(msg).__name__} sent to node 0 (only node 0 sends them)")
             return
@@ -236,6 +245,9 @@ class HeartbeatServer(Beater):
             if self.welcome_fn is not None:
                 sock.try_send([identity, self.welcome_fn(peer.node_rank)])
             sock.try_send([identity, _encode(Verdict(peer.verdict))])
+        if isinstance(msg, Beat) and self.watch.news(node := peer.node_rank, msg, first := peer.last_seen is None):
+            self.watch.heard(node, msg, first, lambda k, m: self._send_told(
+                sock, [([k], _encode(m))]) if k != node else sock.try_send([identity, _encode(m)]))  # fmt: skip
         peer.identity, peer.ip, peer.last_seen, peer.done = identity, msg.ip, time.monotonic(), msg.done
         peer.pid, peer.proc, peer.dropped_at = msg.pid, process_of(msg), None
         if msg.status:
@@ -243,41 +255,15 @@ class HeartbeatServer(Beater):
         # False: its queue is full: it is not reading, and its own timeout will tell it
         sock.try_send([identity, _encode(Beat(0, [], "", me, seq))])
 
-    def _alone(self, sock: ControlSocket, identity: bytes, msg: Beat) -> None:
-        """A follower that lost node 0 and serves on without it beats (to a node 0 started again, or to this one
-        after a cut or a stop). Starting, node 0 hears it (`on_alone`, once a node); running, it takes it back
-        where it was started again to resume the cluster (`adopt`: the follower is told, and beats as before),
-        else counts it lost."""
-        peer, node = self.peers.get(msg.node_rank), msg.node_rank
-        if self.armed_at is None:
-            if self.on_alone is not None and node not in self._alone_heard:
-                self._alone_heard.add(node)
-                self.on_alone(node, msg)
-        elif peer is not None and not peer.gone and self.adopt is not None and (told := self.adopt(node, msg)):
-            peer.follows_again(identity, msg)  # (its silence counts from now)
-            self._look_at = 0.0
-            sock.try_send([identity, told])
-        elif peer is not None and not peer.gone:
-            peer.gone = True
-            peer.lost_why = why = f"it serves on without node 0, which it lost ({msg.alone})"
-            logger.error("follower node %d (%s, ranks %s) lost: %s", node, msg.ip, peer.ranks, why)
-            self.on_lost(node, peer.ranks, msg.ip, why)
-
-    def _held(self, peer: FollowerPeer, msg: Beat | Bye) -> bool:
-        """Is this first beat held (see `hold`)? One counted lost is replaced at its next beat. One without the shape
-        is an earlier node 0's follower's, sent before it knew that node 0 lost (ZeroMQ keeps it): `alone` follows."""
-        assert self.hold is not None
-        verdict = self.hold(peer.node_rank)
-        if verdict is False:
-            return False
-        if isinstance(msg, Beat) and not msg.shape:
-            return True
-        self.heard.add(peer.node_rank)
-        if isinstance(verdict, str) and isinstance(msg, Beat):
-            peer.gone, peer.ip, peer.proc = True, msg.ip, None  # (its next beat: an admission)
-            logger.warning("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, msg.ip, peer.ranks, verdict)
-            self.on_lost(peer.node_rank, peer.ranks, msg.ip, verdict)
-        return True
+    def _watch_lost(self, msg: msgs.WatchLost, identity: bytes) -> None:
+        """A follower's watcher lost its link (watch.py): lost, as one whose own link dropped for good."""
+        peer, w = self.peers.get(msg.node_rank), self.watch.of.get(msg.node_rank, 0)
+        if w not in self.peers or self.peers[w].identity != identity:
+            self._dropped(f"word of node {msg.node_rank}'s loss from a node that does not watch it")
+        elif peer is not None and not peer.gone and self.armed_at is not None:
+            peer.gone, peer.lost_why = True, f"its watcher (node {w}): {msg.reason}"
+            logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, peer.lost_why)
+            self.on_lost(peer.node_rank, peer.ranks, peer.ip, peer.lost_why)
 
     def _newcomer(self, sock: ControlSocket, identity: bytes, msg: Beat) -> FollowerPeer | None:
         """A node past those the cluster started with beats (a scale-out's new replica): admitted as a lost
@@ -379,9 +365,10 @@ class HeartbeatServer(Beater):
                 peer.verdict = verdict
                 sock.try_send([peer.identity, _encode(Verdict(verdict))])
 
-    def _send_told(self, sock: ControlSocket) -> None:
-        while self._to_send:
-            nodes, payload = self._to_send.pop(0)
+    def _send_told(self, sock: ControlSocket, told: list[tuple[list[int], bytes]] | None = None) -> None:
+        told = self._to_send if told is None else told
+        while told:
+            nodes, payload = told.pop(0)
             for k in nodes:
                 peer = self.peers.get(k)
                 if peer is not None and peer.identity is not None and not peer.gone:

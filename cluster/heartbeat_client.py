@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from rayfree.supervisor import FailureDomain
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
@@ -28,10 +29,13 @@ from .heartbeat_messages import (
     Resumed,
     StatusQuery,
     Verdict,
+    WatchBy,
+    WatchLost,
     Welcome,
     _decode,
     _encode,
 )  # fmt: skip
+from .watch import WatchServer, watch_link
 
 __all__ = ["HeartbeatClient", "query_status", "ask_node0"]
 
@@ -53,7 +57,11 @@ class HeartbeatClient(Beater):
         on_lost: Callable[[str], bool | None],
         on_bye: ByeCallback,
         shape: str = "",
+        watcher: int = 0,
+        children: list[int] | None = None,
     ) -> None:
+        if watcher:  # (its quick link goes to its watcher: node 0 hears it less often, watch.py)
+            interval = min(2 * interval, timeout / 3)
         super().__init__(interval, timeout, "RayfreeHeartbeatClient", f"node {node_rank}")
         self.endpoint = tcp_endpoint(master_addr, port)
         self.node_rank = node_rank
@@ -99,7 +107,41 @@ class HeartbeatClient(Beater):
         self.rtt_count = 0
         self.rtt_sum = 0.0
         self._sent_at = 0.0
-        self._sock = ControlSocket.connect(self.endpoint)
+        #: this node's watcher (0: node 0, over this link) and its link to it once node 0 said where (WatchBy);
+        #: the children this node watches, and what its watch of them has to tell node 0
+        self.watcher = watcher
+        self._watch_link: ControlSocket | None = None
+        self._watch_at = ""
+        self._to_send: list[bytes] = []
+        self.watch: WatchServer | None = None
+        self._sock = ControlSocket.connect(self.endpoint, link_timeout_s=timeout if watcher else None)
+        if children:
+            self.watch = WatchServer(ip, children, timeout, self._child_lost)
+
+    def start(self, domain: FailureDomain | None = None) -> None:
+        if self.watch is not None:  # (first: its children hear of it only once this thread beats)
+            self.watch.start(domain)
+        super().start(domain)
+
+    def arm(self) -> None:
+        super().arm()
+        if self.watch is not None:
+            self.watch.arm()
+
+    def stop(self, bye: Bye | None = None) -> None:
+        super().stop(bye)
+        if self.watch is not None:
+            self.watch.stop()
+
+    def join(self, timeout: float) -> bool:
+        done = super().join(timeout)
+        return (self.watch is None or self.watch.join(timeout)) and done
+
+    def _child_lost(self, node: int, why: str) -> None:
+        """The watch's thread: a child of this node is lost; node 0 hears it from this node's thread."""
+        logger.error("node %d: node %d, which it watches, is lost: %s", self.node_rank, node, why)
+        self._to_send.append(_encode(WatchLost(node, why)))
+        self._sock.wake()
 
     def _run(self) -> None:
         sock = self._sock
@@ -120,6 +162,7 @@ class HeartbeatClient(Beater):
                         beat = Beat(
                             self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status(), shape,
                             incarnation, self.alone, self.alone_epochs if self.alone else {},
+                            "" if self.watch is None else self.watch.endpoint, self.watcher,
                         )  # fmt: skip
                         if sock.try_send([_encode(beat)]):
                             self._sent_at = time.monotonic()
@@ -131,6 +174,10 @@ class HeartbeatClient(Beater):
                 for frames in self._receive(sock, wait_ms(due)):
                     if len(frames) == 1 and self._on_message(frames[0]):
                         return
+                while self._to_send:
+                    sock.try_send([self._to_send.pop(0)])
+                if self._watch_link is not None:
+                    self._watch_link.discard()  # (its watcher's looks)
                 if self.refused is None and not self.contact.is_set() and sock.key_refused():
                     # (a node waiting for its welcome leaves with it; one that joins first hears it there too,
                     # on both sides, by address: join.py)
@@ -165,6 +212,8 @@ class HeartbeatClient(Beater):
             if self._bye is not None and not self.alone:  # (alone: nobody it was part of a cluster with listens)
                 sock.send_quietly([_encode(self._bye)])
         finally:
+            if self._watch_link is not None:
+                self._watch_link.close()
             sock.close(BYE_LINGER_MS if self._bye is not None and not self.alone else 0)  # the bye goes out first
 
     def _go_alone(self, why: str) -> None:
@@ -215,6 +264,12 @@ class HeartbeatClient(Beater):
             return False
         if isinstance(msg, Verdict):
             self.leader_verdict = msg.reason
+            return False
+        if isinstance(msg, WatchBy):
+            if msg.endpoint != self._watch_at:  # (a watcher's replacement listens elsewhere)
+                if self._watch_link is not None:
+                    self._watch_link.close()
+                self._watch_link, self._watch_at = watch_link(msg.endpoint, self.node_rank), msg.endpoint
             return False
         if isinstance(msg, Welcome):
             self.welcome = msg

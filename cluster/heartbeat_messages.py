@@ -6,7 +6,7 @@ import msgspec
 
 __all__ = [
     "Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "DrainReplica", "Regroup", "Welcome",
-    "Refused", "Disowned", "ScaleReplicas", "Resumed",
+    "Refused", "Disowned", "ScaleReplicas", "Resumed", "WatchBy", "WatchLost",
 ]  # fmt: skip
 
 
@@ -35,6 +35,10 @@ class Beat(msgspec.Struct, tag="beat", array_like=True):
     #: with `alone`: every DP replica's epoch as this node knew them when it lost node 0 (frozen since: nothing is
     #: admitted without node 0); a node 0 started again resumes from them
     epochs: dict[int, int] = {}
+    #: where this node watches its children (watch.py), if it has any: node 0 tells them; and which node watches
+    #: this one (0: node 0, over this connection)
+    watch: str = ""
+    watcher: int = 0
 
 
 class Bye(msgspec.Struct, tag="bye", array_like=True):
@@ -125,6 +129,20 @@ class Resumed(msgspec.Struct, tag="resumed", array_like=True):
     lost: list[ReplicaDown] = []
 
 
+class WatchBy(msgspec.Struct, tag="watch-by", array_like=True):
+    """Node 0 to a follower that has a watcher (watch.py): hold a quick link to it at `endpoint` (again, to a
+    watcher's replacement)."""
+
+    endpoint: str
+
+
+class WatchLost(msgspec.Struct, tag="watch-lost", array_like=True):
+    """A watcher to node 0: its child `node_rank`'s link dropped and did not come back, why."""
+
+    node_rank: int
+    reason: str
+
+
 class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
     """`rayfree status` asks node 0 for the cluster's status (it must hold the secret to get through)."""
 
@@ -144,4 +162,6 @@ _decode = msgspec.msgpack.Decoder(
     | StatusQuery
     | ScaleReplicas
     | Resumed
+    | WatchBy
+    | WatchLost
 ).decode

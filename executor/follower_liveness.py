@@ -14,6 +14,7 @@ from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.cluster.heartbeat_messages import ReplicaDown, Resumed
 from rayfree.cluster.join import shape_of
+from rayfree.cluster.watch import watchers
 
 from .errors import LeaderLost, NodeLost, ReplicaLost
 from .health import follower_verdict
@@ -54,6 +55,7 @@ class FollowerLiveness(NodeLiveness):
         self.outlives_node_0 = outlives_node_0(par)
         #: why node 0 was lost, once it was and this node serves on
         self.node_0_lost = ""
+        tree = watchers(par)  # (who holds this node's quick link, and whose this node holds: watch.py)
         self.beater = HeartbeatClient(
             par.master_addr,
             cfg.heartbeat_endpoint_port,
@@ -65,6 +67,8 @@ class FollowerLiveness(NodeLiveness):
             self._node_0_lost,
             self._head_bye,
             shape_of(par),  # (a replacement of a lost node is admitted only with the cluster's shape)
+            tree.get(self.node, 0),
+            [k for k, w in tree.items() if w == self.node],
         )
         self.beater.status_fn = lambda: encode(node_status(self))
         self.beater.on_disowned = lambda why: self.policy.report("node 0", NodeLost(

@@ -77,8 +77,16 @@ class Membership:
 
     def _now(self) -> None:
         ex = self._ex()
-        if ex is None or ex.pipe is None or ex.stopped:
+        if ex is None:
             return
+        # A replica that rejoins hears its first membership while its executor still starts: its queues are not
+        # ready, and a regroup sent now reaches the ranks but its replies cannot be read; formed twice under one
+        # epoch, the first groups' pairs then close under the other replicas' ranks. It forms once started.
+        until = time.monotonic() + ex.config.ready_timeout_s
+        while ex.starting and not (ex.is_failed or ex.stopped) and time.monotonic() < until:
+            time.sleep(0.05)
+        if ex.pipe is None or ex.stopped or ex.starting:
+            return  # (still starting: the first call forms it, `before_call`)
         try:
             with ex.pipe.lock:  # (after a call under way; a call that comes first forms it itself)
                 self.before_call()

@@ -97,6 +97,14 @@ TABLE: dict[str, Setting] = {
             "of it, in its I/O thread), and its node is lost unless it is back within 0.3 s (0: no link pings)",
         ),
         Setting(
+            "RAYFREE_WATCH_FANOUT",
+            0,
+            int,
+            "a node's quick link goes to its watcher, the first node of its replica, which watches this many "
+            "nodes, each of those the next as many (their links to node 0 are held to heartbeat_timeout_s), and "
+            "tells node 0 of a loss; 0: every node's quick link goes to node 0",
+        ),
+        Setting(
             "RAYFREE_LINK_GRACE_S",
             10.0,
             float,

@@ -33,6 +33,22 @@ BOUND = 1.0
 SLACK = 1.0
 
 
+def _lose(sim: SimulatedCluster, k: int, how: str, lead) -> tuple[float, dict]:
+    """Take node k away (`how`) while node 0's call is pending: when, and node 0's RESULT."""
+    t_lost = time.monotonic()
+    if how == "killed":
+        sim.nodes[k].kill(signal.SIGKILL)
+    elif how == "stopped":
+        sim.nodes[k].kill(signal.SIGSTOP)
+    else:
+        sim.nodes[k].set_link(False)
+    try:
+        return t_lost, lead.result("RESULT", 60)
+    finally:
+        if how == "stopped":  # a stopped node never stops by itself
+            sim.nodes[k].kill(signal.SIGKILL)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["killed", "stopped", "link-cut"])
 def test_a_lost_follower_is_known_within_a_second(how: str) -> None:
@@ -41,18 +57,7 @@ def test_a_lost_follower_is_known_within_a_second(how: str) -> None:
         lead = nodes.start(0, RAYFREE_ENTRY="tests.support.multinode_entry:hang")
         follow = nodes.start(1)
         lead.result("PENDING", 150)
-        t_lost = time.monotonic()
-        if how == "killed":
-            sim.nodes[1].kill(signal.SIGKILL)
-        elif how == "stopped":
-            sim.nodes[1].kill(signal.SIGSTOP)
-        else:
-            sim.nodes[1].set_link(False)
-        try:
-            r = lead.result("RESULT", 60)
-        finally:
-            if how == "stopped":  # a stopped node never stops by itself
-                sim.nodes[1].kill(signal.SIGKILL)
+        t_lost, r = _lose(sim, 1, how, lead)
         assert lead.wait(60) == 1, lead.text()[-3000:]
         follow.wait(60)
         assert_nothing_left(sim, [lead, follow])
@@ -83,3 +88,28 @@ def test_a_follower_knows_its_leader_is_gone_within_a_second_and_stops() -> None
     assert "leader (node 0) is gone" in text and "the leader at tcp://" in text and "connection dropped" in text
     assert took <= BOUND + SLACK, f"the follower knew only after {took:.2f}s"
     print(f"\nleader killed: the follower knew after {took:.2f} s and had stopped its workers after {stopped:.2f} s")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["stopped", "link-cut"])
+def test_a_node_its_watcher_loses_is_known_within_a_second_though_its_link_to_node_0_waits_longer(how: str) -> None:
+    """RAYFREE_WATCH_FANOUT=2, four nodes of one world: node 0 watches nodes 1 and 2, node 1 watches node 3
+    (cluster/watch.py), whose own link to node 0 is held only to the beats' 10 s. Node 3 stopped or cut off: node 1
+    tells node 0, and node 0's pending call fails in the same bound as for a follower it watches itself, naming
+    the watcher."""
+    env = {"RAYFREE_TENSOR_PARALLEL_SIZE": "4", "RAYFREE_NNODES": "4", "RAYFREE_WATCH_FANOUT": "2"}
+    with SimulatedCluster(4) as sim:
+        nodes = Nodes(sim, **{**DEFAULTS, **env})
+        lead = nodes.start(0, RAYFREE_ENTRY="tests.support.multinode_entry:hang")
+        others = [nodes.start(k) for k in (1, 2, 3)]
+        lead.result("PENDING", 150)
+        t_lost, r = _lose(sim, 3, how, lead)
+        assert lead.wait(60) == 1, lead.text()[-3000:]
+        for p in others:
+            p.wait(60)
+        assert_nothing_left(sim, [lead, *others])
+    took = r["t_fail"] - t_lost
+    assert r["kind"] == "NodeLost+ExecutorFailed" and "node 3 (" in r["error"], r
+    assert "its watcher (node 1)" in r["error"], r["error"]  # node 1's word decided, not node 0's own link
+    assert took <= BOUND + SLACK, f"node 3 {how}: the pending call failed only after {took:.2f}s"
+    print(f"\nwatched node {how}: node 0's pending call failed after {took:.2f} s")

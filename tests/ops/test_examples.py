@@ -50,17 +50,30 @@ def test_a_hugging_face_llama_sharded_with_tp_plan_generates_the_unsharded_model
     assert "split as [(32, 64), (32, 64)]" in r.stdout, r.stdout
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_the_simulated_cluster_example_test_passes() -> None:
     """examples/test_simulated_cluster.py, as an engine author runs it: pytest in that folder, with the
-    `rayfree_cluster` fixture from rayfree.testing."""
+    `rayfree_cluster` fixture from rayfree.testing. Its tests' own bound is the example's waits' (up to 300 s),
+    not this repository's 120 s per test: a rejoin took over 120 s beside a second suite."""
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "test_simulated_cluster.py"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "-o",
+            "timeout=400",
+            "test_simulated_cluster.py",
+        ],
         cwd=os.path.join(ROOT, "examples"),
         env={**os.environ, "PYTHONPATH": PYTHONPATH},
         capture_output=True,
         text=True,
-        timeout=580,
+        timeout=880,
     )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-3000:]
     assert "3 passed" in r.stdout, r.stdout[-2000:]

@@ -67,13 +67,30 @@ class ControlSocket:
         self._waker = Waker()
 
     @classmethod
-    def listen(cls, endpoint: str) -> ControlSocket:
-        """A ROUTER bound to `endpoint` (a busy port is a clear error, raised here)."""
-        return cls(make_router(endpoint), endpoint)
+    def listen(cls, endpoint: str, pings: bool = True) -> ControlSocket:
+        """A ROUTER bound to `endpoint` (a busy port is a clear error, raised here; port 0: one the system picks,
+        which `endpoint` then names). `pings=False`: it sends none, and holds each connection to its peer's."""
+        sock, bound = make_router(endpoint, pings=pings), endpoint
+        if endpoint.endswith(":0"):
+            with zmq_errors(f"reading where {endpoint} is bound"):
+                bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return cls(sock, bound)
 
     @classmethod
-    def connect(cls, endpoint: str, maxmsgsize: int = 1 << 16) -> ControlSocket:
-        return cls(make_dealer(endpoint, maxmsgsize=maxmsgsize), endpoint)
+    def connect(
+        cls, endpoint: str, maxmsgsize: int = 1 << 16, link_timeout_s: float | None = None, routing_id: bytes = b""
+    ) -> ControlSocket:
+        """A DEALER (see sockets.make_dealer for `link_timeout_s` and `routing_id`)."""
+        sock = make_dealer(endpoint, maxmsgsize=maxmsgsize, link_timeout_s=link_timeout_s, routing_id=routing_id)
+        return cls(sock, endpoint)
+
+    def discard(self) -> None:
+        """Read and drop what arrived (a side that only keeps a link up: nothing piles up in its queue)."""
+        while True:
+            with self._quiet:
+                self._sock.recv_multipart(zmq.NOBLOCK)
+                continue
+            break
 
     def watch(self) -> None:
         """Start noting dropped connections (from the thread that will use the socket)."""

@@ -200,19 +200,22 @@ def make_subscriber(endpoint: str, hello: bytes, *, maxmsgsize: int | None) -> z
     return sock
 
 
-def _link_heartbeats(sock: zmq.Socket) -> None:
+def _link_heartbeats(sock: zmq.Socket, link_timeout_s: float | None = None, *, pings: bool = True) -> None:
     """libzmq's own ZMTP pings, sent and checked by its I/O thread (no Python, no GIL): a connection that
-    carries nothing for RAYFREE_LINK_TIMEOUT_S (a peer killed, stopped, or cut off) is closed, and the
-    socket's monitor says so. 0 leaves them off."""
-    ms = int(settings.get("RAYFREE_LINK_TIMEOUT_S") * 1000)
-    if ms > 0:
+    carries nothing for RAYFREE_LINK_TIMEOUT_S (or `link_timeout_s`; a peer killed, stopped, or cut off) is
+    closed, and the socket's monitor says so. 0 leaves them off. `pings=False` (a listening side that may have
+    hundreds of peers): this side sends none, answers its peers' and holds each connection to the bound its peer's
+    pings carry (ZMTP's TTL), so the peer sets the pace and a listener's cost is half a pinging one's."""
+    ms = int((settings.get("RAYFREE_LINK_TIMEOUT_S") if link_timeout_s is None else link_timeout_s) * 1000)
+    if ms > 0 and pings:
         sock.setsockopt(zmq.HEARTBEAT_IVL, max(10, ms // 4))
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ms)
         sock.setsockopt(zmq.HEARTBEAT_TTL, ms)
 
 
-def make_router(bind_to: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
-    """A ROUTER bound to `bind_to` for small control messages (heartbeats); a busy port is a clear error."""
+def make_router(bind_to: str, *, maxmsgsize: int = 1 << 16, pings: bool = True) -> zmq.Socket:
+    """A ROUTER bound to `bind_to` for small control messages (heartbeats); a busy port is a clear error.
+    `pings=False`: its connections are held to the bound their peers' pings carry (`_link_heartbeats`)."""
     sock = context().socket(zmq.ROUTER)
     try:
         sock.setsockopt(zmq.LINGER, 0)
@@ -220,7 +223,7 @@ def make_router(bind_to: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
         sock.setsockopt(zmq.SNDHWM, 100)
         sock.setsockopt(zmq.RCVHWM, 1000)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer with no connection says so (EHOSTUNREACH)
-        _link_heartbeats(sock)
+        _link_heartbeats(sock, pings=pings)
         if _is_tcp_v6(bind_to):
             sock.setsockopt(zmq.IPV6, 1)
         _secure_server(sock, bind_to, "the leader's heartbeat endpoint")
@@ -232,16 +235,21 @@ def make_router(bind_to: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
     return sock
 
 
-def make_dealer(endpoint: str, *, maxmsgsize: int = 1 << 16) -> zmq.Socket:
-    """A DEALER connected to `endpoint` (reconnecting by itself); sends never block for long."""
+def make_dealer(
+    endpoint: str, *, maxmsgsize: int = 1 << 16, link_timeout_s: float | None = None, routing_id: bytes = b""
+) -> zmq.Socket:
+    """A DEALER connected to `endpoint` (reconnecting by itself); sends never block for long. `link_timeout_s`:
+    its link's bound (None: RAYFREE_LINK_TIMEOUT_S); `routing_id`: how the ROUTER it connects to names it."""
     sock = context().socket(zmq.DEALER)
     try:
+        if routing_id:
+            sock.setsockopt(zmq.ROUTING_ID, routing_id)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, maxmsgsize)
         sock.setsockopt(zmq.SNDHWM, 10)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        _link_heartbeats(sock)
+        _link_heartbeats(sock, link_timeout_s)
         if _is_tcp_v6(endpoint):
             sock.setsockopt(zmq.IPV6, 1)
         _secure_client(sock, endpoint, "a follower's heartbeats")
