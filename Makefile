@@ -89,12 +89,13 @@ bench: $(STAMP)
 	$(PY) bench/rpc.py
 
 # Simulated nodes (root): flat vs relay vs tree, 2-16 nodes x 1-4 ranks (bench/scale.py); and the soak: 8 nodes,
-# every core busy for 10 minutes, no node declared lost, then one killed and named within a second.
+# every core busy for SOAK_MINUTES (10), no node declared lost, then one killed and named within a second.
+SOAK_MINUTES ?= 10
 bench-scale: $(STAMP)
 	$(PY) bench/scale.py
 
 soak: $(STAMP)
-	$(PY) bench/soak.py --minutes 10
+	$(PY) bench/soak.py --minutes $(SOAK_MINUTES)
 
 # The control plane alone to 256 simulated nodes (root): join, heartbeats, relay tree, detection (bench/control_plane.py).
 bench-control-plane: $(STAMP)
