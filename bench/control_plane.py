@@ -358,7 +358,7 @@ def main() -> int:
     ap.add_argument("--load", type=float, default=15.0, help="seconds both cores are kept busy (false losses)")
     ap.add_argument(
         "--watch",
-        default="8",
+        default="0,8",
         help="RAYFREE_WATCH_FANOUT per run, alternated at each node count (0: node 0 watches every node)",
     )
     ap.add_argument("--json")

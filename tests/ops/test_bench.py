@@ -106,10 +106,10 @@ def test_control_plane_bench_forms_16_nodes_counts_node_0s_copies_and_finds_the_
     if not can_use_netns():
         pytest.skip("needs root for network namespaces")
     cmd = [sys.executable, os.path.join(ROOT, "bench", "control_plane.py"), "--nodes", "16", "--procs", "2",
-           "--rounds", "20", "--load", "0"]  # fmt: skip
+           "--rounds", "20", "--load", "0", "--watch", "8"]  # fmt: skip
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, f"bench/control_plane.py failed:\n{out.stdout}\n{out.stderr}"
-    row = re.search(r"^ +16 +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +\S+ +\S+ +(\d+) +(\S+) +(.*)$",
+    row = re.search(r"^ +16 +8 +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +\S+ +\S+ +(\d+) +(\S+) +(.*)$",
                     out.stdout, re.M)  # fmt: skip
     assert row, out.stdout
     assert 7.5 <= float(row.group(5)) <= 8.6, out.stdout  # node 0's 8 child nodes: 8 copies
