@@ -6,8 +6,9 @@ gloo worlds and heartbeats (examples/echo_worker.py, distributed=True). Every re
 `replica_loop`) sends a 1 KiB `echo` to its ranks without pause (`--pace N`: N times a second, as an engine
 that waits for requests, which leaves this machine's two cores to a replacement as a real cluster's own nodes
 would) and records each call. Mid-run a follower node of replica 1 is SIGKILLed (`--lose node-0`: node 0,
-replica 0's leader; with TP=1 every replica runs on one node, and the others need nothing of node 0). Printed
-per coupling (`independent`, `one-world`):
+replica 0's leader; with TP=1 every replica runs on one node, and the others need nothing of node 0; with TP>1,
+`--watch 8` has each replica's nodes watch each other, so that they outlive node 0 too). Printed per coupling
+(`independent`, `one-world`):
 
 - replica 1 (it lost a node): how long after the kill its pending call ended, and with what error;
 - every other replica: its calls that failed (independent: none expected), its calls per second and p99 call
@@ -19,7 +20,7 @@ per coupling (`independent`, `one-world`):
   cold start (the others call on meanwhile: their failed calls count the whole run).
 
     python bench/failover.py [--dp 3] [--tp 2] [--couplings independent,one-world] [--seconds 8] [--pace 0]
-                             [--lose follower|node-0]
+                             [--lose follower|node-0] [--watch 0]
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ def replica_loop(ex) -> int:
     return 0 if not kind else 1
 
 
-def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0, lose: str = "follower") -> dict:
+def run(
+    dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0, lose: str = "follower", watch: int = 0
+) -> dict:
     from rayfree.cluster.simulate import SimulatedCluster
 
     n = dp * tp
@@ -111,6 +114,7 @@ def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0, lose
                 RAYFREE_REPLICA_COUPLING=coupling,
                 FAILOVER_STOP=stop,
                 FAILOVER_PACE=str(pace),
+                RAYFREE_WATCH_FANOUT=str(watch),
             )
             if k % tp == 0:
                 env["RAYFREE_ENTRY"] = "bench.failover:replica_loop"
@@ -156,13 +160,14 @@ def run(dp: int, tp: int, coupling: str, seconds: float, pace: float = 0.0, lose
         nodes.reap()
         os.unlink(stop)
     return {"coupling": coupling, "dp": dp, "tp": tp, "victim": victim, "lost": lost, "t_kill": t_kill, "cold_s": cold,
-            "rejoin_s": rejoin, "results": results, "pace": pace}  # fmt: skip
+            "rejoin_s": rejoin, "results": results, "pace": pace, "watch": watch}  # fmt: skip
 
 
 def report(r: dict) -> None:
     pace = f"{r['pace']:.0f} calls/s a replica" if r["pace"] else "calls without pause"
+    watch = f"; the watch, fan-out {r['watch']}" if r.get("watch") else ""
     print(f"\n{r['coupling']}: DP={r['dp']} x TP={r['tp']} on {r['dp'] * r['tp']} nodes; node {r['victim']} "
-          f"(replica {r['lost']}) SIGKILLed; cold start {r['cold_s']:.2f} s; {pace}")  # fmt: skip
+          f"(replica {r['lost']}) SIGKILLed; cold start {r['cold_s']:.2f} s; {pace}{watch}")  # fmt: skip
     if r["rejoin_s"] is not None:
         print(f"  replica {r['lost']}'s nodes started again: it served again after {r['rejoin_s']:.2f} s "
               f"({r['rejoin_s'] / r['cold_s']:.2f}x the whole cluster's cold start)")  # fmt: skip
@@ -196,13 +201,16 @@ def main() -> int:
     ap.add_argument("--pace", type=float, default=0.0, help="calls per second a replica (0: without pause)")
     ap.add_argument("--lose", choices=("follower", "node-0"), default="follower",
                     help="the node SIGKILLed: replica 1's first follower, or node 0 (replica 0's leader)")  # fmt: skip
+    ap.add_argument("--watch", type=int, default=0,
+                    help="RAYFREE_WATCH_FANOUT on every node (0: off; with it replicas over several nodes outlive "
+                         "node 0)")  # fmt: skip
     ap.add_argument("--json", help="also write the figures to this file")
     a = ap.parse_args()
     if not has_netns("failover.py"):
         return 2
     out = []
     for coupling in a.couplings.split(","):
-        r = run(a.dp, a.tp, coupling, a.seconds, a.pace, a.lose)
+        r = run(a.dp, a.tp, coupling, a.seconds, a.pace, a.lose, a.watch)
         report(r)
         out.append(r)
     write_json(a.json, out)

@@ -16,7 +16,7 @@ from rayfree.supervisor import FailureDomain
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
-from .heartbeat_beater import BYE_LINGER_MS, STATUS_MAX_BYTES, WAIT_LOG_S, Beater, ByeCallback, wait_ms
+from .heartbeat_beater import BYE_LINGER_MS, RECONNECT_S, STATUS_MAX_BYTES, WAIT_LOG_S, Beater, ByeCallback, wait_ms
 from .heartbeat_messages import (
     Beat,
     Bye,
@@ -30,11 +30,11 @@ from .heartbeat_messages import (
     StatusQuery,
     Verdict,
     WatchBy,
-    WatchLost,
     Welcome,
     _decode,
     _encode,
 )  # fmt: skip
+from .heartbeat_watched import Watched
 from .watch import WatchServer, watch_link
 
 __all__ = ["HeartbeatClient", "query_status", "ask_node0"]
@@ -42,7 +42,7 @@ __all__ = ["HeartbeatClient", "query_status", "ask_node0"]
 logger = logging.getLogger("rayfree.cluster")
 
 
-class HeartbeatClient(Beater):
+class HeartbeatClient(Watched, Beater):
     """On a follower: beats toward the leader; reports the leader lost, or gone on purpose (`Bye`)."""
 
     def __init__(
@@ -112,7 +112,14 @@ class HeartbeatClient(Beater):
         self.watcher = watcher
         self._watch_link: ControlSocket | None = None
         self._watch_at = ""
+        #: when this node's link to its watcher dropped (None: up, or none yet)
+        self._watch_down_at: float | None = None
         self._to_send: list[bytes] = []
+        #: the children its watch found lost, and why (said again to the layer above once node 0 is lost too)
+        self._children_lost: dict[int, str] = {}
+        #: node 0 lost and this node serving on: a node of this node's watch lost (a child, or its own watcher:
+        #: `_watch_link_lost`), whose replica nobody else will call lost (the layer above; None: not expected)
+        self.on_watch_lost: Callable[[int, str], None] | None = None
         self.watch: WatchServer | None = None
         self._sock = ControlSocket.connect(self.endpoint, link_timeout_s=timeout if watcher else None)
         if children:
@@ -130,18 +137,13 @@ class HeartbeatClient(Beater):
 
     def stop(self, bye: Bye | None = None) -> None:
         super().stop(bye)
-        if self.watch is not None:
-            self.watch.stop()
+        if self.watch is not None:  # (node 0 lost: this node's children hear how it ended from it)
+            said = bye or Bye(self.node_rank, True, f"node {self.node_rank}, its watcher, stopped cleanly")
+            self.watch.stop(said if self.alone else None)
 
     def join(self, timeout: float) -> bool:
         done = super().join(timeout)
         return (self.watch is None or self.watch.join(timeout)) and done
-
-    def _child_lost(self, node: int, why: str) -> None:
-        """The watch's thread: a child of this node is lost; node 0 hears it from this node's thread."""
-        logger.error("node %d: node %d, which it watches, is lost: %s", self.node_rank, node, why)
-        self._to_send.append(_encode(WatchLost(node, why)))
-        self._sock.wake()
 
     def _run(self) -> None:
         sock = self._sock
@@ -171,13 +173,17 @@ class HeartbeatClient(Beater):
                 due = next_beat if self.contact.is_set() else min(next_beat, next_log)
                 if self.armed_at is not None:
                     due = min(due, self._silence_due(self.last_reply, self.suspect_at))
+                if self.alone and self._watch_down_at is not None:
+                    due = min(due, self._watch_down_at + RECONNECT_S)
                 for frames in self._receive(sock, wait_ms(due)):
                     if len(frames) == 1 and self._on_message(frames[0]):
                         return
                 while self._to_send:
                     sock.try_send([self._to_send.pop(0)])
                 if self._watch_link is not None:
-                    self._watch_link.discard()  # (its watcher's looks)
+                    if self._from_watcher(self._watch_link.pending()):
+                        return
+                    self._watch_link_lost(time.monotonic())
                 if self.refused is None and not self.contact.is_set() and sock.key_refused():
                     # (a node waiting for its welcome leaves with it; one that joins first hears it there too,
                     # on both sides, by address: join.py)
@@ -212,14 +218,17 @@ class HeartbeatClient(Beater):
             if self._bye is not None and not self.alone:  # (alone: nobody it was part of a cluster with listens)
                 sock.send_quietly([_encode(self._bye)])
         finally:
-            if self._watch_link is not None:
-                self._watch_link.close()
+            self._close_watch_link()
             sock.close(BYE_LINGER_MS if self._bye is not None and not self.alone else 0)  # the bye goes out first
 
     def _go_alone(self, why: str) -> None:
         """Node 0 is lost and this node serves on: no silence bound any more (nobody to lose), and its beats say
         `alone`, so a node 0 that answers at that address again knows it at once."""
         self.alone, self.armed_at = why, None
+        if self.on_watch_lost is not None:  # (those node 0 may never have heard of: the layer above decides)
+            for node, lost in list(self._children_lost.items()):
+                self.on_watch_lost(node, lost)
+        self._watch_link_lost(time.monotonic())
 
     def _follow_again(self, msg: Resumed) -> None:
         """A node 0 started again took this node back: its silence is a loss again, counted from now."""
@@ -267,9 +276,10 @@ class HeartbeatClient(Beater):
             return False
         if isinstance(msg, WatchBy):
             if msg.endpoint != self._watch_at:  # (a watcher's replacement listens elsewhere)
-                if self._watch_link is not None:
-                    self._watch_link.close()
+                self._close_watch_link()
                 self._watch_link, self._watch_at = watch_link(msg.endpoint, self.node_rank), msg.endpoint
+                self._watch_down_at = None
+                self._sock.follow(self._watch_link)  # (its drop wakes this thread: see _watch_link_lost)
             return False
         if isinstance(msg, Welcome):
             self.welcome = msg

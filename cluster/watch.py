@@ -20,8 +20,8 @@ from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
 from .config import ParallelConfig
-from .heartbeat_beater import RECONNECT_S, Beater, wait_ms
-from .heartbeat_messages import Beat, WatchBy
+from .heartbeat_beater import BYE_LINGER_MS, RECONNECT_S, Beater, wait_ms
+from .heartbeat_messages import Beat, WatchBy, _encode
 
 __all__ = ["watchers", "WatchServer", "WatchBook", "watch_link", "routing_id"]
 
@@ -83,7 +83,11 @@ class WatchServer(Beater):
                 sock.take_connected()
                 self._look(sock)
         finally:
-            sock.close()
+            bye = self._bye
+            if bye is not None:  # (node 0 lost: its children hear from this node how their replica ended)
+                for rid in self.children:
+                    sock.send_quietly([rid, _encode(bye)])
+            sock.close(BYE_LINGER_MS if bye is not None else 0)
 
     def _look(self, sock: ControlSocket) -> None:
         """Which children are connected (a look is a message to each, which ZeroMQ refuses for one with no

@@ -10,6 +10,7 @@ from typing import Any
 
 import msgspec
 
+from rayfree import settings
 from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
 from rayfree.cluster.heartbeat_client import HeartbeatClient
 from rayfree.cluster.heartbeat_messages import ReplicaDown, Resumed
@@ -27,13 +28,18 @@ __all__ = ["FollowerLiveness", "outlives_node_0", "followers_outlive_node_0"]
 logger = logging.getLogger("rayfree.executor")
 
 
-def outlives_node_0(par: ParallelConfig) -> bool:
+def outlives_node_0(par: ParallelConfig, fanout: int | None = None) -> bool:
     """Does this node serve on when node 0 is lost (its loss costing node 0's replicas only)? Where its replicas
     are independent (coupled ones' groups across replicas re-form as node 0 declares; one world fails together)
-    and each runs on this node alone: a replica spread over nodes has node 0 as its heartbeats' hub."""
+    and each runs on this node alone, or, with the watch on (RAYFREE_WATCH_FANOUT), on nodes that watch each other
+    (cluster/watch.py) and not on node 0: without the watch, a replica spread over nodes has node 0 as its only
+    watcher."""
     if par.data_parallel_size == 1 or par.one_world or par.coupled or par.node_rank == 0:
         return False
-    return all(par.nodes_of_replica(k) == [par.node_rank] for k in par.node_replicas)
+    if all(par.nodes_of_replica(k) == [par.node_rank] for k in par.node_replicas):
+        return True
+    fanout = settings.get("RAYFREE_WATCH_FANOUT") if fanout is None else fanout
+    return fanout > 0 and all(0 not in par.nodes_of_replica(k) for k in par.node_replicas)
 
 
 def followers_outlive_node_0(par: ParallelConfig) -> bool:
@@ -83,6 +89,7 @@ class FollowerLiveness(NodeLiveness):
             self.beater.on_regroup = lambda m: soon(send, Regrouped(m.epoch, tuple(m.members)))
         if self.outlives_node_0:
             self.beater.on_resumed = self._node_0_back
+            self.beater.on_watch_lost = self._watched_lost
         self.beater.start(self.policy)  # (wired: node 0's first word meets every callback; a crash fails the node)
         logger.info("node %d: waiting for node 0 at %s:%d (heartbeats at %s) to form the world (join_timeout_s=%.0f)",
                     self.node, par.master_addr, par.master_port, self.beater.endpoint, cfg.join_timeout_s)  # fmt: skip
@@ -107,6 +114,13 @@ class FollowerLiveness(NodeLiveness):
         self.policy.report(source, NodeLost(0, self.par.node_ranks(0), self.par.master_addr, why, gone))
         return True
 
+    def _watched_lost(self, node: int, why: str) -> None:
+        """The watch's or the heartbeat thread, node 0 lost: a node of this node's replica (a child it watches, or
+        its own watcher) is lost, and nobody else will say so: its replica is lost, decided here."""
+        for k in self.par.replicas_of_node(node):
+            why_k = f"{why}; node 0 is lost, so node {self.node}'s watch decided"
+            self.policy.report("the watch", ReplicaLost(k, node, self.par.node_ranks(node), why_k))
+
     def _node_0_back(self, msg: Resumed) -> None:
         """The heartbeat thread: a node 0 started again took this node back. Node 0's replicas serve again in the
         epochs it says, and this node follows node 0 again (its loss, its goodbye) as before it was lost."""
@@ -125,12 +139,14 @@ class FollowerLiveness(NodeLiveness):
             if k not in mine and k not in out and (k in back or e > known.get(k, 0)):
                 soon(send, Back(k, e))
 
-    def _head_bye(self, _node: int, clean: bool, reason: str) -> bool:
+    def _head_bye(self, node: int, clean: bool, reason: str) -> bool:
+        """Node 0's goodbye, or, node 0 lost, this node's watcher's clean one (its replica stopped cleanly)."""
         if not clean:  # (node 0 failed as a whole: lost, to this node, as if it fell silent)
             return self._node_0_lost(f"it stopped after a failure: {reason}", "node 0's goodbye")
-        logger.info("node %d: node 0 stopped the cluster; stopping this node's workers", self.node)
-        self.policy.sup.call_soon(self._stopped_by_node_0, reason or "node 0 stopped")  # (before the report)
-        self.policy.report("node 0's goodbye", None)
+        what = "the cluster" if node == 0 else f"its replica (node 0 lost, node {node} watches this node)"
+        logger.info("node %d: node %d stopped %s; stopping this node's workers", self.node, node, what)
+        self.policy.sup.call_soon(self._stopped_by_node_0, reason or f"node {node} stopped")  # (before the report)
+        self.policy.report(f"node {node}'s goodbye", None)
         return False
 
     def _stopped_by_node_0(self, why: str) -> None:
@@ -165,9 +181,11 @@ class FollowerLiveness(NodeLiveness):
 
     def finish(self) -> bool:
         """Report `done` in the beats and wait for node 0's goodbye (bounded: its silence is a loss); with node 0
-        lost and this node serving on, nobody is left to wait for."""
+        lost and this node serving on, nobody is left to wait for: the nodes it watches hear its clean goodbye
+        (as they would node 0's) before its workers stop, and stop theirs."""
         self.beater.done = True
         while not self.settled.wait(FINISH_POLL_S):
             if self.node_0_lost:
+                self.beater.stop()
                 break
         return self.failure is None

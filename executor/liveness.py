@@ -108,8 +108,9 @@ class LeaderLiveness(NodeLiveness):
             return  # (resumed: taken back once this node 0 serves)
         self.fail_all(ConfigError(
             f"node {node} serves DP replica(s) {self.par.replicas_of_node(node)} without node 0 since it lost node "
-            f"0's earlier process ({beat.alone}): a node 0 started again rejoins only replicas that each run on one "
-            f"node; stop every node, then start the cluster again"
+            f"0's earlier process ({beat.alone}): a node 0 started again resumes a cluster only where every other node "
+            f"served on without it (here node 0's own replica runs on other nodes too, which left with it); stop "
+            f"every node, then start the cluster again"
         ))  # fmt: skip
 
     def welcome_epochs(self, timeout: float) -> dict[int, int]:

@@ -146,23 +146,21 @@ def test_shared_dev_shm_means_one_node() -> None:
         assert r["path"] in ("writer", "shm")
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_rank_that_never_joins_is_named_and_nothing_is_left() -> None:
     with SimulatedCluster(NODES) as sim:
         t0 = time.monotonic()
-        # (8 s: the present ranks must all have come by then, also beside another suite on two cores, where one
-        # once took over 3 s to start and was named missing too)
-        res = results(
-            start(sim, "missing", range(WORLD - 1), port_for(sim), env={r: {"RF_JOIN_S": "8"} for r in range(WORLD)}),
-            timeout=60,
-        )
+        # (30 s: the present ranks must all have come by then, also beside another suite on two cores, where one
+        # took over 3 s to start, and beside two (`make test` twice at once) over 8 s, and was named missing too)
+        env = {r: {"RF_JOIN_S": "30"} for r in range(WORLD)}
+        res = results(start(sim, "missing", range(WORLD - 1), port_for(sim), env=env), timeout=120)
         took = time.monotonic() - t0
         for rank, r in res.items():
             assert not r["ok"] and "rank(s) [3]" in r["error"], f"rank {rank}: {r}"
-            assert r["after_s"] < 16.0, f"rank {rank} took {r['after_s']:.1f}s for an 8 s timeout"
+            assert r["after_s"] < 45.0, f"rank {rank} took {r['after_s']:.1f}s for a 30 s timeout"
         for node in sim.nodes:
             assert all(p.poll() is not None for p in node.procs)
-    assert took < 60
+    assert took < 150
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout if can_use_netns() else ""
     assert sim.tag not in listed, f"namespaces left behind: {listed}"
 

@@ -193,7 +193,8 @@ def test_a_lost_node_of_independent_replica_1_fails_it_alone(victim: int, how: s
 
 @pytest.mark.timeout(240)
 def test_node_0_lost_stops_independent_replicas_spread_over_several_nodes() -> None:
-    """Node 0 is the heartbeats' hub of a replica spread over several nodes: SIGKILLed, every replica stops.
+    """Without the watch (RAYFREE_WATCH_FANOUT=0, the default) node 0 is the only watcher of a replica spread over
+    several nodes: SIGKILLed, every replica stops (with the watch they serve on: tests/cluster/test_node0_lost.py).
     Replica 1's leader ends its call with LeaderLost (not ReplicaLost) within the heartbeats' bound, and every
     other node leaves non-zero. (Replicas that each run on one node serve on: tests/cluster/test_node0_lost.py.)"""
     with SimulatedCluster(4) as sim:

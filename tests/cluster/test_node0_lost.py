@@ -1,6 +1,7 @@
-"""Node 0 lost, with independent DP replicas that each run on one node: node 0's replica is lost, and the others
-serve on with no failed call (they need nothing of node 0 once formed). Replicas spread over several nodes still
-stop with node 0 (tests/cluster/test_dp.py): node 0 is their heartbeats' hub.
+"""Node 0 lost, with independent DP replicas that each run on one node, or, with the watch on
+(RAYFREE_WATCH_FANOUT), on nodes that watch each other: node 0's replica is lost, and the others serve on with no
+failed call (they need nothing of node 0 once formed). Without the watch, replicas spread over several nodes still
+stop with node 0 (tests/cluster/test_dp.py): node 0 is their only watcher.
 
 DP=3 x TP=1 on three simulated nodes, every replica's leader stepping (multinode_entry's
 steps_while_a_replica_is_lost). Node 0 is SIGKILLed, SIGSTOPped past the link bound (resumed at the end), or cut
@@ -23,6 +24,24 @@ from tests.support.nodes import Nodes
 pytestmark = needs_root
 
 ENTRY = "tests.support.multinode_entry:steps_while_a_replica_is_lost"
+#: node 0 watches nodes 1 and 2 (each replica's first node), node 2 watches node 3 (cluster/watch.py)
+WATCH = {"RAYFREE_WATCH_FANOUT": "8"}
+
+
+def _lose_node_0(sim: SimulatedCluster, how: str) -> None:
+    if how == "cut":
+        sim.nodes[0].set_link(False)
+    else:
+        sim.nodes[0].kill(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+
+
+def _node_0_back(sim: SimulatedCluster, how: str) -> None:
+    if how == "stop":
+        for p in sim.nodes[0].procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGCONT)
+    elif how == "cut":
+        sim.nodes[0].set_link(True)
 
 
 @pytest.mark.timeout(300)
@@ -37,18 +56,10 @@ def test_node_0_lost_costs_only_its_replica_when_each_replica_runs_on_one_node(h
         for k in range(3):
             procs[k].expect(r"^STEPPING:", 180)
         t_lost = time.monotonic()
-        if how == "cut":
-            sim.nodes[0].set_link(False)
-        else:
-            sim.nodes[0].kill(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        _lose_node_0(sim, how)
         served = {k: procs[k].result("RESULT", 60) for k in (1, 2)}
         codes = {k: procs[k].wait(60) for k in (1, 2)}
-        if how == "stop":
-            for p in sim.nodes[0].procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGCONT)
-        elif how == "cut":
-            sim.nodes[0].set_link(True)
+        _node_0_back(sim, how)
         r0 = procs[0].result("RESULT", 60) if how != "kill" else None
         codes[0] = procs[0].wait(60)
         texts = {k: p.text() for k, p in procs.items()}
@@ -151,3 +162,101 @@ def test_node_0_and_another_node_lost_together_both_rejoin_while_the_third_serve
     assert served["states"] == {"0": ["serving", 1], "1": ["serving", 0], "2": ["serving", 1]}, why
     assert [(j, st, e) for j, st, e, _t in served["seen"] if j == 0] == [(0, "lost", 0), (0, "serving", 1)], why
     assert codes == {0: 0, 1: 0, 2: 0}, codes
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["kill", "stop", "cut"])
+def test_with_the_watch_node_0_lost_costs_only_its_replica_when_replicas_span_nodes(how: str) -> None:
+    """DP=2 x TP=2 on four nodes, the watch on: node 0 SIGKILLed, SIGSTOPped past the link bound, or cut off.
+    Replica 1 (nodes 2 and 3) hears replica 0 lost, naming node 0, within the bound, takes 20 more correct steps
+    with no failed call, and ends cleanly: node 2 exits 0, and node 3 with it on node 2's goodbye (its watcher's:
+    nobody else is left to say it). Node 1, replica 0's follower, leaves non-zero: its leader is lost."""
+    with SimulatedCluster(4) as sim:
+        procs = start(Nodes(sim, **DETECT), 4, 2, 2, ENTRY, **WATCH)
+        for k in (0, 2):
+            procs[k].expect(r"^STEPPING:", 180)
+        t_lost = time.monotonic()
+        _lose_node_0(sim, how)
+        served = procs[2].result("RESULT", 60)
+        codes = {k: procs[k].wait(60) for k in (1, 2, 3)}
+        _node_0_back(sim, how)
+        codes[0] = procs[0].wait(60)
+        texts = {k: p.text() for k, p in procs.items()}
+        assert_nothing_left(sim, procs.values())
+    why = f"{served}\n{texts[2][-4000:]}\n--- node 3\n{texts[3][-3000:]}"
+    assert served["outcome"] == "served" and served["after"] == served["equal"] == 20, why  # no call failed
+    assert [(j, state) for j, state, *_ in served["seen"]] == [(0, "lost")] and "node 0" in served["seen"][0][2], why
+    assert served["states"]["0"][0] == "lost" and served["states"]["1"][0] == "serving", why
+    heard = served["seen"][0][3] - t_lost
+    assert heard < HB_TIMEOUT + SLACK, f"node 2 heard of replica 0's loss after {heard:.2f}s"
+    assert "node 2: node 0 was lost (" in texts[2] and "this node's replica(s) [1] serve on" in texts[2], why
+    assert "node 3: node 2 stopped its replica (node 0 lost" in texts[3], why
+    for k in (2, 3):
+        assert "leader lost" not in texts[k] and "Traceback" not in texts[k], texts[k][-4000:]
+    assert codes[2] == codes[3] == 0 and codes[1] != 0, (codes, texts[1][-3000:])
+    print(f"\nthe watch, node 0 {how}: node 2 knew replica 0 lost after {heard:.2f}s and served on; codes {codes}")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("second", [3, 2], ids=["then-its-follower", "then-its-leader"])
+def test_with_the_watch_a_node_of_replica_1_lost_after_node_0_is_decided_by_its_watch(second: int) -> None:
+    """DP=2 x TP=2 on four nodes, the watch on, node 0 SIGKILLed; once replica 1 serves on without it, one of its
+    nodes is SIGKILLed too. Nobody is left to decide that loss but replica 1's own nodes: node 3 killed, node 2
+    (its watcher) fails its call with ReplicaLost naming node 3 within the link's bound; node 2 killed, node 3
+    finds its watcher lost. Both leave non-zero, nothing is left behind."""
+    entry = "tests.support.multinode_entry:steps_until_this_replica_fails"
+    with SimulatedCluster(4) as sim:
+        procs = start(Nodes(sim, **DETECT), 4, 2, 2, entry, **WATCH)
+        for k in (0, 2):
+            procs[k].expect(r"^STEPPING:", 180)
+        sim.nodes[0].kill()
+        for k in (2, 3):
+            procs[k].expect(rf"node {k}: node 0 was lost \(", 60)
+        t_lost = time.monotonic()
+        sim.nodes[second].kill()
+        r = procs[2].result("RESULT", 60) if second == 3 else None
+        survivor = 5 - second
+        code = procs[survivor].wait(60)
+        text = procs[survivor].text()
+        assert_nothing_left(sim, procs.values())
+    assert code != 0 and "Traceback" not in text, (code, text[-4000:])
+    if r is not None:
+        took = r["t_fail"] - t_lost
+        assert r["outcome"] == "failed" and r["kind"] == "ReplicaLost" and r["lost_dp"] == 1, (r, text[-4000:])
+        assert r["lost_node"] == 3 and "node 2's watch decided" in r["error"], r
+        assert took < HB_TIMEOUT + SLACK, f"node 3 lost after node 0: node 2's call failed after {took:.2f}s"
+        print(f"\nnode 0 lost, then node 3: node 2's call failed with ReplicaLost after {took:.2f}s")
+    else:
+        assert "node 3: its watcher, node 2, is lost" in text, text[-4000:]
+        print("\nnode 0 lost, then node 2: node 3 found its watcher lost and left")
+
+
+@pytest.mark.timeout(300)
+def test_with_the_watch_node_0_started_again_refuses_to_resume_when_its_own_replica_left_with_it() -> None:
+    """DP=2 x TP=2 on four nodes, the watch on, node 0 SIGKILLed: replica 1 serves on, node 1 (replica 0's other
+    node) leaves with node 0. Node 0 started again alone hears replica 1's nodes beat `alone`, and cannot resume
+    (node 1 is gone): it says so in one line and exits non-zero, and replica 1 serves on through it; stopped with
+    SIGTERM, node 2 ends replica 1, and node 3 leaves with it (its watcher's goodbye)."""
+    entry = "tests.support.multinode_entry:steps_until_this_replica_fails"
+    with SimulatedCluster(4) as sim:
+        nodes = Nodes(sim, **DETECT)
+        procs = start(nodes, 4, 2, 2, entry, **WATCH)
+        for k in (0, 2):
+            procs[k].expect(r"^STEPPING:", 180)
+        sim.nodes[0].kill()
+        procs[2].expect(r"node 2: node 0 was lost \(", 60)
+        assert procs[1].wait(60) != 0
+        again = start_node(nodes, 0, 4, 2, 2, entry, **WATCH)
+        code = again.wait(180)
+        assert procs[2].p.poll() is None and procs[3].p.poll() is None, procs[2].text()[-3000:]  # (served on)
+        sim.nodes[2].kill(signal.SIGTERM)
+        r = procs[2].result("RESULT", 60)
+        codes = {k: procs[k].wait(60) for k in (2, 3)}
+        texts = {0: again.text(), 2: procs[2].text(), 3: procs[3].text()}
+        assert_nothing_left(sim, [*procs.values(), again])
+    assert (
+        code != 0 and "a node 0 started again resumes a cluster only where every other node served on" in (texts[0])
+    ), texts[0][-4000:]
+    assert r["steps"] > 0 and r["outcome"] in ("served", "failed"), r
+    assert "Traceback" not in texts[2] + texts[3], (texts[2][-3000:], texts[3][-3000:])
+    print(f"\nnode 0 started again, not resumable: exit {code}; replica 1 stopped by SIGTERM: codes {codes}")

@@ -177,7 +177,7 @@ def _until_lost(ex, pending) -> int:
 def steps_while_a_replica_is_lost(ex) -> int:
     """Toy steps until this replica fails or another one is reported lost (the test takes a node of replica 1
     away); a survivor then takes 20 more steps and says what it saw."""
-    from rayfree import ExecutorFailed, ReplicaLost
+    from rayfree import ExecutorFailed
 
     seen: list = []
     ex.register_replica_callback(lambda k, st: seen.append([k, st.state, st.why, time.monotonic()]))
@@ -198,16 +198,43 @@ def steps_while_a_replica_is_lost(ex) -> int:
             t_seen=t_seen, states=states)  # fmt: skip
         return 0
     except ExecutorFailed as e:
-        t_fail = time.monotonic()
-        try:
-            ex.collective_rpc("check_health", timeout=10)
-            later = "a later call succeeded"
-        except ExecutorFailed as e2:
-            later = type(e2).__name__
-        say("RESULT", replica=ex.dp_rank, outcome="failed", steps=steps, t_fail=t_fail, kind=type(e).__name__,
-            replica_lost=isinstance(e, ReplicaLost), error=str(e), lost_dp=getattr(e, "dp_rank", None),
-            lost_node=getattr(e, "node_rank", None), lost_ranks=getattr(e, "ranks", None), later=later)  # fmt: skip
-        return 1
+        return _failed(ex, e, steps)
+
+
+def _failed(ex, e, steps: int) -> int:
+    """Say how this replica's call failed (`e`), and what a later call gets."""
+    from rayfree import ExecutorFailed, ReplicaLost
+
+    t_fail = time.monotonic()
+    try:
+        ex.collective_rpc("check_health", timeout=10)
+        later = "a later call succeeded"
+    except ExecutorFailed as e2:
+        later = type(e2).__name__
+    say("RESULT", replica=ex.dp_rank, outcome="failed", steps=steps, t_fail=t_fail, kind=type(e).__name__,
+        replica_lost=isinstance(e, ReplicaLost), error=str(e), lost_dp=getattr(e, "dp_rank", None),
+        lost_node=getattr(e, "node_rank", None), lost_ranks=getattr(e, "ranks", None), later=later)  # fmt: skip
+    return 1
+
+
+def steps_until_this_replica_fails(ex) -> int:
+    """Checked toy steps until this replica's call fails (bounded: 180 s), then says how (as
+    steps_while_a_replica_is_lost)."""
+    from rayfree import ExecutorFailed
+
+    say("STEPPING", replica=ex.dp_rank, t=time.monotonic())
+    steps, until = 0, time.monotonic() + 180
+    try:
+        while time.monotonic() < until:
+            batch = make_batch(steps, replica=ex.dp_rank)
+            if not torch_equal(ex.execute_model(batch), reference_forward(batch["x"])):
+                say("RESULT", replica=ex.dp_rank, outcome="wrong", steps=steps)
+                return 1
+            steps += 1
+    except ExecutorFailed as e:
+        return _failed(ex, e, steps)
+    say("RESULT", replica=ex.dp_rank, outcome="served", steps=steps)
+    return 0
 
 
 def steps_through_rejoins(ex) -> int:

@@ -65,6 +65,8 @@ class ControlSocket:
         self._again = zmq_errors(f"a control message at {endpoint}", again=True)
         self._quiet = zmq_errors("", ignore=True)
         self._waker = Waker()
+        #: other sockets of the same thread whose connection events end this one's `receive` too (`follow`)
+        self._followed: list[ControlSocket] = []
 
     @classmethod
     def listen(cls, endpoint: str, pings: bool = True) -> ControlSocket:
@@ -84,13 +86,15 @@ class ControlSocket:
         sock = make_dealer(endpoint, maxmsgsize=maxmsgsize, link_timeout_s=link_timeout_s, routing_id=routing_id)
         return cls(sock, endpoint)
 
-    def discard(self) -> None:
-        """Read and drop what arrived (a side that only keeps a link up: nothing piles up in its queue)."""
+    def pending(self) -> list[list[bytes]]:
+        """What arrived, read without waiting (a link whose owner waits on another socket: `follow`)."""
+        got: list[list[bytes]] = []
         while True:
             with self._quiet:
-                self._sock.recv_multipart(zmq.NOBLOCK)
+                got.append(self._sock.recv_multipart(zmq.NOBLOCK))
                 continue
             break
+        return got
 
     def watch(self) -> None:
         """Start noting dropped connections (from the thread that will use the socket)."""
@@ -102,6 +106,21 @@ class ControlSocket:
             self._poller.register(self._sock, zmq.POLLIN)
             self._poller.register(self._monitor, zmq.POLLIN)
             self._poller.register(self._waker.fd, zmq.POLLIN)
+
+    def follow(self, other: ControlSocket) -> None:
+        """Note `other`'s dropped and made connections in this socket's `receive` too (a thread that owns a second
+        link waits on both at once); `unfollow` before closing `other`."""
+        other.watch()
+        if self._poller is None:
+            self.watch()
+        assert self._poller is not None and other._monitor is not None
+        self._poller.register(other._monitor, zmq.POLLIN)
+        self._followed.append(other)
+
+    def unfollow(self, other: ControlSocket) -> None:
+        if other in self._followed and self._poller is not None and other._monitor is not None:
+            self._poller.unregister(other._monitor)
+        self._followed = [o for o in self._followed if o is not other]
 
     def wake(self) -> None:
         """End the owner's `receive` now (any thread; a no-op once the socket is closed)."""
@@ -141,13 +160,9 @@ class ControlSocket:
             events = dict(self._poller.poll(wait_ms))
         if self._waker.fd in events:
             self._waker.drain()
-        if self._monitor in events:
-            while True:
-                with self._again:
-                    event = self._monitor.recv_multipart(zmq.NOBLOCK)  # [event id + value, endpoint]
-                    self._on_event(*_event(event[0]))
-                    continue
-                break
+        for s in (self, *self._followed):
+            if s._monitor in events:
+                s._take_events()
         if self._sock in events:
             while True:
                 with self._again:
@@ -155,6 +170,15 @@ class ControlSocket:
                     continue
                 break
         return got
+
+    def _take_events(self) -> None:
+        assert self._monitor is not None
+        while True:
+            with self._again:
+                event = self._monitor.recv_multipart(zmq.NOBLOCK)  # [event id + value, endpoint]
+                self._on_event(*_event(event[0]))
+                continue
+            break
 
     def _on_event(self, kind: int, value: int) -> None:
         if kind == zmq.EVENT_DISCONNECTED:
