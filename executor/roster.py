@@ -119,18 +119,13 @@ class Roster:
 
     def counts(self, k: int) -> tuple[int, int]:
         """(losses, rejoins) of replica k, as this node heard them."""
-        r = self._r.get(k)
-        return (r.losses, r.rejoins) if r is not None else (0, 0)
+        return (r.losses, r.rejoins) if (r := self._r.get(k)) is not None else (0, 0)
 
     def state(self, k: int) -> ReplicaState:
         r = self._r[k]
-        why = ""
-        if r.phase == "draining":
-            why = "drained by the operator"
-        elif r.cause is not None and r.phase in ("lost", "drained", "rejoining"):
+        why = {"draining": "drained by the operator", "starting": "a scale-out waits for its nodes"}.get(r.phase, "")
+        if r.cause is not None and r.phase in ("lost", "drained", "rejoining"):
             why = r.cause.summary
-        elif r.phase == "starting":
-            why = "a scale-out waits for its nodes"
         return ReplicaState(r.phase, r.epoch, why)
 
     def states(self) -> dict[int, ReplicaState]:
@@ -150,7 +145,10 @@ class Roster:
         if r is None:
             return [Decision("say", k, text=f"DP replica {k}: {ev.cause.summary} (not a replica of this cluster)")]
         if r.phase in ("lost", "drained", "rejoining"):
-            return [Decision("say", k, text=f"DP replica {k}: {ev.cause.summary} (lost already)")]
+            node = ev.cause.node_rank  # (a node admitted to a rejoin, lost: the rejoin is given up)
+            given_up = self.leader and r.phase == "rejoining" and node in r.admitted and len(r.admitted) > 1
+            return [Decision("say", k, text=f"DP replica {k}: {ev.cause.summary} (lost already)")] + (
+                self._given_up(k, r, node) if given_up else [])  # fmt: skip
         cause = ev.cause
         drained = isinstance(cause, ReplicaDrained) or r.phase == "draining"
         if drained and not isinstance(cause, ReplicaDrained):
@@ -198,13 +196,7 @@ class Roster:
             r = self._r.setdefault(k, _Replica("starting"))
             fresh = r.phase == "starting" and not r.admitted
             if r.phase != "rejoining" and not fresh or node in r.admitted:  # (a replacement that failed: anew)
-                stale = tuple(sorted(r.admitted - {node}))
-                if stale:
-                    why = (f"its rejoin in epoch {r.epoch} is given up (node {node}'s replacement failed) and starts "
-                           f"again in epoch {r.epoch + 1}: start this node again")  # fmt: skip
-                    out.append(Decision("tell_down", k, nodes=stale, text=why, cause=ReplicaLost(k, node, [], why)))
-                r.epoch += 1
-                r.admitted = set()
+                out += self._given_up(k, r, node)
                 if r.phase != "starting":
                     r.phase = "rejoining"
             r.admitted.add(node)
@@ -213,6 +205,18 @@ class Roster:
                    f"DP replica {k} rejoins in epoch {r.epoch}"  # fmt: skip
             out.append(Decision("say", k, epoch=1, text=text))
         out.append(Decision("admit", max(replicas), epoch=max(self._r[k].epoch for k in replicas)))
+        return out
+
+    def _given_up(self, k: int, r: _Replica, node: int) -> list[Decision]:
+        """Node 0: node `node` of replica `k`'s rejoin failed (lost before the replica serves, or started again): the
+        rejoin starts again in the next epoch; its other admitted nodes, waiting for what cannot come, are told."""
+        stale, out = tuple(sorted(r.admitted - {node})), []
+        if stale:
+            why = (f"its rejoin in epoch {r.epoch} is given up (node {node}'s replacement failed) and starts again in "
+                   f"epoch {r.epoch + 1}: start this node again")  # fmt: skip
+            out.append(Decision("tell_down", k, nodes=stale, text=why, cause=ReplicaLost(k, node, [], why)))
+        r.epoch += 1
+        r.admitted = set()
         return out
 
     def _refuse(self, pid: int, kind: str, why: str) -> list[Decision]:

@@ -268,6 +268,26 @@ def test_a_replacement_that_failed_is_replaced_again_in_a_new_epoch_and_its_part
     assert again[-1] == R.Decision("admit", 1, epoch=2)
 
 
+def test_a_node_admitted_to_a_rejoin_and_lost_before_it_serves_gives_the_rejoin_up_and_its_partners_are_told() -> None:
+    """Node 3's replacement lost while replica 1 rejoins (before every node of it reported ready): node 2, admitted
+    with it, is told at once (it waits for a world, or a goodbye, that cannot come), the rejoin's epoch is spent, and
+    the next replacements are admitted in the epoch after it with nobody told again."""
+    r = R.Roster(ParallelConfig(data_parallel_size=2, nnodes=4, node_rank=0, replica_coupling="independent"))
+    r.handle(R.Lost(1, ReplicaLost(1, 3, [3], "killed")))
+    r.handle(R.Admit(2, 10, "s", "s"))
+    r.handle(R.Admit(3, 11, "s", "s"))
+    out = r.handle(R.Lost(1, ReplicaLost(1, 3, [3], "killed again")))
+    assert kinds(out) == ["say", "tell_down"] and out[1].nodes == (2,), out
+    assert "rejoin in epoch 1 is given up (node 3's replacement failed) and starts again in epoch 2" in out[1].text
+    assert r.phase(1) == "rejoining" and r.epochs()[1] == 2
+    assert r.handle(R.Admit(3, 12, "s", "s"))[-1] == R.Decision("admit", 1, epoch=2)
+    again = r.handle(R.Admit(2, 13, "s", "s"))
+    assert "tell_down" not in kinds(again) and again[-1] == R.Decision("admit", 1, epoch=2), again
+    assert R.Decision("tell_up", 1, epoch=2) in r.handle(R.Ready(frozenset(range(4))))
+    # (once it serves, a loss is a loss again: every node told)
+    assert kinds(r.handle(R.Lost(1, ReplicaLost(1, 3, [3], "after")))) == ["say", "tell_down", "announce"]
+
+
 def test_node_0_started_again_resumes_from_a_followers_epochs_its_own_replicas_one_past_them() -> None:
     """Node 0 (replicas 0 and 1 of 6 on 3 nodes) started again while node 1 served without it: every replica
     takes the epoch node 1 knew, node 0's own the one past it (counted as a rejoin); nothing else changes."""
