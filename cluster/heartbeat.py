@@ -116,6 +116,8 @@ class HeartbeatServer(Returns, Beater):
         #: no follower falls silent before this (the earliest deadline at the last look: a beat only puts one
         #: later); 0: look now. A look per deadline, not per message: a large cluster beats hundreds a second
         self._look_at = self._probed_at = 0.0
+        #: followers' failed goodbyes held while another connection's drop is judged (its loss may be their cause)
+        self._held_byes: list[tuple[float, FollowerPeer, str]] = []
         # (in the caller's thread: a busy port fails the start-up; with watchers, each follower paces its own link)
         self._sock = ControlSocket.listen(self.endpoint, pings=not settings.get("RAYFREE_WATCH_FANOUT"))
 
@@ -236,6 +238,11 @@ class HeartbeatServer(Returns, Beater):
         if isinstance(msg, Bye):
             peer.gone, peer.bye_from = True, identity
             logger.warning("follower node %d (%s) stopped: %s", peer.node_rank, peer.ip, msg.reason)
+            now, dropped = time.monotonic(), self.suspect_at
+            if not msg.clean and self.armed_at is not None and dropped is not None and now - dropped < 2 * RECONNECT_S:
+                self._held_byes.append((dropped + 2 * RECONNECT_S, peer, f"it stopped ({msg.reason})"))
+                self._look_at = 0.0  # (a node whose drop caused this failure is found and decided first: _check)
+                return
             self.on_lost(peer.node_rank, peer.ranks, peer.ip, f"it stopped ({msg.reason})")
             return
         if peer.last_seen is None and not peer.epoch and self.hold is not None and self._held(peer, msg):
@@ -345,7 +352,10 @@ class HeartbeatServer(Returns, Beater):
                 peer.lost_why = why
                 logger.error("follower node %d (%s, ranks %s) lost: %s", peer.node_rank, peer.ip, peer.ranks, why)
                 self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
-        self._look_at = look_at
+        for _due, peer, why in [h for h in self._held_byes if h[0] <= now]:
+            self.on_lost(peer.node_rank, peer.ranks, peer.ip, why)
+        self._held_byes = [h for h in self._held_byes if h[0] > now]
+        self._look_at = min([look_at, *(h[0] for h in self._held_byes)])
 
     def _push_verdict(self, sock: ControlSocket) -> None:
         """Every VERDICT_S, each follower's readiness; sent to it when it changed."""

@@ -456,3 +456,30 @@ def test_a_heartbeat_thread_that_crashes_is_a_failure_its_domain_hears_of() -> N
     [f] = heard
     assert f.severity is Severity.FATAL and f.source == "thread RayfreeHeartbeatServer", f
     assert isinstance(f.cause, ThreadCrashed) and "the welcome could not be built" in str(f.cause), f.cause
+
+
+@pytest.mark.timeout(60)
+def test_a_followers_failed_goodbye_waits_for_a_dropped_peer_whose_loss_may_be_its_cause() -> None:
+    """Two followers of one replica; node 1's process is killed (its connection drops), and node 2's worker, whose
+    collective with it broke, fails its node, which says goodbye (failed) before node 0 has judged node 1. Node 0
+    decides node 1 first (the cause) and node 2's goodbye after it. Before, the goodbye counted at once, and the
+    replica was lost for node 2's broken collective instead of node 1's death (a CI run met it)."""
+    port = get_open_port("127.0.0.1")
+    lost: list[int] = []
+    server = HeartbeatServer("127.0.0.1", port, {1: [1], 2: [2]}, 0.05, 5.0, lambda n, r, ip, why: lost.append(n))
+    socks = {k: make_dealer(f"tcp://127.0.0.1:{port}") for k in (1, 2)}
+    try:
+        server.start()
+        for k, sock in socks.items():
+            sock.send(_encode(Beat(k, [k], "127.0.0.1", os.getpid(), 1)))
+            assert sock.poll(20_000), f"node 0 never answered node {k}'s beat"
+        server.arm()
+        socks.pop(1).close(linger=0)  # (killed: its connection drops at once)
+        wait_until(lambda: server.suspect_at is not None, 10, "node 0 to see a connection drop")
+        socks[2].send(_encode(Bye(2, False, "worker rank 2 raised RuntimeError: Connection closed by peer")))
+        wait_until(lambda: len(lost) == 2, 10, "both followers counted lost")
+        assert lost == [1, 2], lost
+    finally:
+        for sock in socks.values():
+            sock.close(linger=0)
+        server.close(timeout=10)
