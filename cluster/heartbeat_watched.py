@@ -75,19 +75,19 @@ class Watched:
             self._watch_link.close()
             self._watch_link = None
 
-    def _watch_link_lost(self, now: float) -> bool:
+    def _watch_link_lost(self, now: float) -> None:
         """Node 0 lost and this node serving on: is its watcher lost too (its link dropped and stayed down past the
         reconnect window)? Then its replica is, and the layer above hears it, once."""
         link = self._watch_link
         if link is None:
-            return False
+            return
         if link.take_connected():
             self._watch_down_at = None
         if link.take_dropped() and self._watch_down_at is None:
             self._watch_down_at = now
         down = self._watch_down_at
         if not self.alone or down is None or now - down < RECONNECT_S or self.on_watch_lost is None:
-            return False
+            return
         self._watch_down_at = None
         why = (
             f"its link to it dropped and did not come back within {RECONNECT_S}s, with node 0 lost (its process died "
@@ -95,4 +95,3 @@ class Watched:
         )
         logger.error("node %d: its watcher, node %d, is lost: %s", self.node_rank, self.watcher, why)
         self.on_watch_lost(self.watcher, why)
-        return True

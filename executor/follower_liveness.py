@@ -117,9 +117,9 @@ class FollowerLiveness(NodeLiveness):
     def _watched_lost(self, node: int, why: str) -> None:
         """The watch's or the heartbeat thread, node 0 lost: a node of this node's replica (a child it watches, or
         its own watcher) is lost, and nobody else will say so: its replica is lost, decided here."""
+        why = f"{why}; node 0 is lost, so node {self.node}'s watch decided"
         for k in self.par.replicas_of_node(node):
-            why_k = f"{why}; node 0 is lost, so node {self.node}'s watch decided"
-            self.policy.report("the watch", ReplicaLost(k, node, self.par.node_ranks(node), why_k))
+            self.policy.report("the watch", ReplicaLost(k, node, self.par.node_ranks(node), why))
 
     def _node_0_back(self, msg: Resumed) -> None:
         """The heartbeat thread: a node 0 started again took this node back. Node 0's replicas serve again in the
