@@ -15,9 +15,10 @@ replica 0's leader; with TP=1 every replica runs on one node, and the others nee
   latency in the 5 s before the kill and in the 5 s after it (the floor is the same replica before the loss),
   and, from sequence numbers, its calls answered wrong, lost by a rank, or run twice by one (none expected);
 - the cluster's cold start (every node started until every leader calls), which is what a cluster in one
-  world pays again after a loss; independent, the lost replica's nodes (node 0 with `--lose node-0`) are then
-  started again with the same command, and the time until the rejoined replica's leader calls is put beside that
-  cold start (the others call on meanwhile: their failed calls count the whole run).
+  world pays again after a loss; independent, the lost replica's nodes (node 0 and the nodes of its replica,
+  which leave with it, with `--lose node-0`) are then started again with the same command, and the time until
+  the rejoined replica's leader calls is put beside that cold start (the others call on meanwhile: their failed
+  calls count the whole run).
 
     python bench/failover.py [--dp 3] [--tp 2] [--couplings independent,one-world] [--seconds 8] [--pace 0]
                              [--lose follower|node-0] [--watch 0]
@@ -144,10 +145,12 @@ def run(
                 launch(k)
             rejoin = nodes.stepping([again[0]], t_again)
             time.sleep(1.0)
-        elif coupling == "independent" and lost == 0 and tp == 1:  # node 0 started again resumes the cluster
-            nodes.popen[0].wait(60)
+        elif coupling == "independent" and lost == 0 and (tp == 1 or watch > 0):  # node 0 again resumes the cluster
+            for k in range(tp):  # (replica 0's other nodes leave with node 0, and are started again with it)
+                nodes.popen[k].wait(60)
             t_again = time.monotonic()
-            launch(0)
+            for k in reversed(range(tp)):
+                launch(k)
             rejoin = nodes.stepping([0], t_again)
             time.sleep(1.0)
         with open(stop, "w"):

@@ -24,7 +24,9 @@ COUPLINGS = ("independent", "coupled", "one-world", "auto")
 
 
 class ConfigError(ValueError):
-    """A configuration value is wrong; the message names the field and the fix."""
+    """A configuration value is wrong; the message names the field and the fix (no traceback need go with it)."""
+
+    says_all = True
 
 
 class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -159,14 +161,8 @@ class ParallelConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def validate(self, check_local_master: bool = False) -> ParallelConfig:
         """Raise ConfigError on the first inconsistency; return self."""
         _check_types(self)
-        for name in (
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "prefill_context_parallel_size",
-            "data_parallel_size",
-            "decode_context_parallel_size",
-            "nnodes",
-        ):
+        sizes = ("tensor", "pipeline", "prefill_context", "data", "decode_context")
+        for name in (*(f"{k}_parallel_size" for k in sizes), "nnodes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name}={v!r}: must be a whole number >= 1")

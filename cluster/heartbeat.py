@@ -146,7 +146,7 @@ class HeartbeatServer(Returns, Beater):
                     self._find_dropped(sock, self.suspect_at)  # (ZeroMQ drops the peer's pipe a little later)
                 seq = self._judge(sock, me, seq)
                 if self.armed_at is None and time.monotonic() >= next_log:
-                    log_waiting(self.peers, time.monotonic() - started, self.join_timeout)
+                    log_waiting(self.peers, time.monotonic() - started, self.join_timeout, self._alone_heard)
                     next_log = time.monotonic() + JOIN_LOG_S
                 self._push_verdict(sock)
                 self._send_told(sock)

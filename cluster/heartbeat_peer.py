@@ -69,9 +69,12 @@ def process_of(beat: Beat) -> tuple[int, int]:
     return beat.pid, beat.incarnation
 
 
-def log_waiting(peers: dict[int, FollowerPeer], waited: float, join_timeout: float | None) -> None:
-    """Node 0, while followers are missing at start-up: which, for how long, out of how long."""
-    missing = [p for p in peers.values() if p.last_seen is None and not p.gone]
+def log_waiting(
+    peers: dict[int, FollowerPeer], waited: float, join_timeout: float | None, serving: set[int] = frozenset()
+) -> None:
+    """Node 0, while followers are missing at start-up: which, for how long, out of how long (not those `serving`
+    without an earlier node 0: they are taken back once this one serves)."""
+    missing = [p for p in peers.values() if p.last_seen is None and not p.gone and p.node_rank not in serving]
     total = len(peers) + 1
     bound = f" of {join_timeout:.0f}s (join_timeout_s)" if join_timeout else ""
     for p in missing:

@@ -52,6 +52,9 @@ log = logging.getLogger("rayfree.cluster.join")
 class JoinError(GroupError):
     """Ranks did not all join the world in time, or they disagree on its shape; the message says which."""
 
+    #: its message is the whole story (which ranks, where, what to check): reported with no worker traceback
+    says_all = True
+
 
 class ForeignEntry(JoinError):
     """The store holds what no rayfree rank wrote, or lost what one did: something else reached it."""

@@ -23,7 +23,7 @@ from .node_liveness import FINISH_POLL_S, NodeLiveness
 from .roster import Back, DrainHeard, Regrouped, Welcomed
 from .status_messages import encode, node_status
 
-__all__ = ["FollowerLiveness", "outlives_node_0", "followers_outlive_node_0"]
+__all__ = ["FollowerLiveness", "outlives_node_0", "node_0_resumes"]
 
 logger = logging.getLogger("rayfree.executor")
 
@@ -42,12 +42,13 @@ def outlives_node_0(par: ParallelConfig, fanout: int | None = None) -> bool:
     return fanout > 0 and all(0 not in par.nodes_of_replica(k) for k in par.node_replicas)
 
 
-def followers_outlive_node_0(par: ParallelConfig) -> bool:
-    """Does every node but node 0 serve on when node 0 is lost (`outlives_node_0`)? Then a node 0 started again
-    resumes the cluster from them (liveness.py)."""
-    return par.nnodes > 1 and all(
-        outlives_node_0(msgspec.structs.replace(par, node_rank=k)) for k in range(1, par.nnodes)
-    )
+def node_0_resumes(par: ParallelConfig, fanout: int | None = None) -> bool:
+    """Does a node 0 started again resume the cluster (liveness.py)? Where every other node serves on when node 0
+    is lost (`outlives_node_0`), but those of node 0's own replica: they leave with it, and are started again with it,
+    their replica rejoining with node 0's in the epoch past the others'."""
+    own = set(par.nodes_of_replica(0))
+    others = [k for k in range(1, par.nnodes) if k not in own]
+    return bool(others) and all(outlives_node_0(msgspec.structs.replace(par, node_rank=k), fanout) for k in others)
 
 
 class FollowerLiveness(NodeLiveness):

@@ -17,7 +17,7 @@ from rayfree.transport.net import bind_address
 
 from . import drain
 from .errors import NodeLost
-from .follower_liveness import FollowerLiveness, followers_outlive_node_0
+from .follower_liveness import FollowerLiveness, node_0_resumes
 from .health import followers_verdict, verdicts
 from .node_liveness import FINISH_POLL_S, NodeLiveness
 from .rejoin import Rejoins
@@ -51,7 +51,8 @@ class LeaderLiveness(NodeLiveness):
         par, cfg = self.par, self.config
         #: the followers serve on without node 0 (follower_liveness.py), so a node 0 started again resumes them
         #: (its replicas started together, NodeReplicas: `welcome_epochs` decides before any worker starts)
-        self.resumable = owner is None and followers_outlive_node_0(par)
+        self.resumable = owner is None and node_0_resumes(par)
+        self._own_nodes = set(par.nodes_of_replica(0)) - {0}
         #: followers heard serving without node 0 while this node starts (node -> its beat); the follower whose
         #: epochs this node 0 resumed the cluster from (None: it started the cluster), and those it took back
         self._alone: dict[int, Beat] = {}
@@ -98,8 +99,9 @@ class LeaderLiveness(NodeLiveness):
 
     def _served_without_me(self, node: int, beat: Beat) -> None:
         """The heartbeat thread, while this node 0 starts: a node that lost node 0's earlier process serves its
-        replicas without it (follower_liveness.py). Where every follower can, this node 0 resumes the cluster
-        from it (`welcome_epochs`); elsewhere the cluster this node 0 was started for cannot form."""
+        replicas without it (follower_liveness.py). Where every node outside node 0's own replica can, this node 0
+        resumes the cluster from it (`welcome_epochs`); elsewhere the cluster this node 0 was started for cannot
+        form."""
         if self.resumable and self.resumed_from is None and not self._fresh:
             self._alone.setdefault(node, beat)
             self._heard_alone.set()
@@ -108,9 +110,11 @@ class LeaderLiveness(NodeLiveness):
             return  # (resumed: taken back once this node 0 serves)
         self.fail_all(ConfigError(
             f"node {node} serves DP replica(s) {self.par.replicas_of_node(node)} without node 0 since it lost node "
-            f"0's earlier process ({beat.alone}): a node 0 started again resumes a cluster only where every other node "
-            f"served on without it (here node 0's own replica runs on other nodes too, which left with it); stop "
-            f"every node, then start the cluster again"
+            f"0's earlier process ({beat.alone}), but this node 0 cannot resume that cluster: it resumes one only "
+            f"where every node outside its own replica serves on without it, as its own settings say (independent "
+            f"replicas each on one node, or RAYFREE_WATCH_FANOUT as the others were started with), started by "
+            f"`rayfree node` or NodeReplicas; start node 0 with the cluster's own command, or stop every node and "
+            f"start it again"
         ))  # fmt: skip
 
     def welcome_epochs(self, timeout: float) -> dict[int, int]:
@@ -147,11 +151,14 @@ class LeaderLiveness(NodeLiveness):
         """The heartbeat thread, at a follower's first beat (as a node that starts, not `alone`): held until this
         node 0 knows whether it starts the cluster (then welcomed at its next beat) or resumes one: then it is a
         node started beside node 0 after its earlier process was lost too, counted lost and admitted as its
-        replacement at its next beat (its replica rejoins in the next epoch, as any lost replica's nodes)."""
+        replacement at its next beat (its replica rejoins in the next epoch, as any lost replica's nodes), unless
+        it runs node 0's own replica, which left with node 0: started again with it, it rejoins with it."""
         if self._fresh:
             return False
         if self.resumed_from is None:
             return True
+        if node in self._own_nodes:
+            return False
         return ("it was started again while node 0 was away (the others served without node 0): its earlier "
                 "process is lost, and node 0 admits it as its replacement")  # fmt: skip
 

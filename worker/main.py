@@ -281,7 +281,8 @@ def worker_main(**kwargs: Any) -> None:
             err = RemoteError.of(rank, e)
             # A start-up failure delivered to the parent is reported there, once for the node (not once per
             # worker); only one that could not be delivered is logged here.
-            told = not ready and _send(status, StartupFailed(rank, err.error_type, err.message, err.traceback))
+            shown = "" if getattr(e, "says_all", False) else err.traceback  # (a join's timeout is not a bug)
+            told = not ready and _send(status, StartupFailed(rank, err.error_type, err.message, shown))
             (logger.debug if told else logger.error)(
                 "worker rank %d %s: %s: %s\n%s",
                 rank,

@@ -11,6 +11,7 @@ off from the network: either way each side serves what it has, and nobody admits
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -19,7 +20,7 @@ import pytest
 from rayfree.cluster.simulate import SimulatedCluster
 from tests.cluster.test_dp import start, start_node
 from tests.cluster.test_multinode import DETECT, HB_TIMEOUT, SLACK, assert_nothing_left, needs_root
-from tests.support.nodes import Nodes
+from tests.support.nodes import NodeProc, Nodes
 
 pytestmark = needs_root
 
@@ -42,6 +43,18 @@ def _node_0_back(sim: SimulatedCluster, how: str) -> None:
                 os.killpg(p.pid, signal.SIGCONT)
     elif how == "cut":
         sim.nodes[0].set_link(True)
+
+
+def _watched_node_0_killed(sim: SimulatedCluster, entry: str) -> tuple[Nodes, dict[int, NodeProc], int]:
+    """DP=2 x TP=2 on four nodes, the watch on, both leaders stepping; node 0 SIGKILLed once they do, until replica
+    1's leader says it serves on and node 1 (replica 0's other node) has left: its exit code."""
+    nodes = Nodes(sim, **DETECT)
+    procs = start(nodes, 4, 2, 2, entry, **WATCH)
+    for k in (0, 2):
+        procs[k].expect(r"^STEPPING:", 180)
+    sim.nodes[0].kill()
+    procs[2].expect(r"node 2: node 0 was lost \(", 60)
+    return nodes, procs, procs[1].wait(60)
 
 
 @pytest.mark.timeout(300)
@@ -231,22 +244,51 @@ def test_with_the_watch_a_node_of_replica_1_lost_after_node_0_is_decided_by_its_
         print("\nnode 0 lost, then node 2: node 3 found its watcher lost and left")
 
 
+@pytest.mark.timeout(400)
+def test_with_the_watch_node_0_started_again_with_its_replicas_other_node_resumes_the_cluster() -> None:
+    """DP=2 x TP=2 on four nodes, the watch on, every replica stepping: node 0 SIGKILLed, replica 1 (nodes 2 and 3)
+    serves on, node 1 (replica 0's other node) leaves with node 0. Nodes 1 and 0 started again with their commands:
+    node 0 resumes the cluster from replica 1's epochs, node 1 is welcomed as its replica's node (not counted as a
+    lost node's replacement), replica 0 rejoins in epoch 1 over both and takes 20 checked steps; nodes 2 and 3 follow
+    node 0 again, node 2 hears replica 0 serve again (epoch 1) with no failed call, and every node exits 0."""
+    entry = "tests.support.multinode_entry:steps_through_node_0_restart"
+    with SimulatedCluster(4) as sim:
+        nodes, procs, lost_code = _watched_node_0_killed(sim, entry)
+        again = {k: start_node(nodes, k, 4, 2, 2, entry, **WATCH) for k in (1, 0)}
+        everyone = [*procs.values(), *again.values()]
+        served = procs[2].result("RESULT", 240)
+        r0 = again[0].result("RESULT", 60)
+        codes = {k: procs[k].wait(60) for k in (2, 3)} | {k: again[k].wait(60) for k in (0, 1)}
+        texts = {0: again[0].text(), 1: again[1].text(), 2: procs[2].text(), 3: procs[3].text()}
+        assert_nothing_left(sim, everyone)
+    assert lost_code != 0, procs[1].text()[-3000:]
+    for k in range(4):
+        assert "Traceback" not in texts[k], texts[k][-4000:]
+    assert r0["outcome"] == "served" and r0["epoch"] == 1 and r0["after"] == r0["equal"] == 20, r0
+    assert "it resumes the cluster from their epochs; its DP replica(s) [0] rejoin in epoch(s) [1]" in texts[0]
+    assert re.search(r"follower node 1 \(\S+, ranks \[1\]\) is beating", texts[0]), texts[0][-4000:]
+    assert "node 1's replacement" not in texts[0] and "ranks [1]) lost" not in texts[0], texts[0][-4000:]
+    assert "waiting for node 2 " not in texts[0] and "waiting for node 3 " not in texts[0], texts[0][-4000:]
+    why = f"{served}\n{texts[2][-4000:]}"
+    assert served["outcome"] == "served" and served["after"] == 20 and served["equal"] == served["steps"] + 20, why
+    assert [(j, st, e) for j, st, e, _t in served["seen"]] == [(0, "lost", 0), (0, "serving", 1)], why
+    assert served["states"] == {"0": ["serving", 1], "1": ["serving", 0]}, why
+    for k in (2, 3):
+        assert f"node 0: node {k} (" in texts[0], texts[0][-4000:]
+    assert codes == {0: 0, 1: 0, 2: 0, 3: 0}, codes
+
+
 @pytest.mark.timeout(300)
-def test_with_the_watch_node_0_started_again_refuses_to_resume_when_its_own_replica_left_with_it() -> None:
+def test_with_the_watch_node_0_started_again_without_its_replicas_other_node_leaves_and_the_others_serve_on() -> None:
     """DP=2 x TP=2 on four nodes, the watch on, node 0 SIGKILLed: replica 1 serves on, node 1 (replica 0's other
-    node) leaves with node 0. Node 0 started again alone hears replica 1's nodes beat `alone`, and cannot resume
-    (node 1 is gone): it says so in one line and exits non-zero, and replica 1 serves on through it; stopped with
-    SIGTERM, node 2 ends replica 1, and node 3 leaves with it (its watcher's goodbye)."""
+    node) leaves with node 0. Node 0 started again alone resumes the cluster, but its replica cannot form without
+    node 1: past its join bound it leaves non-zero naming what is missing, and replica 1 serves on through it;
+    stopped with SIGTERM, node 2 ends replica 1, and node 3 leaves with it (its watcher's goodbye)."""
     entry = "tests.support.multinode_entry:steps_until_this_replica_fails"
     with SimulatedCluster(4) as sim:
-        nodes = Nodes(sim, **DETECT)
-        procs = start(nodes, 4, 2, 2, entry, **WATCH)
-        for k in (0, 2):
-            procs[k].expect(r"^STEPPING:", 180)
-        sim.nodes[0].kill()
-        procs[2].expect(r"node 2: node 0 was lost \(", 60)
-        assert procs[1].wait(60) != 0
-        again = start_node(nodes, 0, 4, 2, 2, entry, **WATCH)
+        nodes, procs, lost_code = _watched_node_0_killed(sim, entry)
+        assert lost_code != 0, procs[1].text()[-3000:]
+        again = start_node(nodes, 0, 4, 2, 2, entry, **WATCH, RAYFREE_JOIN_TIMEOUT_S="20")
         code = again.wait(180)
         assert procs[2].p.poll() is None and procs[3].p.poll() is None, procs[2].text()[-3000:]  # (served on)
         sim.nodes[2].kill(signal.SIGTERM)
@@ -254,9 +296,9 @@ def test_with_the_watch_node_0_started_again_refuses_to_resume_when_its_own_repl
         codes = {k: procs[k].wait(60) for k in (2, 3)}
         texts = {0: again.text(), 2: procs[2].text(), 3: procs[3].text()}
         assert_nothing_left(sim, [*procs.values(), again])
-    assert (
-        code != 0 and "a node 0 started again resumes a cluster only where every other node served on" in (texts[0])
-    ), texts[0][-4000:]
+    assert code != 0 and "Traceback" not in texts[0], texts[0][-4000:]
+    assert "it resumes the cluster from their epochs" in texts[0], texts[0][-4000:]
+    assert "JoinError: rank 0: rank(s) [1] of 2 never joined the world" in texts[0], texts[0][-4000:]
     assert r["steps"] > 0 and r["outcome"] in ("served", "failed"), r
     assert "Traceback" not in texts[2] + texts[3], (texts[2][-3000:], texts[3][-3000:])
-    print(f"\nnode 0 started again, not resumable: exit {code}; replica 1 stopped by SIGTERM: codes {codes}")
+    print(f"\nnode 0 started again without node 1: exit {code}; replica 1 stopped by SIGTERM: codes {codes}")

@@ -466,6 +466,8 @@ def test_a_leader_alone_fails_within_its_join_timeout() -> None:
         f"\nthe join gave up after {m.group(1)} s of its 4 s bound; the executor's start-up failed after {took:.1f} s"
     )
     assert float(m.group(1)) < 4 + 1.0, str(info.value)
+    # (the join's message says all, ranks and where: no worker traceback comes with it, as with a config error)
+    assert "Traceback" not in str(info.value) and getattr(info.value, "remote_traceback", None) == "", str(info.value)
 
 
 # -- a TCP link that drops ----------------------------------------------------------------------

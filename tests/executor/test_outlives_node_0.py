@@ -1,12 +1,13 @@
-"""Which nodes serve on when node 0 is lost (executor/follower_liveness.py `outlives_node_0`), by layout: a table,
-no I/O. The simulated-node runs of the rule are in tests/cluster/test_node0_lost.py and test_dp.py."""
+"""Which nodes serve on when node 0 is lost (executor/follower_liveness.py `outlives_node_0`), and whether a node 0
+started again resumes the cluster (`node_0_resumes`), by layout: a table, no I/O. The simulated-node runs of the rule
+are in tests/cluster/test_node0_lost.py and test_dp.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from rayfree.cluster.config import ParallelConfig
-from rayfree.executor.follower_liveness import outlives_node_0
+from rayfree.executor.follower_liveness import node_0_resumes, outlives_node_0
 
 # (nnodes, dp, tp, coupling, expert parallel, watch fan-out) -> the nodes 1.. that serve on
 TABLE = [
@@ -44,3 +45,30 @@ def test_which_nodes_serve_on_when_node_0_is_lost(layout: tuple, serving: list[i
         if outlives_node_0(par, fanout):
             got.append(node)
     assert got == serving
+
+
+# every node outside node 0's own replica serves on without it: a node 0 started again resumes the cluster (node 0's
+# replica's other nodes, which left with it, are started again with it)
+RESUMES = [
+    ((3, 3, 1, "independent", False, 0), True),
+    ((2, 4, 1, "independent", False, 0), True),
+    ((4, 2, 2, "independent", False, 0), False),  # replica 1's nodes stop with node 0: nothing to resume
+    ((4, 2, 2, "independent", False, 8), True),  # replica 1 watches itself; node 1 comes back with node 0
+    ((6, 3, 2, "independent", False, 1), True),
+    ((4, 2, 2, "coupled", False, 8), False),
+    ((3, 3, 1, "one-world", False, 0), False),
+    ((2, 1, 2, "independent", False, 8), False),  # one replica: node 0's own, and nobody else
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "layout,resumes", RESUMES, ids=[f"{a}x{b}-tp{c}-{d}-watch{f}" for (a, b, c, d, e, f), _ in RESUMES]
+)
+def test_whether_node_0_started_again_resumes_the_cluster(layout: tuple, resumes: bool) -> None:
+    nnodes, dp, tp, coupling, ep, fanout = layout
+    par = ParallelConfig(
+        nnodes=nnodes, data_parallel_size=dp, tensor_parallel_size=tp, replica_coupling=coupling,
+        enable_expert_parallel=ep,
+    )  # fmt: skip
+    assert node_0_resumes(par, fanout) is resumes
