@@ -324,16 +324,21 @@ def query_status(master_addr: str, port: int, timeout: float) -> bytes:
     return ask_node0(master_addr, port, StatusQuery(), timeout)
 
 
-def ask_node0(master_addr: str, port: int, msg: StatusQuery | DrainReplica, timeout: float) -> bytes:
-    """Node 0's answer to `msg` (`rayfree status`, `rayfree drain`), as query_status."""
+def ask_node0(
+    master_addr: str, port: int, msg: StatusQuery | DrainReplica, timeout: float, who: str = "node 0"
+) -> bytes:
+    """Node 0's answer to `msg` (`rayfree status`, `rayfree drain`), as query_status; or, at another address
+    (`who`), a node's that serves on without node 0 (cluster/status_desk.py)."""
     sock = ControlSocket.connect(tcp_endpoint(master_addr, port), maxmsgsize=64 << 20)
     try:
         reply = sock.request(_encode(msg), timeout)
         if reply is None:
+            lost = (" (if node 0 is lost, a replica's leader that serves on without it answers for itself: "
+                    "rayfree status --ask ITS_ADDRESS)") if who == "node 0" else ""  # fmt: skip
             raise TimeoutError(
-                f"node 0 did not answer at {tcp_endpoint(master_addr, port)} within {timeout:.0f}s: "
+                f"{who} did not answer at {tcp_endpoint(master_addr, port)} within {timeout:.0f}s: "
                 f"is the cluster running, is that its heartbeat port (master_port + 1, or "
-                f"heartbeat_port), and does this machine hold the cluster's secret?"
+                f"heartbeat_port), and does this machine hold the cluster's secret?{lost}"
             )
         return reply
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -15,7 +15,7 @@ from rayfree.transport.zmq.control import ControlSocket
 from .heartbeat_messages import Beat, Bye, DrainReplica, ScaleReplicas, StatusQuery, Verdict, _decode, _encode
 
 __all__ = ["FollowerPeer", "process_of", "log_waiting", "say_bye", "await_goodbyes", "tell_latecomers", "answer",
-           "BYE_CONFIRM_S"]  # fmt: skip
+           "readable", "BYE_CONFIRM_S"]  # fmt: skip
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -131,16 +131,20 @@ def tell_latecomers(
     waiting = {k for k, p in peers.items() if p.identity is None and not p.gone}
     until = time.monotonic() + tell_s
     while waiting and time.monotonic() < until:
-        for frames in receive():
-            if len(frames) != 2:
-                continue
-            try:
-                msg = _decode(frames[1])
-            except msgspec.DecodeError:
-                continue
+        for identity, msg in readable(receive()):
             if isinstance(msg, Beat) and msg.node_rank in waiting:
                 waiting.discard(msg.node_rank)
-                sock.send_quietly([frames[0], _encode(bye)])
+                sock.send_quietly([identity, _encode(bye)])
+
+
+def readable(got: list[list[bytes]]) -> Iterator[tuple[bytes, Any]]:
+    """Each (sender, message) that arrived as one, where a node is the other end (the rest is not ours: dropped)."""
+    for frames in got:
+        if len(frames) == 2:
+            try:
+                yield frames[0], _decode(frames[1])
+            except msgspec.DecodeError:
+                continue
 
 
 def answer(server: Any, msg: StatusQuery | DrainReplica | ScaleReplicas) -> bytes:

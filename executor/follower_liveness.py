@@ -5,6 +5,7 @@ loss, unless its independent replicas need nothing of node 0 (`outlives_node_0`)
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -13,15 +14,17 @@ import msgspec
 from rayfree import settings
 from rayfree.cluster.config import ClusterConfig, ConfigError, ParallelConfig
 from rayfree.cluster.heartbeat_client import HeartbeatClient
-from rayfree.cluster.heartbeat_messages import ReplicaDown, Resumed
+from rayfree.cluster.heartbeat_messages import Bye, ReplicaDown, Resumed
 from rayfree.cluster.join import shape_of
+from rayfree.cluster.status_desk import StatusDesk
 from rayfree.cluster.watch import watchers
+from rayfree.transport.net import is_local_address
 
 from .errors import LeaderLost, NodeLost, ReplicaLost
 from .health import follower_verdict
 from .node_liveness import FINISH_POLL_S, NodeLiveness
 from .roster import Back, DrainHeard, Regrouped, Welcomed
-from .status_messages import encode, node_status
+from .status_messages import cluster_status, encode, node_status
 
 __all__ = ["FollowerLiveness", "outlives_node_0", "node_0_resumes"]
 
@@ -60,8 +63,11 @@ class FollowerLiveness(NodeLiveness):
         super().__init__(config, replicas, owner)
         par, cfg = self.par, self.config
         self.outlives_node_0 = outlives_node_0(par)
-        #: why node 0 was lost, once it was and this node serves on
+        #: why node 0 was lost, once it was and this node serves on; where it answers `rayfree status` meanwhile
         self.node_0_lost = ""
+        self._desk: StatusDesk | None = None
+        self._closing = False
+        self._desk_lock = threading.Lock()
         tree = watchers(par)  # (who holds this node's quick link, and whose this node holds: watch.py)
         self.beater = HeartbeatClient(
             par.master_addr,
@@ -109,11 +115,38 @@ class FollowerLiveness(NodeLiveness):
         self.beater.alone_epochs = dict(self.replica_epochs.epochs)  # (what a node 0 started again resumes from)
         logger.error(
             "node %d: node 0 was lost (%s): DP replica(s) %s with it; this node's replica(s) %s serve on without "
-            "node 0 (no replacement is admitted and `rayfree status` has no cluster view until the cluster is "
-            "started again)", self.node, why, gone, self.par.node_replicas,
+            "node 0 (no replacement is admitted until node 0 is started again; `rayfree status --ask` a replica's "
+            "leader for its view)", self.node, why, gone, self.par.node_replicas,
         )  # fmt: skip
         self.policy.report(source, NodeLost(0, self.par.node_ranks(0), self.par.master_addr, why, gone))
+        self._open_desk()
         return True
+
+    def _open_desk(self) -> None:
+        """A replica leader serving on without node 0 answers `rayfree status --ask` (cluster/status_desk.py),
+        but not on node 0's own address (a node 0 started there needs that port)."""
+        if not self.par.leads(self.node) or is_local_address(self.par.master_addr):
+            return
+        refusal = (f"refused: node 0 is lost ({self.node_0_lost}); node {self.node} serves on without it and "
+                   f"decides nothing for the cluster: start node 0 again, then ask it")  # fmt: skip
+        with self._desk_lock:  # (the node may be closing on another thread)
+            if self._desk is None and not self._closing:
+                self._desk = StatusDesk.open(self.ip, self.config.heartbeat_endpoint_port, self.node,
+                                             lambda: encode(cluster_status(self)), refusal)  # fmt: skip
+
+    def _close_desk(self, why: str = "") -> None:
+        with self._desk_lock:
+            desk, self._desk = self._desk, None
+        if desk is not None:
+            desk.stop()
+            if why:
+                logger.info("node %d: no longer answers `rayfree status --ask`: %s", self.node, why)
+
+    def _close(self, bye: Bye | None) -> None:
+        with self._desk_lock:
+            self._closing = True
+        super()._close(bye)
+        self._close_desk()
 
     def _watched_lost(self, node: int, why: str) -> None:
         """The watch's or the heartbeat thread, node 0 lost: a node of this node's replica (a child it watches, or
@@ -131,6 +164,7 @@ class FollowerLiveness(NodeLiveness):
             "node follows it again", self.node, back, [msg.epochs.get(k, 0) for k in back],
         )  # fmt: skip
         self.node_0_lost = ""
+        self._close_desk("node 0 is back and answers for the cluster")
         send, soon, mine = self.replica_epochs.send, self.policy.sup.call_soon, set(self.par.node_replicas)
         known, out = self.replica_epochs.epochs, {m.dp_rank for m in msg.lost}
         for m in msg.lost:  # (lost meanwhile: this node heard nothing of them while it served alone)

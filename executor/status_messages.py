@@ -122,6 +122,10 @@ class ClusterStatus(msgspec.Struct):
     requested_width: int = 0
     serving_width: int = 0
     membership_epoch: int = 0
+    #: the node that answered (0: node 0, for the whole cluster; another: a node serving on without node 0, for
+    #: itself, `rayfree status --ask`), and why node 0 is lost to it
+    answered_by: int = 0
+    node_0_lost: str = ""
 
 
 def worker_statuses(ex: ReplicaView) -> list[WorkerStatus]:
@@ -230,7 +234,8 @@ def relays_seen(lv: Any) -> dict[int, list[RelayStatus]]:
 
 
 def cluster_status(lv: Any) -> ClusterStatus:
-    """Every node (node 0's view: the others' last reported status and the age of their last beat)."""
+    """Every node (node 0's view: the others' last reported status and the age of their last beat); on a node
+    serving on without node 0, that node alone, and the replicas as it knows them."""
     from rayfree.cluster.join import coupling_of, shape_of
 
     par = lv.par
@@ -264,6 +269,8 @@ def cluster_status(lv: Any) -> ClusterStatus:
         requested_width=roster.requested,
         serving_width=roster.effective,
         membership_epoch=roster.epoch,
+        answered_by=lv.node,
+        node_0_lost=getattr(lv, "node_0_lost", ""),
     )
 
 

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--json", action="store_true", help="print JSON for scripts instead of tables")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for node 0's answer (default 5)")
+    st.add_argument(
+        "--ask", metavar="ADDRESS", help="ask the node at ADDRESS instead of node 0: while node 0 is lost, a "
+        "replica's leader that serves on without it answers for itself",
+    )  # fmt: skip
     add_config_arguments(st)
     add_security_arguments(st)
     dr = sub.add_parser(

@@ -36,8 +36,10 @@ def _ask(args: argparse.Namespace, command: str, msg: object) -> bytes | int:
     if not par.master_addr:
         print(f"rayfree {command}: give the cluster's node 0: --master-addr (or RAYFREE_MASTER_ADDR)", file=sys.stderr)
         return 2
+    ask = getattr(args, "ask", None)
     try:
-        return ask_node0(par.master_addr, config.heartbeat_endpoint_port, msg, args.timeout)  # type: ignore[arg-type]
+        return ask_node0(ask or par.master_addr, config.heartbeat_endpoint_port, msg, args.timeout,  # type: ignore[arg-type]
+                         who=f"the node at {ask}" if ask else "node 0")  # fmt: skip
     except (TimeoutError, TransportError) as e:
         print(f"rayfree {command}: {e}", file=sys.stderr)
         return 1
@@ -106,9 +108,15 @@ def _age(s: float | None) -> str:
 def format_status(st: ClusterStatus) -> str:
     started = f" (started as {st.shape})" if f"nnodes={st.nnodes} " not in f"{st.shape} " else f", {st.shape}"
     lines = [f"cluster: {st.nnodes} node(s){started}, {st.world_size} rank(s) per replica"]
+    if st.answered_by:
+        lines.append(
+            f"node 0 is lost ({st.node_0_lost or 'as node ' + str(st.answered_by) + ' knows'}): node {st.answered_by}"
+            f" answers for itself (its own node, and every replica's state as it last knew it); nothing is "
+            f"admitted, drained or scaled until node 0 is back"
+        )
     lines.append(f"{'node':<5}{'ip':<16}{'state':<12}{'heartbeat':<11}{'rtt':<9}{'ranks':<18}replicas")
     for n in st.nodes:
-        beat = "self" if n.node == 0 else _age(n.heartbeat_age_s)
+        beat = "self" if n.node == st.answered_by else _age(n.heartbeat_age_s)
         rtt = "-" if n.heartbeat_rtt_ms is None else f"{n.heartbeat_rtt_ms:.2f}ms"
         lines.append(f"{n.node:<5}{n.ip:<16}{n.state:<12}{beat:<11}{rtt:<9}{str(n.ranks):<18}{n.replicas}")
     if st.coupling:

@@ -10,6 +10,7 @@ off from the network: either way each side serves what it has, and nobody admits
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ import pytest
 from rayfree.cluster.simulate import SimulatedCluster
 from tests.cluster.test_dp import start, start_node
 from tests.cluster.test_multinode import DETECT, HB_TIMEOUT, SLACK, assert_nothing_left, needs_root
+from tests.executor.test_observe import _status
 from tests.support.nodes import NodeProc, Nodes
 
 pytestmark = needs_root
@@ -254,6 +256,9 @@ def test_with_the_watch_node_0_started_again_with_its_replicas_other_node_resume
     entry = "tests.support.multinode_entry:steps_through_node_0_restart"
     with SimulatedCluster(4) as sim:
         nodes, procs, lost_code = _watched_node_0_killed(sim, entry)
+        alone = _status(sim, 3, nodes, "--json", "--ask", sim.nodes[2].ip)  # (replica 1's leader answers for itself)
+        table = _status(sim, 3, nodes, "--ask", sim.nodes[2].ip)
+        unanswered = _status(sim, 3, nodes, "--timeout", "2")  # (node 0 is lost)
         again = {k: start_node(nodes, k, 4, 2, 2, entry, **WATCH) for k in (1, 0)}
         everyone = [*procs.values(), *again.values()]
         served = procs[2].result("RESULT", 240)
@@ -276,6 +281,16 @@ def test_with_the_watch_node_0_started_again_with_its_replicas_other_node_resume
     for k in (2, 3):
         assert f"node 0: node {k} (" in texts[0], texts[0][-4000:]
     assert codes == {0: 0, 1: 0, 2: 0, 3: 0}, codes
+    assert alone[0] == 0, alone
+    st = json.loads(alone[1])
+    assert st["answered_by"] == 2 and st["node_0_lost"] and [n["node"] for n in st["nodes"]] == [2], st
+    assert {r["replica"]: r["state"] for r in st["replicas"]} == {0: "lost", 1: "serving"}, st["replicas"]
+    assert [r["replica"] for r in st["nodes"][0]["leads"]] == [1], st["nodes"][0]
+    assert table[0] == 0 and "node 2 answers for itself" in table[1] and "replica 0: lost, epoch 0" in table[1], table
+    assert re.search(rf"^2 +{re.escape(sim.nodes[2].ip)} +ok +self ", table[1], re.M), table[1]
+    print(f"\n$ rayfree status --ask {sim.nodes[2].ip}   (node 0 lost)\n{table[1]}")
+    assert unanswered[0] == 1 and "rayfree status --ask ITS_ADDRESS" in unanswered[2], unanswered
+    assert "node 2: no longer answers `rayfree status --ask`: node 0 is back" in texts[2], texts[2][-3000:]
 
 
 @pytest.mark.timeout(300)
