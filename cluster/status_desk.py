@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from rayfree.supervisor import Supervised, supervisor
+from rayfree.supervisor import supervisor
 from rayfree.transport.errors import TransportError
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
@@ -32,26 +32,24 @@ _LOOK_MS = 1000
 
 class StatusDesk:
     """Answers StatusQuery with `status_fn()` and refuses DrainReplica and ScaleReplicas with `refusal`, on a
-    thread of its own, from `start` until `stop`."""
+    thread of its own, from `open` until `stop`."""
 
-    def __init__(self, ip: str, port: int, node: int, status_fn: Callable[[], bytes], refusal: str) -> None:
+    def __init__(self, ip: str, port: int, status_fn: Callable[[], bytes], refusal: str) -> None:
         self.status_fn: Callable[[], bytes] | None = status_fn
         self.drain_fn = self.scale_fn = lambda _k: refusal
         self._sock = ControlSocket.listen(tcp_endpoint(ip, port))
         self.endpoint = self._sock.endpoint
         self._stop = threading.Event()
-        self._thread: Supervised | None = None
-        self._node = node
 
     @classmethod
     def open(cls, ip: str, port: int, node: int, status_fn: Callable[[], bytes], refusal: str) -> StatusDesk | None:
         """The desk, started; None where the port is held (said once: `rayfree status --ask` gets no answer)."""
         try:
-            desk = cls(ip, port, node, status_fn, refusal)
+            desk = cls(ip, port, status_fn, refusal)
         except TransportError as e:
             logger.warning("node %d: `rayfree status --ask %s` will not be answered here: %s", node, ip, e)
             return None
-        desk._thread = supervisor().start("RayfreeStatusDesk", desk._run, stop=desk.stop)
+        supervisor().start("RayfreeStatusDesk", desk._run, stop=desk.stop)
         logger.info("node %d: answers `rayfree status --ask %s` at %s while node 0 is lost", node, ip, desk.endpoint)
         return desk
 
@@ -69,6 +67,3 @@ class StatusDesk:
         """End the desk (returns at once; its thread closes the socket)."""
         self._stop.set()
         self._sock.wake()
-
-    def join(self, timeout: float) -> bool:
-        return self._thread is None or self._thread.join(timeout)
