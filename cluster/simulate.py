@@ -183,6 +183,8 @@ class SimulatedCluster:
         if any(not p.startswith("/run/") for p in self.files):
             raise ValueError(f"files: paths inside a node must be under /run/, got {sorted(self.files)}")
         self._made: list[str] = []
+        #: the blackhole routes a partition added: (namespace, destination)
+        self._routes: list[tuple[str, str]] = []
         self._mounts: list[str] = []
         self._files: list[str] = []
         self._finalizer: weakref.finalize | None = None
@@ -264,6 +266,27 @@ class SimulatedCluster:
             f.write("\n".join(lines) + "\n")
         self._files.append(path)
         return path
+
+    def partition(self, *sides: Sequence[int]) -> None:
+        """Split the network: each node of a side reaches the nodes of its own side only (a node on no side
+        reaches every node). Packets across are dropped where they start (a blackhole route to each node of the
+        other sides), so a connection across goes silent, as over a failed switch, and a new one is refused
+        at once. `heal` undoes it."""
+        if not self.use_netns:
+            raise RuntimeError("a partition needs network namespaces (run as root)")
+        for i, side in enumerate(sides):
+            others = [k for j, o in enumerate(sides) if j != i for k in o]
+            for k in side:
+                for o in others:
+                    route = (self.nodes[k].netns or "", f"{self.nodes[o].ip}/32")
+                    _ip("-n", route[0], "route", "add", "blackhole", route[1])
+                    self._routes.append(route)
+
+    def heal(self) -> None:
+        """Undo `partition`: every node reaches every other again."""
+        while self._routes:
+            ns, dest = self._routes.pop()
+            _ip("-n", ns, "route", "del", "blackhole", dest)
 
     def _add_ns(self, name: str) -> None:
         _ip("netns", "add", name)
