@@ -228,7 +228,7 @@ def test_nodes_that_disagree_on_how_replicas_are_tied_are_told_so() -> None:
             1: nodes.start(1, "leader", **shape, RAYFREE_REPLICA_COUPLING="independent"),
             0: nodes.start(0, "head", **shape, RAYFREE_REPLICA_COUPLING="one-world"),
         }
-        codes = {k: p.wait(120) for k, p in procs.items()}
+        codes = {k: p.wait(150) for k, p in procs.items()}
         took = time.monotonic() - t0
         assert_nothing_left(sim, procs.values())
     assert all(c != 0 for c in codes.values()), codes
@@ -236,4 +236,5 @@ def test_nodes_that_disagree_on_how_replicas_are_tied_are_told_so() -> None:
         text = p.text()
         assert "disagree on the cluster's shape" in text, f"node {k}:\n{text[-3000:]}"
         assert "replicas=one-world" in text and "replicas=independent" in text, f"node {k}:\n{text[-3000:]}"
-    assert took < 60, took
+    # (far under the join timeout, 900 s: two cold starts, which took 75 s beside a second suite in CI on 2e760a1)
+    assert took < 150, took

@@ -193,5 +193,6 @@ def test_node_0_whose_master_port_is_held_refuses_at_once_and_tells_its_follower
     assert f_code not in (0, None), follow.text()[-3000:]
     assert f"master_port {port} on node 0 is in use" in follow.text(), follow.text()[-3000:]
     # node 0 refuses before anything heavy starts (its process imports no torch); it waits only to tell the
-    # follower, whose own start-up (importing rayfree) sets when it beats
-    assert t_lead < 20 and t_follow < 30, (t_lead, t_follow)
+    # follower, whose own start-up (importing rayfree) sets when it beats: beside a second suite that took 27 s
+    # (CI on 2e760a1). Both bounds stay under the join timeout (60 s here), which a wait for it would reach
+    assert t_lead < 45 and t_follow < 55, (t_lead, t_follow)

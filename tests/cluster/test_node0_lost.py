@@ -47,11 +47,11 @@ def _node_0_back(sim: SimulatedCluster, how: str) -> None:
         sim.nodes[0].set_link(True)
 
 
-def _watched_node_0_killed(sim: SimulatedCluster, entry: str) -> tuple[Nodes, dict[int, NodeProc], int]:
+def _watched_node_0_killed(sim: SimulatedCluster, entry: str, **env: str) -> tuple[Nodes, dict[int, NodeProc], int]:
     """DP=2 x TP=2 on four nodes, the watch on, both leaders stepping; node 0 SIGKILLed once they do, until replica
     1's leader says it serves on and node 1 (replica 0's other node) has left: its exit code."""
     nodes = Nodes(sim, **DETECT)
-    procs = start(nodes, 4, 2, 2, entry, **WATCH)
+    procs = start(nodes, 4, 2, 2, entry, **WATCH, **env)
     for k in (0, 2):
         procs[k].expect(r"^STEPPING:", 180)
     sim.nodes[0].kill()
@@ -298,10 +298,11 @@ def test_with_the_watch_node_0_started_again_without_its_replicas_other_node_lea
     """DP=2 x TP=2 on four nodes, the watch on, node 0 SIGKILLed: replica 1 serves on, node 1 (replica 0's other
     node) leaves with node 0. Node 0 started again alone resumes the cluster, but its replica cannot form without
     node 1: past its join bound it leaves non-zero naming what is missing, and replica 1 serves on through it;
-    stopped with SIGTERM, node 2 ends replica 1, and node 3 leaves with it (its watcher's goodbye)."""
+    stopped with SIGTERM, node 2 ends replica 1, and node 3 leaves with it (its watcher's goodbye). (Its entry
+    says how its call ended: beside a second suite that took longer than the default 0.5 s grace in CI.)"""
     entry = "tests.support.multinode_entry:steps_until_this_replica_fails"
     with SimulatedCluster(4) as sim:
-        nodes, procs, lost_code = _watched_node_0_killed(sim, entry)
+        nodes, procs, lost_code = _watched_node_0_killed(sim, entry, RAYFREE_ENTRY_GRACE_S="20")
         assert lost_code != 0, procs[1].text()[-3000:]
         again = start_node(nodes, 0, 4, 2, 2, entry, **WATCH, RAYFREE_JOIN_TIMEOUT_S="20")
         code = again.wait(180)
