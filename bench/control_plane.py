@@ -169,16 +169,20 @@ def node0(n: int, master: str, rounds: int, load_s: float) -> int:
         queue.enqueue(("tiny", i, time.monotonic()))
         i += 1
         time.sleep(LOAD_PACE_S)
-    false_losses = len(lost)
+    victim, before = n - 1, len(lost)
+    already = any(k == victim for k, _t, _w in lost[:before])  # (counted lost under the load: nothing to time)
     say("KILL", at=time.monotonic())
-    until = time.monotonic() + 30
-    while not lost[false_losses:] and time.monotonic() < until:
+    until = time.monotonic() + (0 if already else 30)
+    while not any(k == victim for k, _t, _w in lost[before:]) and time.monotonic() < until:
         time.sleep(0.01)
-    detected = lost[false_losses][1] if lost[false_losses:] else None
+    # (a loss of another node, also one after the kill, is a false one: only the node killed is detected)
+    killed = [t for k, t, _w in lost[before:] if k == victim]
+    detected = killed[0] if killed and not already else None
+    false_losses = len([k for k, _t, _w in lost if k != victim or detected is None])
     say("RESULT", lost=[(k, t - t0, why[:120]) for k, t, why in lost[:5]], n=n, idle_tx=idle_tx, big_tx=big_tx,
         big=BIG, idle_s=w1 - w0,
         hb_cpu=(c1 - c0) / (w1 - w0), proc_cpu=(p1 - p0) / (w1 - w0), false_losses=false_losses,
-        lost_node=lost[false_losses][0] if detected else None, detected_at=detected,
+        lost_node=victim if detected else None, detected_at=detected,
         own=got[:rounds])  # fmt: skip
     queue.close()
     server.stop(Bye(0, True, "the bench is done"))
