@@ -38,7 +38,7 @@ TYPED := rayfree rayfree.transport rayfree.transport.channel rayfree.transport.e
 	rayfree.transport.queue.message_queue rayfree.transport.queue.handle rayfree.cluster.config rayfree.cluster.group \
 	rayfree.cluster.parallel_state rayfree.worker.base rayfree.executor rayfree.executor.errors \
 	rayfree.executor.abstract rayfree.executor.multiproc rayfree.executor.rpc rayfree.executor.view \
-	rayfree.executor.roster rayfree.executor.rejoin rayfree.executor.roles rayfree.executor.failure_policy \
+	rayfree.executor.roster rayfree.executor.roster_width rayfree.executor.roster_replica rayfree.executor.rejoin rayfree.executor.roles rayfree.executor.failure_policy \
 	rayfree.executor.node_liveness rayfree.executor.liveness rayfree.executor.follower_liveness rayfree.executor.drain rayfree.executor.membership
 $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[test,dev]'

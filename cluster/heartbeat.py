@@ -109,6 +109,7 @@ class HeartbeatServer(Returns, Beater):
         self.hold: Callable[[int], bool | str] | None = None
         self.heard: set[int] = set()
         self._alone_heard: set[int] = set()
+        self._to_forget: list[tuple[list[int], str]] = []
         #: node 0's first answer to a follower (a Welcome, encoded; the layer above), or None
         self.welcome_fn: Callable[[int], bytes] | None = None
         #: what other threads asked this one to send: (to which nodes, what), sent at its next turn
@@ -121,7 +122,7 @@ class HeartbeatServer(Returns, Beater):
         # (in the caller's thread: a busy port fails the start-up; with watchers, each follower paces its own link)
         self._sock = ControlSocket.listen(self.endpoint, pings=not settings.get("RAYFREE_WATCH_FANOUT"))
 
-    def tell(self, nodes: list[int], msg: msgs.ReplicaDown | msgs.ReplicaUp | msgs.DrainReplica | msgs.Regroup) -> None:
+    def tell(self, nodes: list[int], msg: msgs.Told) -> None:
         """Send `msg` to these followers (any thread: the heartbeat thread owns the socket and sends it)."""
         self._to_send.append((nodes, _encode(msg)))
         self._sock.wake()
@@ -142,6 +143,7 @@ class HeartbeatServer(Returns, Beater):
         try:
             while not self._stop.is_set():
                 seq = self._take(sock, wait_ms(self._next_due(next_log)), me, seq)
+                self._forget_now()
                 if self.suspect_at is not None and time.monotonic() - self.suspect_at < 2 * RECONNECT_S:
                     self._find_dropped(sock, self.suspect_at)  # (ZeroMQ drops the peer's pipe a little later)
                 seq = self._judge(sock, me, seq)

@@ -31,6 +31,7 @@ from .heartbeat_messages import (
     Verdict,
     WatchBy,
     Welcome,
+    WidthSet,
     _decode,
     _encode,
 )  # fmt: skip
@@ -75,6 +76,8 @@ class HeartbeatClient(Watched, Beater):
         self.alone = ""
         #: every DP replica's epoch as this node knew them when it lost node 0 (the layer above, as it goes alone)
         self.alone_epochs: dict[int, int] = {}
+        #: the replicas out of service as this node knows them and the requested width, read at each beat `alone`
+        self.alone_out: Callable[[], tuple[list[ReplicaDown], int]] = lambda: ([], 0)
         #: a node 0 started again leads the cluster again and takes this node back (the layer above; None: a
         #: node serving alone hears nothing of any node 0)
         self.on_resumed: Callable[[Resumed], None] | None = None
@@ -83,6 +86,7 @@ class HeartbeatClient(Watched, Beater):
         self.on_replica_up: Callable[[ReplicaUp], None] | None = None
         self.on_replica_drain: Callable[[DrainReplica], None] | None = None
         self.on_regroup: Callable[[Regroup], None] | None = None
+        self.on_width: Callable[[WidthSet], None] | None = None
         #: node 0 counts this node lost and will not take this process back (Disowned): why (the layer above;
         #: None: dropped)
         self.on_disowned: Callable[[str], None] | None = None
@@ -161,9 +165,10 @@ class HeartbeatClient(Watched, Beater):
                     if self.refused is None:  # (refused: it leaves, and beats no more)
                         seq += 1
                         shape = "" if self.welcomed.is_set() else self.shape
+                        out, requested = self.alone_out() if self.alone else ([], 0)
                         beat = Beat(
                             self.node_rank, self.ranks, self.ip, pid, seq, self.done, self._status(), shape,
-                            incarnation, self.alone, self.alone_epochs if self.alone else {},
+                            incarnation, self.alone, self.alone_epochs if self.alone else {}, out, requested,
                             "" if self.watch is None else self.watch.endpoint, self.watcher,
                         )  # fmt: skip
                         if sock.try_send([_encode(beat)]):
@@ -296,6 +301,10 @@ class HeartbeatClient(Watched, Beater):
         if isinstance(msg, Refused):
             self.refused = msg.reason  # (the layer above says it, once, and leaves)
             self.welcomed.set()
+            return False
+        if isinstance(msg, WidthSet):
+            if self.on_width is not None:  # (one world: the width never changes, and node 0 never says it)
+                self.on_width(msg)
             return False
         if isinstance(msg, (ReplicaDown, ReplicaUp, DrainReplica, Regroup)):
             react = {

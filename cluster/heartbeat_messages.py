@@ -6,7 +6,7 @@ import msgspec
 
 __all__ = [
     "Beat", "Bye", "Verdict", "StatusQuery", "ReplicaDown", "ReplicaUp", "DrainReplica", "Regroup", "Welcome",
-    "Refused", "Disowned", "ScaleReplicas", "Resumed", "WatchBy", "WatchLost",
+    "Refused", "Disowned", "ScaleReplicas", "Resumed", "WidthSet", "WatchBy", "WatchLost", "Told",
 ]  # fmt: skip
 
 
@@ -35,6 +35,10 @@ class Beat(msgspec.Struct, tag="beat", array_like=True):
     #: with `alone`: every DP replica's epoch as this node knew them when it lost node 0 (frozen since: nothing is
     #: admitted without node 0); a node 0 started again resumes from them
     epochs: dict[int, int] = {}
+    #: with `alone`: the replicas out of service as this node knows them (lost, drained), and the width the operator
+    #: asked for (0: not known); a node 0 started again resumes them too
+    out: list[ReplicaDown] = []
+    requested: int = 0
     #: where this node watches its children (watch.py), if it has any: node 0 tells them; and which node watches
     #: this one (0: node 0, over this connection)
     watch: str = ""
@@ -59,12 +63,13 @@ class Verdict(msgspec.Struct, tag="verdict", array_like=True):
 
 class ReplicaDown(msgspec.Struct, tag="replica-down", array_like=True):
     """Node 0 to the other nodes of an independent DP replica that lost a node (or a worker, a link): the
-    replica stops; what it lost (its node and ranks) and why."""
+    replica stops; what it lost (its node and ranks) and why, and whether it was drained (a planned stop)."""
 
     dp_rank: int
     node_rank: int
     ranks: list[int]
     reason: str
+    drained: bool = False
 
 
 class ReplicaUp(msgspec.Struct, tag="replica-up", array_like=True):
@@ -97,11 +102,19 @@ class Regroup(msgspec.Struct, tag="regroup", array_like=True):
 
 class Welcome(msgspec.Struct, tag="welcome", array_like=True):
     """Node 0's first answer to a follower (or to the replacement of a lost one, which it admitted): the epoch
-    of every DP replica (0 at the cluster's start, one more at each rejoin), and the replicas lost meanwhile
-    (a replacement starts knowing them, as the nodes that heard it did)."""
+    of every DP replica (0 at the cluster's start, one more at each rejoin), the replicas lost meanwhile
+    (a replacement starts knowing them, as the nodes that heard it did), and the requested DP width."""
 
     epochs: dict[int, int]
     lost: list[ReplicaDown] = []
+    requested: int = 0
+
+
+class WidthSet(msgspec.Struct, tag="width", array_like=True):
+    """Node 0 to every follower: the DP width the operator asked for is now `requested` (`rayfree scale`, or a
+    scale-out given up): a follower that serves on without node 0 keeps it for a node 0 started again."""
+
+    requested: int
 
 
 class Refused(msgspec.Struct, tag="refused", array_like=True):
@@ -127,6 +140,7 @@ class Resumed(msgspec.Struct, tag="resumed", array_like=True):
 
     epochs: dict[int, int]
     lost: list[ReplicaDown] = []
+    requested: int = 0
 
 
 class WatchBy(msgspec.Struct, tag="watch-by", array_like=True):
@@ -147,6 +161,9 @@ class StatusQuery(msgspec.Struct, tag="status?", array_like=True):
     """`rayfree status` asks node 0 for the cluster's status (it must hold the secret to get through)."""
 
 
+#: what node 0 tells its followers of the replicas, at any time (HeartbeatServer.tell)
+Told = ReplicaDown | ReplicaUp | DrainReplica | Regroup | WidthSet
+
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(
     Beat
@@ -162,6 +179,7 @@ _decode = msgspec.msgpack.Decoder(
     | StatusQuery
     | ScaleReplicas
     | Resumed
+    | WidthSet
     | WatchBy
     | WatchLost
 ).decode

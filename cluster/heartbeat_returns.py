@@ -29,6 +29,26 @@ class Returns:
     heard: set[int]
     _alone_heard: set[int]
     _look_at: float
+    #: nodes not to wait for, and why (`forget`: any thread puts them here, the heartbeat thread takes them)
+    _to_forget: list[tuple[list[int], str]]
+
+    _sock: ControlSocket
+
+    def forget(self, nodes: list[int], why: str) -> None:
+        """A node 0 started again resumed a cluster whose replicas on `nodes` were drained or lost meanwhile: it
+        does not wait for them (no loss is called for their silence); started again, each is admitted as a
+        replacement. Any thread; done on the heartbeat thread."""
+        self._to_forget.append((nodes, why))
+        self._sock.wake()
+
+    def _forget_now(self) -> None:
+        while self._to_forget:
+            nodes, why = self._to_forget.pop(0)
+            for node in nodes:
+                peer = self.peers.get(node)
+                if peer is not None and peer.last_seen is None and not peer.gone:
+                    peer.gone, peer.lost_why = True, why
+                    logger.info("node 0: node %d (ranks %s) is not waited for: %s", node, peer.ranks, why)
 
     def _alone(self, sock: ControlSocket, identity: bytes, msg: Beat) -> None:
         """A follower that lost node 0 and serves on without it beats (to a node 0 started again, or to this one

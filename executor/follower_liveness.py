@@ -20,10 +20,10 @@ from rayfree.cluster.status_desk import StatusDesk
 from rayfree.cluster.watch import watchers
 from rayfree.transport.net import is_local_address
 
-from .errors import LeaderLost, NodeLost, ReplicaLost
+from .errors import LeaderLost, NodeLost, ReplicaDrained, ReplicaLost
 from .health import follower_verdict
 from .node_liveness import FINISH_POLL_S, NodeLiveness
-from .roster import Back, DrainHeard, Regrouped, Welcomed
+from .roster import Back, DrainHeard, Regrouped, Welcomed, WidthHeard
 from .status_messages import cluster_status, encode, node_status
 
 __all__ = ["FollowerLiveness", "outlives_node_0", "node_0_resumes"]
@@ -94,6 +94,8 @@ class FollowerLiveness(NodeLiveness):
             self.beater.on_replica_up = lambda m: soon(send, Back(m.dp_rank, m.epoch))
             self.beater.on_replica_drain = lambda m: soon(send, DrainHeard(m.dp_rank))
             self.beater.on_regroup = lambda m: soon(send, Regrouped(m.epoch, tuple(m.members)))
+            self.beater.on_width = lambda m: soon(send, WidthHeard(m.requested))
+            self.beater.alone_out = self.replica_epochs.out_of_service
         if self.outlives_node_0:
             self.beater.on_resumed = self._node_0_back
             self.beater.on_watch_lost = self._watched_lost
@@ -173,6 +175,8 @@ class FollowerLiveness(NodeLiveness):
         for k, e in sorted(msg.epochs.items()):  # (node 0's replicas, and any that rejoined meanwhile)
             if k not in mine and k not in out and (k in back or e > known.get(k, 0)):
                 soon(send, Back(k, e))
+        if msg.requested:
+            soon(send, WidthHeard(msg.requested))
 
     def _head_bye(self, node: int, clean: bool, reason: str) -> bool:
         """Node 0's goodbye, or, node 0 lost, this node's watcher's clean one (its replica stopped cleanly)."""
@@ -190,7 +194,8 @@ class FollowerLiveness(NodeLiveness):
         self.settled.set()
 
     def _replica_down(self, msg: ReplicaDown) -> None:
-        err = ReplicaLost(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)
+        cls = ReplicaDrained if msg.drained else ReplicaLost
+        err = cls(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)
         self.policy.report("node 0", err)
 
     def welcome_epochs(self, timeout: float) -> dict[int, int]:
@@ -204,7 +209,7 @@ class FollowerLiveness(NodeLiveness):
             raise ConfigError(self.beater.refused)
         welcome = self.beater.welcome
         assert welcome is not None
-        self.replica_epochs.send(Welcomed(tuple(welcome.epochs.items())))
+        self.replica_epochs.send(Welcomed(tuple(welcome.epochs.items()), welcome.requested))
         mine = set(self.par.node_replicas)
         for msg in welcome.lost:  # (lost before this node started: it knows them as the others do)
             if msg.dp_rank not in mine:

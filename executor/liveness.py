@@ -16,7 +16,7 @@ from rayfree.cluster.join import JoinError
 from rayfree.transport.net import bind_address
 
 from . import drain
-from .errors import NodeLost
+from .errors import NodeLost, ReplicaDrained, ReplicaLost
 from .follower_liveness import FollowerLiveness, node_0_resumes
 from .health import followers_verdict, verdicts
 from .node_liveness import FINISH_POLL_S, NodeLiveness
@@ -143,9 +143,23 @@ class LeaderLiveness(NodeLiveness):
             self._heard_alone.wait(_RESUME_POLL_S)
         node, beat = min(self._alone.items())
         self.resumed_from = node
-        self.replica_epochs.send(Resume(tuple(sorted(beat.epochs.items())), node))
+        mine = set(self.par.node_replicas)
+        out = {m.dp_rank: (ReplicaDrained if m.drained else ReplicaLost)(m.dp_rank, m.node_rank, m.ranks, m.reason)
+               for m in beat.out if m.dp_rank not in mine}  # fmt: skip
+        self.replica_epochs.send(Resume(tuple(sorted(beat.epochs.items())), node, tuple(out.items()), beat.requested))
+        self._forget_out(beater, node, out)
         epochs = self.replica_epochs.epochs
         return {k: epochs[k] for k in self.par.node_replicas}
+
+    def _forget_out(self, beater: HeartbeatServer, told_by: int, out: dict[int, ReplicaLost]) -> None:
+        """Resumed: the nodes whose every replica was drained or lost are not waited for (their silence
+        is no news); started again, each is admitted as a lost node's replacement."""
+        for k in sorted(set(list(beater.peers)) - self._own_nodes):  # (the heartbeat thread may add a newcomer)
+            replicas = self.par.replicas_of_node(k)
+            if replicas and all(r in out for r in replicas):
+                how = "drained" if all(isinstance(out[r], ReplicaDrained) for r in replicas) else "lost"
+                why = f"its DP replica(s) {replicas} were {how} before node 0 was started again, as node {told_by} knew"
+                beater.forget([k], why + " (start it again to bring them back)")
 
     def _hold(self, node: int) -> bool | str:
         """The heartbeat thread, at a follower's first beat (as a node that starts, not `alone`): held until this

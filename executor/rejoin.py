@@ -29,6 +29,7 @@ from rayfree.cluster.heartbeat_messages import (
     ReplicaUp,
     Resumed,
     Welcome,
+    WidthSet,
     _encode,
 )
 from rayfree.cluster.join import shape_of
@@ -36,18 +37,24 @@ from rayfree.supervisor import SupervisorMisuse
 
 from . import membership
 from .abstract import ReplicaState
+from .errors import ReplicaDrained, ReplicaLost
 from .roster import Admit, Decision, Event, Ready, Roster, Tick
 from .status_messages import decode_node
 
 if TYPE_CHECKING:
     from .roles import Node
 
-__all__ = ["ReplicaEpochs", "Rejoins"]
+__all__ = ["ReplicaEpochs", "Rejoins", "down_of"]
 
 logger = logging.getLogger("rayfree.executor")
 _LEVELS = (logging.INFO, logging.WARNING, logging.ERROR)
 #: what a decision does on this node's executors: the policy thread's
 _POLICY_KINDS = ("announce", "begin_drain", "regroup")
+
+
+def down_of(err: ReplicaLost) -> ReplicaDown:
+    """What node 0 tells of a replica out of service (drained: a planned stop)."""
+    return ReplicaDown(err.dp_rank, err.node_rank, err.ranks, err.why[:300], isinstance(err, ReplicaDrained))
 
 
 class ReplicaEpochs:
@@ -95,11 +102,13 @@ class ReplicaEpochs:
             # the lost replica's other nodes stop it, the others know whom not to route to (those gone are
             # skipped); or the nodes named: a rejoin given up
             to = list(d.nodes) or [k for k in self.lv.nodes()[1:] if k != err.node_rank]
-            beater.tell(to, ReplicaDown(err.dp_rank, err.node_rank, err.ranks, err.why[:300]))
+            beater.tell(to, down_of(err))
         elif d.kind == "tell_up":
             beater.tell(self.lv.nodes()[1:], ReplicaUp(d.dp_rank, d.epoch))
         elif d.kind == "tell_drain":
             beater.tell(self.lv.nodes()[1:], DrainReplica(d.dp_rank))
+        elif d.kind == "tell_width":
+            beater.tell(self.lv.nodes()[1:], WidthSet(d.epoch))
 
     def _on_policy(self, decisions: list[Decision]) -> None:
         sup = self.lv.policy.sup
@@ -120,6 +129,11 @@ class ReplicaEpochs:
                 membership.adopt(self.lv, d.epoch, list(d.members))
 
     # -- views (status, metrics, the probes, the engine's replica_states()) ---------------------------------------
+
+    def out_of_service(self) -> tuple[list[ReplicaDown], int]:
+        """The replicas out of service as this node knows them (one that drains counts drained: its nodes stop
+        cleanly without node 0), and the requested width: what a node 0 started again resumes (Beat.out)."""
+        return [down_of(e) for e in self.roster.out_of_service().values()], self.roster.requested
 
     def states(self) -> dict[int, ReplicaState]:
         return self.roster.states()
@@ -160,15 +174,14 @@ class Rejoins(ReplicaEpochs):
         return last.epoch if last.kind == "admit" else last.text if last.kind == "refuse" else None
 
     def welcome(self, node: int) -> bytes:
-        lost = self.roster.lost()
-        gone = [ReplicaDown(k, e.node_rank, e.ranks, e.why[:300]) for k, e in lost.items()]
-        return _encode(Welcome(self.epochs, [m for m in gone if m.dp_rank not in self.rejoining]))
+        gone = [down_of(e) for k, e in self.roster.lost().items() if k not in self.rejoining]
+        return _encode(Welcome(self.epochs, gone, self.roster.requested))
 
     def resumed(self) -> bytes:
         """A node 0 started again, to a follower that served without it: every replica's epoch, and those out of
         service (lost, drained or rejoining: the follower heard of none while it served alone)."""
-        lost = [ReplicaDown(k, e.node_rank, e.ranks, e.why[:300]) for k, e in self.roster.lost().items()]
-        return _encode(Resumed(self.epochs, lost))
+        lost = [down_of(e) for e in self.roster.lost().values()]
+        return _encode(Resumed(self.epochs, lost, self.roster.requested))
 
     def look(self, server: HeartbeatServer, now: float) -> None:
         """The heartbeat thread, at each verdict: a replica whose nodes all beat and report themselves ready

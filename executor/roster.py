@@ -24,8 +24,6 @@ any other `ReplicaLost` a loss.
 
 from __future__ import annotations
 
-import dataclasses
-
 from rayfree.cluster.join import widens
 
 from .abstract import ReplicaState
@@ -49,39 +47,23 @@ from .roster_events import (
     Scale,
     Tick,
     Welcomed,
+    WidthHeard,
 )
+from .roster_replica import ADMITS, MEMBER, OUT, PHASES, Replica
+from .roster_width import WidthRules
 
 __all__ = ["Roster", "PHASES", "Layout", "Lost", "Admit", "Ready", "Back", "Drain", "DrainHeard", "Scale", "Tick",
-           "Regrouped", "Welcomed", "Resume", "Event", "Decision", "KINDS", "RosterMisuse"]  # fmt: skip
-
-PHASES = ("starting", "serving", "draining", "drained", "lost", "rejoining")
-#: the phases whose replicas count as serving (the effective width). Coupled replicas' groups span the serving
-#: ones only: a draining replica leaves them as its drain begins (`_in_groups`)
-_MEMBER = ("serving", "draining")
-#: the phases a replacement (or a new replica's node) may be admitted in
-_ADMITS = ("starting", "lost", "drained", "rejoining")
+           "Regrouped", "Welcomed", "WidthHeard", "Resume", "Event", "Decision", "KINDS", "RosterMisuse"]  # fmt: skip
 
 
-@dataclasses.dataclass
-class _Replica:
-    phase: str
-    epoch: int = 0
-    cause: ReplicaLost | None = None
-    losses: int = 0
-    rejoins: int = 0
-    admitted: set[int] = dataclasses.field(default_factory=set)
-    #: a scale-out's replica: when it is given up if its nodes have not all come
-    deadline: float | None = None
-
-
-class Roster:
+class Roster(WidthRules):
     """One node's membership state (module docstring). `handle` is its only writer."""
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
         self.leader = layout.node_rank == 0
         dp = layout.data_parallel_size
-        self._r = {k: _Replica("serving") for k in range(dp)}
+        self._r = {k: Replica("serving") for k in range(dp)}
         #: the width the operator asked for (at start: the configured DP size)
         self.requested = dp
         #: the membership epoch: one more at every change of the members (coupled replicas form it)
@@ -103,7 +85,7 @@ class Roster:
     @property
     def effective(self) -> int:
         """How many replicas take calls now."""
-        return sum(r.phase in _MEMBER for r in self._r.values())
+        return sum(r.phase in MEMBER for r in self._r.values())
 
     def awaiting(self) -> bool:
         """Does a scale-out wait for its nodes (node 0 sends `Tick`s until it is met or given up)?"""
@@ -114,8 +96,16 @@ class Roster:
 
     def lost(self) -> dict[int, ReplicaLost]:
         """The replicas out of service (lost, drained, rejoining), each with the cause that took it out."""
-        return {k: r.cause for k, r in sorted(self._r.items()) if r.phase in ("lost", "drained", "rejoining") and
-                r.cause is not None}  # fmt: skip
+        return {k: r.cause for k, r in sorted(self._r.items()) if r.phase in OUT and r.cause is not None}
+
+    def out_of_service(self) -> dict[int, ReplicaLost]:
+        """What a node 0 started again resumes from a follower (`Resume.out`): the replicas out of service, one
+        that drains counted drained (its nodes stop cleanly without node 0)."""
+        out = self.lost()
+        for k, r in self._r.items():
+            if r.phase == "draining":
+                out[k] = ReplicaDrained(k, self.layout.nodes_of_replica(k)[0], [])
+        return dict(sorted(out.items()))
 
     def counts(self, k: int) -> tuple[int, int]:
         """(losses, rejoins) of replica k, as this node heard them."""
@@ -124,7 +114,7 @@ class Roster:
     def state(self, k: int) -> ReplicaState:
         r = self._r[k]
         why = {"draining": "drained by the operator", "starting": "a scale-out waits for its nodes"}.get(r.phase, "")
-        if r.cause is not None and r.phase in ("lost", "drained", "rejoining"):
+        if r.cause is not None and r.phase in OUT:
             why = r.cause.summary
         return ReplicaState(r.phase, r.epoch, why)
 
@@ -144,7 +134,7 @@ class Roster:
         k, r = ev.dp_rank, self._r.get(ev.dp_rank)
         if r is None:
             return [Decision("say", k, text=f"DP replica {k}: {ev.cause.summary} (not a replica of this cluster)")]
-        if r.phase in ("lost", "drained", "rejoining"):
+        if r.phase in OUT:
             node = ev.cause.node_rank  # (a node admitted to a rejoin, lost: the rejoin is given up)
             given_up = self.leader and r.phase == "rejoining" and node in r.admitted and len(r.admitted) > 1
             return [Decision("say", k, text=f"DP replica {k}: {ev.cause.summary} (lost already)")] + (
@@ -163,7 +153,7 @@ class Roster:
         out.append(Decision("announce", k, state=self.state(k)))
         out += self._declare()
         mine = self.layout.node_replicas
-        if k in mine and all(self.phase(j) in ("lost", "drained", "rejoining") for j in mine):
+        if k in mine and all(self.phase(j) in OUT for j in mine):
             clean = all(self.phase(j) == "drained" for j in mine)
             out.append(Decision("node_ends", k, epoch=int(clean), text=f"its DP replica(s) {mine} were " + (
                 "drained" if clean else "lost")))  # fmt: skip
@@ -188,12 +178,12 @@ class Roster:
                    f"once they have drained")  # fmt: skip
         if why:
             return self._refuse(pid, "refuse", why)
-        if lay.one_world or not replicas or not all(self.phase(k) in _ADMITS for k in replicas):
+        if lay.one_world or not replicas or not all(self.phase(k) in ADMITS for k in replicas):
             return self._refuse(pid, "ignore", f"node {node} beats again (pid {pid}), but its replicas {replicas} "
                                                f"are not lost: refused")  # fmt: skip
         out = []
         for k in replicas:
-            r = self._r.setdefault(k, _Replica("starting"))
+            r = self._r.setdefault(k, Replica("starting"))
             fresh = r.phase == "starting" and not r.admitted
             if r.phase != "rejoining" and not fresh or node in r.admitted:  # (a replacement that failed: anew)
                 out += self._given_up(k, r, node)
@@ -207,7 +197,7 @@ class Roster:
         out.append(Decision("admit", max(replicas), epoch=max(self._r[k].epoch for k in replicas)))
         return out
 
-    def _given_up(self, k: int, r: _Replica, node: int) -> list[Decision]:
+    def _given_up(self, k: int, r: Replica, node: int) -> list[Decision]:
         """Node 0: node `node` of replica `k`'s rejoin failed (lost before the replica serves, or started again): the
         rejoin starts again in the next epoch; its other admitted nodes, waiting for what cannot come, are told."""
         stale, out = tuple(sorted(r.admitted - {node})), []
@@ -234,8 +224,8 @@ class Roster:
         return out + self._on_tick(Tick(ev.now)) if ev.now else out
 
     def _on_back(self, ev: Back) -> list[Decision]:
-        r = self._r.setdefault(ev.dp_rank, _Replica("starting"))
-        if r.phase in _MEMBER and r.epoch >= ev.epoch:
+        r = self._r.setdefault(ev.dp_rank, Replica("starting"))
+        if r.phase in MEMBER and r.epoch >= ev.epoch:
             return []
         return self._back(ev.dp_rank, ev.epoch)
 
@@ -295,75 +285,6 @@ class Roster:
     def _on_drainheard(self, ev: DrainHeard) -> list[Decision]:
         return self._drain(ev.dp_rank) if self.phase(ev.dp_rank) == "serving" else []
 
-    def _on_scale(self, ev: Scale) -> list[Decision]:
-        n, lay, was = ev.width, self.layout, self.requested
-        if n < 1:
-            return [Decision("answer", text="refused: a cluster serves with at least one DP replica; to stop it, "
-                                            "stop node 0")]  # fmt: skip
-        if lay.one_world:
-            return [Decision("answer", text="refused: replicas that share one world (replica_coupling=one-world) "
-                                            "cannot change their width at runtime")]  # fmt: skip
-        if any(r.phase == "starting" and r.deadline is not None for r in self._r.values()) and n > was:
-            return [Decision("answer", text=f"refused: a scale-out to {was} is still waiting for its nodes")]
-        if n == was:
-            return [Decision("answer", text=f"the requested DP width is {n} already ({self.effective} serving)")]
-        out: list[Decision] = []
-        self.requested = n
-        if n < was:
-            for k in sorted(self._r):
-                r = self._r[k]
-                if k >= n and r.phase == "serving":
-                    out += self._drain(k) + [Decision("tell_drain", k)]
-                elif k >= n and r.phase in ("starting", "rejoining"):
-                    out += self._unwanted(k)
-            text = f"DP width {was} -> {n}: replicas {[k for k in sorted(self._r) if k >= n]} drain, then their " \
-                   f"nodes exit 0"  # fmt: skip
-        else:
-            self._width_before = was
-            for k in range(n):  # (a replica past those the cluster had starts in epoch 1: it had no first start)
-                r = self._r.setdefault(k, _Replica("starting", epoch=self._spent.get(k, 0) + 1))
-                if r.phase in ("starting", "lost", "drained"):
-                    r.deadline = ev.now + ev.wait_s
-            want = [k for k in range(was, n)]
-            nodes = sorted({x for k in want for x in lay.nodes_of_replica(k)})
-            text = f"DP width {was} -> {n}: start node(s) {nodes} for replica(s) {want} with the cluster's command " \
-                   f"within {ev.wait_s:.0f}s"  # fmt: skip
-        return out + [Decision("say", epoch=1, text=text), Decision("answer", text=text)]
-
-    def _unwanted(self, k: int) -> list[Decision]:
-        """Replica k, past a lower width, comes no more: its nodes admitted so far are told, and leave."""
-        r = self._r[k]
-        out = []
-        if r.admitted:
-            why = f"the requested DP width went below {k + 1}: DP replica {k} is no longer wanted; this node stops"
-            nodes = tuple(sorted(r.admitted))
-            out.append(Decision("tell_down", k, nodes=nodes, text=why, cause=ReplicaLost(k, nodes[0], [], why)))
-        r.admitted, r.deadline = set(), None
-        if r.phase == "starting":
-            del self._r[k]
-            self._spent[k] = r.epoch  # (its next try starts past it: a node told to leave may still meet)
-        else:
-            r.phase = "drained" if isinstance(r.cause, ReplicaDrained) else "lost"
-        return out
-
-    def _on_tick(self, ev: Tick) -> list[Decision]:
-        late = [k for k, r in sorted(self._r.items()) if r.deadline is not None and ev.now >= r.deadline]
-        if not late:
-            return []
-        out = []
-        back = self._width_before if self._width_before is not None else self.requested
-        for k in late:
-            out += self._unwanted(k) if self._r[k].phase == "starting" else []
-            if k in self._r:
-                self._r[k].deadline = None
-        if all(r.deadline is None for r in self._r.values()):
-            self.requested = min(self.requested, max(back, self.effective))
-            self._width_before = None
-        text = f"the scale-out's replica(s) {late} did not all come in time: the requested width is " \
-               f"{self.requested} again, the serving replicas as they were"  # fmt: skip
-        out += [Decision("say", epoch=2, text=text)]
-        return out
-
     def _on_regrouped(self, ev: Regrouped) -> list[Decision]:
         if ev.epoch <= self.epoch:
             return []
@@ -372,19 +293,30 @@ class Roster:
 
     def _on_welcomed(self, ev: Welcomed) -> list[Decision]:
         for k, e in ev.epochs:
-            self._r.setdefault(k, _Replica("serving")).epoch = e
+            self._r.setdefault(k, Replica("serving")).epoch = e
+        self.requested = ev.requested or self.requested
         return []
 
     def _on_resume(self, ev: Resume) -> list[Decision]:
-        """Node 0 started again: the followers' epochs are the cluster's, node 0's own replicas' one past theirs."""
+        """Node 0 started again: the followers' epochs are the cluster's, node 0's own replicas' one past theirs;
+        the replicas they knew out of service are out of service (drained or lost), the width as they knew it."""
         mine = self.layout.node_replicas
         for k, e in (*ev.epochs, *((k, 0) for k in mine if k not in dict(ev.epochs))):
-            r = self._r.setdefault(k, _Replica("serving"))
+            r = self._r.setdefault(k, Replica("serving"))
             r.epoch, r.rejoins = (e + 1, r.rejoins + 1) if k in mine else (e, r.rejoins)
+        for k, cause in ev.out:
+            if k not in mine and k in self._r:
+                r = self._r[k]
+                r.phase, r.cause = ("drained" if isinstance(cause, ReplicaDrained) else "lost"), cause
+        self.requested = ev.requested or self.requested
+        for k in range(self.requested):  # (a scale-out's replica not serving yet when node 0 was lost: it may come)
+            self._r.setdefault(k, Replica("starting", epoch=1))
+        out = [f"DP replica {k} {self._r[k].phase}" for k, _ in ev.out if k not in mine and k in self._r]
         text = (f"node 0 was started again while node {ev.node} and the others served without it: it resumes the "
                 f"cluster from their epochs; its DP replica(s) {mine} rejoin in epoch(s) "
-                f"{[self._r[k].epoch for k in mine]}")  # fmt: skip
-        return [Decision("say", epoch=1, text=text)]
+                f"{[self._r[k].epoch for k in mine]}{''.join('; ' + o for o in out)}; the requested DP width is "
+                f"{self.requested}")  # fmt: skip
+        return [Decision("say", epoch=1, text=text)] + self._declare()
 
     def _declare(self) -> list[Decision]:
         """Node 0: the members changed: a new membership epoch (coupled replicas form it; followers are told)."""

@@ -10,7 +10,8 @@ from .abstract import ReplicaState
 from .errors import ReplicaLost
 
 __all__ = ["Layout", "Lost", "Admit", "Ready", "Back", "Drain", "DrainHeard", "Scale", "Tick", "Regrouped",
-           "Welcomed", "Resume", "Event", "Decision", "KINDS", "RosterMisuse", "LEADERS", "FOLLOWERS"]  # fmt: skip
+           "Welcomed", "WidthHeard", "Resume", "Event", "Decision", "KINDS", "RosterMisuse", "LEADERS",
+           "FOLLOWERS"]  # fmt: skip
 
 
 class Layout(Protocol):
@@ -106,9 +107,18 @@ class Regrouped:
 
 @dataclasses.dataclass(frozen=True)
 class Welcomed:
-    """A follower: node 0's first answer says each replica's epoch (a replacement joins a later one)."""
+    """A follower: node 0's first answer says each replica's epoch (a replacement joins a later one), and the
+    width the operator asked for (0: not said)."""
 
     epochs: tuple[tuple[int, int], ...]
+    requested: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class WidthHeard:
+    """A follower: node 0 says the operator's requested DP width is now `requested` (a scale, or one given up)."""
+
+    requested: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +129,15 @@ class Resume:
     epochs: tuple[tuple[int, int], ...]
     #: the follower that said so
     node: int
+    #: the replicas out of service as it knew them (a ReplicaDrained: drained), and the requested width (0: unknown)
+    out: tuple[tuple[int, ReplicaLost], ...] = ()
+    requested: int = 0
 
 
-Event = Lost | Admit | Ready | Back | Drain | DrainHeard | Scale | Tick | Regrouped | Welcomed | Resume
+Event = Lost | Admit | Ready | Back | Drain | DrainHeard | Scale | Tick | Regrouped | Welcomed | WidthHeard | Resume
 #: what node 0 alone decides, and what a follower alone hears from it
 LEADERS = (Admit, Ready, Drain, Scale, Tick, Resume)
-FOLLOWERS = (Back, DrainHeard, Regrouped, Welcomed)
+FOLLOWERS = (Back, DrainHeard, Regrouped, Welcomed, WidthHeard)
 
 
 class RosterMisuse(RuntimeError):
@@ -154,7 +167,8 @@ class Decision:
 #: node's replacement), admit (with `epoch`), announce (the replica
 #: callbacks hear `state`), stop_replica (this node's executors of `dp_rank` stop with `cause`), node_ends
 #: (this node has no replica left: `epoch` 1 if every one was drained, a clean stop), tell_down / tell_up /
-#: tell_drain (node 0 tells the followers; tell_down to `nodes` when set), begin_drain (this node's leader of
+#: tell_drain / tell_width (node 0 tells the followers; tell_down to `nodes` when set; tell_width the requested
+#: width, in `epoch`), begin_drain (this node's leader of
 #: `dp_rank` waits for its calls in flight), regroup (coupled replicas form membership `epoch` over `members`)
 KINDS = ("say", "answer", "refuse", "ignore", "admit", "announce", "stop_replica", "node_ends", "tell_down", "tell_up",
-         "tell_drain", "begin_drain", "regroup")  # fmt: skip
+         "tell_drain", "tell_width", "begin_drain", "regroup")  # fmt: skip

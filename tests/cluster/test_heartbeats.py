@@ -483,3 +483,30 @@ def test_a_followers_failed_goodbye_waits_for_a_dropped_peer_whose_loss_may_be_i
         for sock in socks.values():
             sock.close(linger=0)
         server.close(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_node_node_0_forgot_is_not_called_lost_and_started_again_is_admitted() -> None:
+    """A node 0 started again resumed a cluster whose replica on node 2 was drained meanwhile (`forget`): node 2's
+    silence past the bound is no loss (node 1's is: it was expected and never beat), and node 2 started again is
+    admitted as a replacement."""
+    port = get_open_port("127.0.0.1")
+    lost: list[int] = []
+    admitted: list[tuple[int, int]] = []
+    server = HeartbeatServer("127.0.0.1", port, {1: [1], 2: [2]}, 0.05, 0.6, lambda n, r, ip, why: lost.append(n))
+    server.admit = lambda node, pid, shape: admitted.append((node, pid)) or 1
+    server.start()
+    again = make_dealer(f"tcp://127.0.0.1:{port}")
+    try:
+        server.forget([2], "its DP replica(s) [2] were drained before node 0 was started again")
+        server.arm()
+        wait_until(lambda: lost, 20, "node 1's silence called a loss")
+        t_lost = time.monotonic()
+        wait_until(lambda: time.monotonic() - t_lost > 1.0, 5, "a second more")  # (past node 2's bound too)
+        assert lost == [1], lost
+        assert {v[0]: v[4] for v in server.peer_views()} == {1: True, 2: True}  # (both out: node 2 not waited for)
+        _beats_until(again, Beat, Beat(2, [2], "10.0.0.3", 4242, 1, shape="tp=1", incarnation=5))
+        assert admitted == [(2, 4242)] and lost == [1], (admitted, lost)
+    finally:
+        again.close(linger=0)
+        server.close(timeout=10)

@@ -20,6 +20,7 @@ import pytest
 
 from rayfree.cluster.simulate import SimulatedCluster
 from tests.cluster.test_dp import start, start_node
+from tests.cluster.test_drain import rayfree
 from tests.cluster.test_multinode import DETECT, HB_TIMEOUT, SLACK, assert_nothing_left, needs_root
 from tests.executor.test_observe import _status
 from tests.support.nodes import NodeProc, Nodes
@@ -140,6 +141,45 @@ def test_node_0_started_again_rejoins_as_replica_0s_leader_while_the_others_serv
         print(f"\nnode 0 started again: node {k} heard replica 0 serve again {back:.1f}s after ({r['steps']} steps "
               f"before, none failed)")  # fmt: skip
     assert codes == {0: 0, 1: 0, 2: 0}, codes
+
+
+@pytest.mark.timeout(400)
+def test_node_0_started_again_resumes_a_drained_replica_and_the_requested_width(tmp_path) -> None:
+    """DP=3 x TP=1 on three nodes: `rayfree scale --dp 2` drains replica 2 (node 2 exits), then node 0 is
+    SIGKILLed and replica 1 serves on. Node 0 started again resumes what node 1 knew: replica 2 drained and the
+    requested width 2. It does not wait for node 2 (nor calls it lost), and `rayfree status` says so."""
+    entry, hold = "tests.support.multinode_entry:steps_through_node_0_restart", str(tmp_path / "hold")
+    with SimulatedCluster(3) as sim:
+        nodes = Nodes(sim, **DETECT)
+        procs = start(nodes, 3, 3, 1, entry, RF_HOLD=hold)
+        for k in range(3):
+            procs[k].expect(r"^STEPPING:", 180)
+        narrower = rayfree(sim, nodes, 1, "scale", "--dp", "2")
+        procs[2].wait(120)  # (drained: its calls are refused, and it stops)
+        procs[1].expect(r"DP replica 2 was drained", 60)
+        sim.nodes[0].kill()
+        procs[1].expect(r"node 1: node 0 was lost \(", 60)
+        again = start_node(nodes, 0, 3, 3, 1, entry, RF_HOLD=hold)
+        everyone = [*procs.values(), again]
+        r0 = again.result("RESULT", 240)
+        served = procs[1].result("RESULT", 60)
+        status = rayfree(sim, nodes, 1, "status")  # (both entries hold until the file is made)
+        open(hold, "w").close()
+        codes = {0: again.wait(60), 1: procs[1].wait(60)}
+        texts = {0: again.text(), 1: procs[1].text()}
+        assert_nothing_left(sim, everyone)
+    assert narrower.returncode == 0 and "DP width 3 -> 2: replicas [2] drain" in narrower.stdout, narrower
+    assert "Traceback" not in texts[0] + texts[1], texts[0][-4000:] + texts[1][-4000:]
+    assert ("its DP replica(s) [0] rejoin in epoch(s) [1]; DP replica 2 drained; the requested DP width is 2" in
+            texts[0]), texts[0][-4000:]  # fmt: skip
+    assert "node 0: node 2 (ranks [2]) is not waited for" in texts[0], texts[0][-4000:]
+    assert "never sent a heartbeat" not in texts[0], texts[0][-4000:]
+    assert r0["outcome"] == "served" and r0["epoch"] == 1 and r0["after"] == r0["equal"] == 20, r0
+    assert r0["states"] == {"0": ["serving", 1], "1": ["serving", 0], "2": ["drained", 0]}, r0
+    assert served["outcome"] == "served" and served["equal"] == served["steps"] + 20, served  # none failed
+    assert [s[:2] for s in served["seen"]] == [[2, "draining"], [2, "drained"], [0, "lost"], [0, "serving"]], served
+    assert "width 2 serving of 2 requested" in status.stdout and "replica 2: drained" in status.stdout, status
+    assert codes == {0: 0, 1: 0}, codes
 
 
 @pytest.mark.timeout(300)

@@ -64,6 +64,9 @@ EVENTS: dict[str, Callable[[R.Roster, int], R.Event]] = {
     "regrouped": lambda r, k: R.Regrouped(r.epoch + 5, (0,)),
     "welcomed": lambda r, k: R.Welcomed(((k, 7),)),
     "resume": lambda r, k: R.Resume(((k, 4),), 2),
+    "resume_drained": lambda r, k: R.Resume(((k, 4),), 2, ((k, ReplicaDrained(k, k, [k])),), 2),
+    "resume_lost": lambda r, k: R.Resume(((k, 4),), 2, ((k, ReplicaLost(k, k, [k], "killed")),), 5),
+    "width_heard": lambda r, k: R.WidthHeard(2),
 }
 
 #: node 0: (phase, event) -> the replica's phase after, the decisions' kinds in order, the requested width after
@@ -78,8 +81,8 @@ NODE_0 = [
     ("starting", "drain", "starting", "answer", 4),
     ("starting", "drain_heard", "starting", "MISUSE", 4),
     ("starting", "scale_out", "starting", "answer", 4),
-    ("starting", "scale_in", "absent", "say, answer", 3),
-    ("starting", "tick", "absent", "say", 3),
+    ("starting", "scale_in", "absent", "tell_width, say, answer", 3),
+    ("starting", "tick", "absent", "tell_width, say", 3),
     ("starting", "regrouped", "starting", "MISUSE", 4),
     ("serving", "lost", "lost", "say, tell_down, announce", 3),
     ("serving", "drain_end", "drained", "say, tell_down, announce", 3),
@@ -89,8 +92,14 @@ NODE_0 = [
     ("serving", "back", "serving", "MISUSE", 3),
     ("serving", "drain", "draining", "say, announce, tell_drain, answer", 3),
     ("serving", "drain_heard", "serving", "MISUSE", 3),
-    ("serving", "scale_out", "serving", "say, answer", 4),
-    ("serving", "scale_in", "draining", "say, announce, tell_drain, say, announce, tell_drain, say, answer", 1),
+    ("serving", "scale_out", "serving", "tell_width, say, answer", 4),
+    (
+        "serving",
+        "scale_in",
+        "draining",
+        "say, announce, tell_drain, say, announce, tell_drain, tell_width, say, answer",
+        1,
+    ),
     ("serving", "tick", "serving", "", 3),
     ("serving", "regrouped", "serving", "MISUSE", 3),
     ("draining", "lost", "drained", "say, tell_down, announce", 3),
@@ -101,8 +110,8 @@ NODE_0 = [
     ("draining", "back", "draining", "MISUSE", 3),
     ("draining", "drain", "draining", "answer", 3),
     ("draining", "drain_heard", "draining", "MISUSE", 3),
-    ("draining", "scale_out", "draining", "say, answer", 4),
-    ("draining", "scale_in", "draining", "say, announce, tell_drain, say, answer", 1),
+    ("draining", "scale_out", "draining", "tell_width, say, answer", 4),
+    ("draining", "scale_in", "draining", "say, announce, tell_drain, tell_width, say, answer", 1),
     ("draining", "tick", "draining", "", 3),
     ("draining", "regrouped", "draining", "MISUSE", 3),
     ("drained", "lost", "drained", "say", 3),
@@ -113,8 +122,8 @@ NODE_0 = [
     ("drained", "back", "drained", "MISUSE", 3),
     ("drained", "drain", "drained", "answer", 3),
     ("drained", "drain_heard", "drained", "MISUSE", 3),
-    ("drained", "scale_out", "drained", "say, answer", 4),
-    ("drained", "scale_in", "drained", "say, announce, tell_drain, say, answer", 1),
+    ("drained", "scale_out", "drained", "tell_width, say, answer", 4),
+    ("drained", "scale_in", "drained", "say, announce, tell_drain, tell_width, say, answer", 1),
     ("drained", "tick", "drained", "", 3),
     ("drained", "regrouped", "drained", "MISUSE", 3),
     ("lost", "lost", "lost", "say", 3),
@@ -125,8 +134,8 @@ NODE_0 = [
     ("lost", "back", "lost", "MISUSE", 3),
     ("lost", "drain", "lost", "answer", 3),
     ("lost", "drain_heard", "lost", "MISUSE", 3),
-    ("lost", "scale_out", "lost", "say, answer", 4),
-    ("lost", "scale_in", "lost", "say, announce, tell_drain, say, answer", 1),
+    ("lost", "scale_out", "lost", "tell_width, say, answer", 4),
+    ("lost", "scale_in", "lost", "say, announce, tell_drain, tell_width, say, answer", 1),
     ("lost", "tick", "lost", "", 3),
     ("lost", "regrouped", "lost", "MISUSE", 3),
     ("rejoining", "lost", "rejoining", "say", 3),
@@ -137,8 +146,8 @@ NODE_0 = [
     ("rejoining", "back", "rejoining", "MISUSE", 3),
     ("rejoining", "drain", "rejoining", "answer", 3),
     ("rejoining", "drain_heard", "rejoining", "MISUSE", 3),
-    ("rejoining", "scale_out", "rejoining", "say, answer", 4),
-    ("rejoining", "scale_in", "lost", "tell_down, say, announce, tell_drain, say, answer", 1),
+    ("rejoining", "scale_out", "rejoining", "tell_width, say, answer", 4),
+    ("rejoining", "scale_in", "lost", "tell_down, say, announce, tell_drain, tell_width, say, answer", 1),
     ("rejoining", "tick", "rejoining", "", 3),
     ("rejoining", "regrouped", "rejoining", "MISUSE", 3),
     ("starting", "welcomed", "starting", "MISUSE", 4),
@@ -154,6 +163,25 @@ NODE_0 = [
     ("drained", "resume", "drained", "say", 3),
     ("lost", "resume", "lost", "say", 3),
     ("rejoining", "resume", "rejoining", "say", 3),
+    # ... and the replicas it knew out of service (drained or lost) are so again, at the width it knew
+    ("starting", "resume_drained", "drained", "say", 2),
+    ("starting", "resume_lost", "lost", "say", 5),
+    ("starting", "width_heard", "starting", "MISUSE", 4),
+    ("serving", "resume_drained", "drained", "say", 2),
+    ("serving", "resume_lost", "lost", "say", 5),
+    ("serving", "width_heard", "serving", "MISUSE", 3),
+    ("draining", "resume_drained", "drained", "say", 2),
+    ("draining", "resume_lost", "lost", "say", 5),
+    ("draining", "width_heard", "draining", "MISUSE", 3),
+    ("drained", "resume_drained", "drained", "say", 2),
+    ("drained", "resume_lost", "lost", "say", 5),
+    ("drained", "width_heard", "drained", "MISUSE", 3),
+    ("lost", "resume_drained", "drained", "say", 2),
+    ("lost", "resume_lost", "lost", "say", 5),
+    ("lost", "width_heard", "lost", "MISUSE", 3),
+    ("rejoining", "resume_drained", "drained", "say", 2),
+    ("rejoining", "resume_lost", "lost", "say", 5),
+    ("rejoining", "width_heard", "rejoining", "MISUSE", 3),
 ]
 
 #: a follower (node 1, running replica 1): the phases it can see (node 0 alone knows "starting" and "rejoining")
@@ -214,6 +242,19 @@ FOLLOWER = [
     ("draining", "resume", "draining", "MISUSE", 3),
     ("drained", "resume", "drained", "MISUSE", 3),
     ("lost", "resume", "lost", "MISUSE", 3),
+    # node 0 tells the followers the requested width, which they keep for a node 0 started again
+    ("serving", "resume_drained", "serving", "MISUSE", 3),
+    ("serving", "resume_lost", "serving", "MISUSE", 3),
+    ("serving", "width_heard", "serving", "", 2),
+    ("draining", "resume_drained", "draining", "MISUSE", 3),
+    ("draining", "resume_lost", "draining", "MISUSE", 3),
+    ("draining", "width_heard", "draining", "", 2),
+    ("drained", "resume_drained", "drained", "MISUSE", 3),
+    ("drained", "resume_lost", "drained", "MISUSE", 3),
+    ("drained", "width_heard", "drained", "", 2),
+    ("lost", "resume_drained", "lost", "MISUSE", 3),
+    ("lost", "resume_lost", "lost", "MISUSE", 3),
+    ("lost", "width_heard", "lost", "", 2),
 ]
 
 
@@ -305,6 +346,45 @@ def test_node_0_started_again_resumes_from_a_followers_epochs_its_own_replicas_o
     assert fresh.epochs() == {0: 1, 1: 0}
 
 
+def test_node_0_started_again_resumes_the_drains_losses_and_width_a_follower_knew() -> None:
+    """DP=4, one node each. The operator scales to 3 (replica 3 drains, then is drained), drains replica 2, and
+    node 0 is lost while it drains: node 1 heard all of it (what node 0 told it, as the heartbeats carry it). A
+    node 0 started again resumes from node 1's view: replica 3 drained, replica 2 drained (its nodes stop
+    cleanly without node 0), the requested width 3, and its own replica 0 rejoining as before."""
+
+    def roster(node: int) -> R.Roster:
+        return R.Roster(ParallelConfig(data_parallel_size=4, nnodes=4, node_rank=node, replica_coupling="independent"))
+
+    n0, n1 = roster(0), roster(1)
+
+    def told(decisions: list[R.Decision]) -> None:  # (node 0's word, as node 1's heartbeat client hears it)
+        for d in decisions:
+            if d.kind == "tell_drain":
+                n1.handle(R.DrainHeard(d.dp_rank))
+            elif d.kind == "tell_width":
+                n1.handle(R.WidthHeard(d.epoch))
+            elif d.kind == "tell_down":
+                assert d.cause is not None
+                n1.handle(R.Lost(d.dp_rank, d.cause))
+
+    told(n0.handle(R.Scale(3, 0.0, 30.0)))
+    told(n0.handle(drained(3)))
+    told(n0.handle(R.Drain(2)))
+    n1.handle(lost(0, "node 0 was lost"))  # (node 1 counts node 0's replica lost, and serves on)
+    assert n1.requested == 3 and [n1.phase(k) for k in range(4)] == ["lost", "serving", "draining", "drained"]
+    out = n1.out_of_service()
+    assert {k: type(e).__name__ for k, e in out.items()} == {0: "ReplicaLost", 2: "ReplicaDrained", 3: "ReplicaDrained"}
+    again = roster(0)
+    said = again.handle(R.Resume(tuple(n1.epochs().items()), 1, tuple(out.items()), n1.requested))
+    assert [again.phase(k) for k in range(4)] == ["serving", "serving", "drained", "drained"], said
+    assert again.requested == 3 and again.effective == 2 and again.epochs()[0] == 1
+    assert "DP replica 2 drained; DP replica 3 drained; the requested DP width is 3" in said[0].text, said
+    # replica 3's node started again is refused (past the width the operator asked for), replica 2's rejoins
+    refused = again.handle(R.Admit(3, 77, "s", "s"))
+    assert kinds(refused) == ["say", "refuse"] and "past the requested width 3" in refused[-1].text
+    assert kinds(again.handle(R.Admit(2, 78, "s", "s"))) == ["say", "admit"]  # (replica 2's node: a rejoin)
+
+
 OURS = "tp=2 pp=1 pcp=1 dp=3 nnodes=3 replicas=independent"
 
 
@@ -361,8 +441,8 @@ def test_a_scale_out_whose_nodes_do_not_come_is_given_up_and_the_width_is_as_it_
     r.handle(R.Scale(5, 10.0, 30.0))
     assert r.handle(R.Tick(39.9)) == []
     late = r.handle(R.Tick(40.0))
-    assert kinds(late) == ["say"] and "[3, 4] did not all come in time" in late[0].text
-    assert r.requested == 3 and r.states() == before
+    assert kinds(late) == ["tell_width", "say"] and "[3, 4] did not all come in time" in late[1].text
+    assert r.requested == 3 and r.states() == before and late[0].epoch == 3  # (the followers hear the width back)
 
 
 def test_scale_in_drains_the_highest_replicas_and_refuses_their_nodes_afterwards() -> None:

@@ -285,7 +285,8 @@ def steps_through_rejoins(ex) -> int:
 def steps_through_node_0_restart(ex) -> int:
     """Independent replicas, one a node. The replicas RF_BACK names (node 0's, "0", by default) step until their
     node is killed, and once started again (a later epoch) take 20 checked steps. Every other replica steps,
-    checked, until it has heard each of them serve again in a later epoch, then 20 more, and says what it saw."""
+    checked, until it has heard each of them serve again in a later epoch, then 20 more, and says what it saw
+    (then waits for RF_HOLD's file, where set)."""
     from rayfree import ExecutorFailed
 
     epoch, back = ex.parallel_config.replica_epoch, [int(k) for k in os.environ.get("RF_BACK", "0").split(",")]
@@ -310,6 +311,7 @@ def steps_through_node_0_restart(ex) -> int:
         states = {k: [v.state, v.epoch] for k, v in ex.replica_states().items()}
         say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome="served", steps=steps, after=after, equal=equal,
             seen=seen, states=states, t=time.monotonic())  # fmt: skip
+        _hold()
         return 0
     except ExecutorFailed as e:
         say("RESULT", replica=ex.dp_rank, epoch=epoch, outcome="failed", kind=type(e).__name__, error=str(e),
