@@ -38,6 +38,7 @@ from rayfree.transport.zmq.control import ControlSocket
 
 from . import heartbeat_messages as msgs
 from .heartbeat_beater import BYE_LINGER_MS, IDLE_LOOK_S, RECONNECT_S, Beater, LostCallback, wait_ms
+from .heartbeat_links import FIND_DROPPED_S, Links
 from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
 from .heartbeat_peer import FollowerPeer, answer, await_goodbyes, log_waiting, process_of, say_bye, tell_latecomers
 from .heartbeat_returns import Returns
@@ -56,14 +57,12 @@ JOIN_LOG_S = 5.0
 #: and while it is (a rank stopped on node 0, a call stalled: the followers' /readyz hears it within this)
 VERDICT_S = 0.1
 VERDICT_READY_S = 0.25
-#: while a connection that dropped is not yet known to be whose, how often node 0 asks
-FIND_DROPPED_S = 0.05
 
 #: how long a leader that failed keeps answering followers that have not beaten yet with its goodbye
 TELL_LATE_S = 2.0
 
 
-class HeartbeatServer(Returns, Beater):
+class HeartbeatServer(Returns, Links, Beater):
     """On the leader: answers every follower's beat and reports a follower that falls silent."""
 
     def __init__(
@@ -120,7 +119,8 @@ class HeartbeatServer(Returns, Beater):
         #: followers' failed goodbyes held while another connection's drop is judged (its loss may be their cause)
         self._held_byes: list[tuple[float, FollowerPeer, str]] = []
         # (in the caller's thread: a busy port fails the start-up; with watchers, each follower paces its own link)
-        self._sock = ControlSocket.listen(self.endpoint, pings=not settings.get("RAYFREE_WATCH_FANOUT"))
+        self._quiet, self._pinging = bool(settings.get("RAYFREE_WATCH_FANOUT")), set()
+        self._sock = ControlSocket.listen(self.endpoint, pings=not self._quiet)
 
     def tell(self, nodes: list[int], msg: msgs.Told) -> None:
         """Send `msg` to these followers (any thread: the heartbeat thread owns the socket and sends it)."""
@@ -257,6 +257,8 @@ class HeartbeatServer(Returns, Beater):
         if isinstance(msg, Beat) and self.watch.news(node := peer.node_rank, msg, first := peer.last_seen is None):
             self.watch.heard(node, msg, first, lambda k, m: self._send_told(
                 sock, [([k], _encode(m))]) if k != node else sock.try_send([identity, _encode(m)]))  # fmt: skip
+        if isinstance(msg, Beat):
+            self._saw_link(sock, msg)
         peer.identity, peer.ip, peer.last_seen, peer.done = identity, msg.ip, time.monotonic(), msg.done
         peer.pid, peer.proc, peer.dropped_at = msg.pid, process_of(msg), None
         if msg.status:
@@ -322,19 +324,6 @@ class HeartbeatServer(Returns, Beater):
     def corroborate(self) -> None:
         self._look_at = 0.0  # (a suspect's deadline is now)
         super().corroborate()
-
-    def _find_dropped(self, sock: ControlSocket, at: float) -> None:
-        """A connection dropped: whose? ZeroMQ refuses a message (the verdict) to a peer with no connection.
-        (Every FIND_DROPPED_S at most: one message to every follower each time.)"""
-        now = time.monotonic()
-        if now - self._probed_at < FIND_DROPPED_S:
-            return
-        self._probed_at = now
-        for peer in self.peers.values():
-            if peer.identity is not None and not peer.gone and peer.dropped_at is None:
-                if not sock.reachable([peer.identity, _encode(Verdict(peer.verdict))]):
-                    peer.dropped_at = at
-                    self._look_at = 0.0
 
     def _check(self) -> None:
         now = time.monotonic()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from rayfree import settings
 from rayfree.supervisor import FailureDomain
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
@@ -158,6 +159,9 @@ class HeartbeatClient(Watched, Beater):
         next_log += WAIT_LOG_S
         dropped: float | None = None
         sock.watch()
+        #: node 0 watches this node itself and sends no pings (the watch on): a link that carries nothing but this
+        #: node's pings keeps node 0's bound on it armed (heartbeat_links.py)
+        to_node_0 = watch_link(self.endpoint, self.node_rank) if not self.watcher and _watch_on() else None
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -224,6 +228,8 @@ class HeartbeatClient(Watched, Beater):
                 sock.send_quietly([_encode(self._bye)])
         finally:
             self._close_watch_link()
+            if to_node_0 is not None:
+                to_node_0.close()
             sock.close(BYE_LINGER_MS if self._bye is not None and not self.alone else 0)  # the bye goes out first
 
     def _go_alone(self, why: str) -> None:
@@ -325,6 +331,10 @@ class HeartbeatClient(Watched, Beater):
             logger.info("node %d: the leader answers at %s", self.node_rank, self.endpoint)
             self.contact.set()
         return False
+
+
+def _watch_on() -> bool:
+    return bool(settings.get("RAYFREE_WATCH_FANOUT"))
 
 
 def query_status(master_addr: str, port: int, timeout: float) -> bytes:

@@ -510,3 +510,34 @@ def test_a_node_node_0_forgot_is_not_called_lost_and_started_again_is_admitted()
     finally:
         again.close(linger=0)
         server.close(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_with_the_watch_a_follower_node_0_watches_stopped_right_after_a_beat_is_lost_within_a_second(
+    monkeypatch,
+) -> None:
+    """The watch on: node 0 sends no pings and holds each connection to the TTL its follower's pings carry, which
+    libzmq disarms at every data frame until the next ping. A follower stopped right after a beat (its last frame)
+    is then never timed out by that connection; its ping-only link to node 0 (heartbeat_links.py) is, and node 0
+    finds it lost within a second, not after the beats' 10 s."""
+    import subprocess
+
+    monkeypatch.setenv("RAYFREE_WATCH_FANOUT", "8")
+    port = get_open_port("127.0.0.1")
+    lost: list[tuple[int, str]] = []
+    server = HeartbeatServer("127.0.0.1", port, {1: [1]}, 0.05, 10.0, lambda n, r, ip, why: lost.append((n, why)))
+    server.start()
+    server.arm()
+    argv = [sys.executable, "-m", "tests.support.beat_then_stop", str(port), "--link"]
+    follower = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    try:
+        assert follower.stdout is not None and follower.stdout.readline().strip() == "STOPPING"
+        t_stop = time.monotonic()
+        wait_until(lambda: lost, 8, "node 0 calling the stopped follower lost")
+        took = time.monotonic() - t_stop
+        assert lost[0][0] == 1 and "connection dropped" in lost[0][1], lost
+        assert took < 2.0, f"lost after {took:.2f}s: {lost}"
+    finally:
+        follower.kill()
+        follower.wait(10)
+        server.close(timeout=10)
