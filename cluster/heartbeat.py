@@ -32,7 +32,6 @@ from collections.abc import Callable
 
 import msgspec
 
-from rayfree import settings
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
 
@@ -42,7 +41,7 @@ from .heartbeat_links import FIND_DROPPED_S, Links
 from .heartbeat_messages import Beat, Bye, Verdict, _decode, _encode
 from .heartbeat_peer import FollowerPeer, answer, await_goodbyes, log_waiting, process_of, say_bye, tell_latecomers
 from .heartbeat_returns import Returns
-from .watch import WatchBook
+from .watch import WatchBook, watch_on
 
 __all__ = ["Beat", "Bye", "Verdict", "HeartbeatServer"]
 
@@ -119,7 +118,7 @@ class HeartbeatServer(Returns, Links, Beater):
         #: followers' failed goodbyes held while another connection's drop is judged (its loss may be their cause)
         self._held_byes: list[tuple[float, FollowerPeer, str]] = []
         # (in the caller's thread: a busy port fails the start-up; with watchers, each follower paces its own link)
-        self._quiet, self._pinging = bool(settings.get("RAYFREE_WATCH_FANOUT")), set()
+        self._quiet, self._pinging = watch_on(), set()
         self._sock = ControlSocket.listen(self.endpoint, pings=not self._quiet)
 
     def tell(self, nodes: list[int], msg: msgs.Told) -> None:

@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 import msgspec
 
-from rayfree import settings
 from rayfree.supervisor import FailureDomain
 from rayfree.transport.net import tcp_endpoint
 from rayfree.transport.zmq.control import ControlSocket
@@ -37,7 +36,7 @@ from .heartbeat_messages import (
     _encode,
 )  # fmt: skip
 from .heartbeat_watched import Watched
-from .watch import WatchServer, watch_link
+from .watch import WatchServer, watch_link, watch_on
 
 __all__ = ["HeartbeatClient", "query_status", "ask_node0"]
 
@@ -161,7 +160,7 @@ class HeartbeatClient(Watched, Beater):
         sock.watch()
         #: node 0 watches this node itself and sends no pings (the watch on): a link that carries nothing but this
         #: node's pings keeps node 0's bound on it armed (heartbeat_links.py)
-        to_node_0 = watch_link(self.endpoint, self.node_rank) if not self.watcher and _watch_on() else None
+        to_node_0 = watch_link(self.endpoint, self.node_rank) if not self.watcher and watch_on() else None
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -331,10 +330,6 @@ class HeartbeatClient(Watched, Beater):
             logger.info("node %d: the leader answers at %s", self.node_rank, self.endpoint)
             self.contact.set()
         return False
-
-
-def _watch_on() -> bool:
-    return bool(settings.get("RAYFREE_WATCH_FANOUT"))
 
 
 def query_status(master_addr: str, port: int, timeout: float) -> bytes:

@@ -31,7 +31,6 @@ class Returns:
     _look_at: float
     #: nodes not to wait for, and why (`forget`: any thread puts them here, the heartbeat thread takes them)
     _to_forget: list[tuple[list[int], str]]
-
     _sock: ControlSocket
 
     def forget(self, nodes: list[int], why: str) -> None:

@@ -23,7 +23,7 @@ from .config import ParallelConfig
 from .heartbeat_beater import BYE_LINGER_MS, RECONNECT_S, Beater, wait_ms
 from .heartbeat_messages import Beat, WatchBy, _encode
 
-__all__ = ["watchers", "WatchServer", "WatchBook", "watch_link", "routing_id"]
+__all__ = ["watch_on", "watchers", "WatchServer", "WatchBook", "watch_link", "routing_id"]
 
 logger = logging.getLogger("rayfree.cluster")
 
@@ -31,6 +31,11 @@ logger = logging.getLogger("rayfree.cluster")
 #: how often it looks otherwise (a child that connected before the watch's monitor was up is seen then)
 FIND_DROPPED_S = 0.05
 LOOK_S = 1.0
+
+
+def watch_on() -> bool:
+    """Is the watch on (RAYFREE_WATCH_FANOUT, the same on every node)?"""
+    return bool(settings.get("RAYFREE_WATCH_FANOUT"))
 
 
 def watchers(par: ParallelConfig, fanout: int | None = None) -> dict[int, int]:

@@ -20,9 +20,10 @@ from rayfree.cluster.status_desk import StatusDesk
 from rayfree.cluster.watch import watchers
 from rayfree.transport.net import is_local_address
 
-from .errors import LeaderLost, NodeLost, ReplicaDrained, ReplicaLost
+from .errors import LeaderLost, NodeLost, ReplicaLost
 from .health import follower_verdict
 from .node_liveness import FINISH_POLL_S, NodeLiveness
+from .rejoin import cause_of
 from .roster import Back, DrainHeard, Regrouped, Welcomed, WidthHeard
 from .status_messages import cluster_status, encode, node_status
 
@@ -194,9 +195,7 @@ class FollowerLiveness(NodeLiveness):
         self.settled.set()
 
     def _replica_down(self, msg: ReplicaDown) -> None:
-        cls = ReplicaDrained if msg.drained else ReplicaLost
-        err = cls(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)
-        self.policy.report("node 0", err)
+        self.policy.report("node 0", cause_of(msg))
 
     def welcome_epochs(self, timeout: float) -> dict[int, int]:
         """Independent replicas: the epoch of each replica this node runs, from node 0's first answer (a node

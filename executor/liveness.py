@@ -20,7 +20,7 @@ from .errors import NodeLost, ReplicaDrained, ReplicaLost
 from .follower_liveness import FollowerLiveness, node_0_resumes
 from .health import followers_verdict, verdicts
 from .node_liveness import FINISH_POLL_S, NodeLiveness
-from .rejoin import Rejoins
+from .rejoin import Rejoins, cause_of
 from .roster import Resume
 from .status_messages import cluster_status, encode
 
@@ -144,8 +144,7 @@ class LeaderLiveness(NodeLiveness):
         node, beat = min(self._alone.items())
         self.resumed_from = node
         mine = set(self.par.node_replicas)
-        out = {m.dp_rank: (ReplicaDrained if m.drained else ReplicaLost)(m.dp_rank, m.node_rank, m.ranks, m.reason)
-               for m in beat.out if m.dp_rank not in mine}  # fmt: skip
+        out = {m.dp_rank: cause_of(m) for m in beat.out if m.dp_rank not in mine}
         self.replica_epochs.send(Resume(tuple(sorted(beat.epochs.items())), node, tuple(out.items()), beat.requested))
         self._forget_out(beater, node, out)
         epochs = self.replica_epochs.epochs

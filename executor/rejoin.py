@@ -44,7 +44,7 @@ from .status_messages import decode_node
 if TYPE_CHECKING:
     from .roles import Node
 
-__all__ = ["ReplicaEpochs", "Rejoins", "down_of"]
+__all__ = ["ReplicaEpochs", "Rejoins", "down_of", "cause_of"]
 
 logger = logging.getLogger("rayfree.executor")
 _LEVELS = (logging.INFO, logging.WARNING, logging.ERROR)
@@ -55,6 +55,11 @@ _POLICY_KINDS = ("announce", "begin_drain", "regroup")
 def down_of(err: ReplicaLost) -> ReplicaDown:
     """What node 0 tells of a replica out of service (drained: a planned stop)."""
     return ReplicaDown(err.dp_rank, err.node_rank, err.ranks, err.why[:300], isinstance(err, ReplicaDrained))
+
+
+def cause_of(msg: ReplicaDown) -> ReplicaLost:
+    """What a node hears of a replica out of service (`down_of`'s message) as the failure it is."""
+    return (ReplicaDrained if msg.drained else ReplicaLost)(msg.dp_rank, msg.node_rank, msg.ranks, msg.reason)
 
 
 class ReplicaEpochs:
