@@ -98,7 +98,7 @@ TABLE: dict[str, Setting] = {
         ),
         Setting(
             "RAYFREE_WATCH_FANOUT",
-            0,
+            8,
             int,
             "a node's quick link goes to its watcher, the first node of its replica, which watches this many "
             "nodes, each of those the next as many (their links to node 0 are held to heartbeat_timeout_s), and "

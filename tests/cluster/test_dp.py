@@ -137,9 +137,9 @@ def test_a_lost_node_of_replica_1_in_one_world_fails_both_replicas_naming_it(vic
     assert all(c != 0 for k, c in codes.items() if k != victim), codes
 
 
-def stepping(sim: SimulatedCluster) -> dict[int, NodeProc]:
+def stepping(sim: SimulatedCluster, **env: str) -> dict[int, NodeProc]:
     """DP=2 x TP=2 on four nodes, independent, both leaders stepping until a replica is lost."""
-    procs = start(Nodes(sim, **DETECT), 4, 2, 2, "tests.support.multinode_entry:steps_while_a_replica_is_lost")
+    procs = start(Nodes(sim, **DETECT), 4, 2, 2, "tests.support.multinode_entry:steps_while_a_replica_is_lost", **env)
     for k in (0, 2):
         procs[k].expect(r"^STEPPING:", 180)
     return procs
@@ -193,12 +193,12 @@ def test_a_lost_node_of_independent_replica_1_fails_it_alone(victim: int, how: s
 
 @pytest.mark.timeout(240)
 def test_node_0_lost_stops_independent_replicas_spread_over_several_nodes() -> None:
-    """Without the watch (RAYFREE_WATCH_FANOUT=0, the default) node 0 is the only watcher of a replica spread over
+    """Without the watch (RAYFREE_WATCH_FANOUT=0; on by default) node 0 is the only watcher of a replica spread over
     several nodes: SIGKILLed, every replica stops (with the watch they serve on: tests/cluster/test_node0_lost.py).
     Replica 1's leader ends its call with LeaderLost (not ReplicaLost) within the heartbeats' bound, and every
     other node leaves non-zero. (Replicas that each run on one node serve on: tests/cluster/test_node0_lost.py.)"""
     with SimulatedCluster(4) as sim:
-        procs = stepping(sim)
+        procs = stepping(sim, RAYFREE_WATCH_FANOUT="0")
         t_kill = time.monotonic()
         sim.nodes[0].kill()
         r = procs[2].result("RESULT", 60)
