@@ -125,7 +125,10 @@ class HeartbeatClient(Watched, Beater):
         #: `_watch_link_lost`), whose replica nobody else will call lost (the layer above; None: not expected)
         self.on_watch_lost: Callable[[int, str], None] | None = None
         self.watch: WatchServer | None = None
-        self._sock = ControlSocket.connect(self.endpoint, link_timeout_s=timeout if watcher else None)
+        #: its quick link is another (to its watcher, or node 0's ping-only one with the watch on): this one's pings
+        #: only hold it to the beats' bound
+        slow = bool(watcher) or watch_on()
+        self._sock = ControlSocket.connect(self.endpoint, link_timeout_s=timeout if slow else None)
         if children:
             self.watch = WatchServer(ip, children, timeout, self._child_lost)
 
@@ -161,6 +164,8 @@ class HeartbeatClient(Watched, Beater):
         #: node 0 watches this node itself and sends no pings (the watch on): a link that carries nothing but this
         #: node's pings keeps node 0's bound on it armed (heartbeat_links.py)
         to_node_0 = watch_link(self.endpoint, self.node_rank) if not self.watcher and watch_on() else None
+        if to_node_0 is not None:  # (and its drop makes node 0 suspect, as the beat link's would)
+            sock.follow(to_node_0)
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -186,6 +191,8 @@ class HeartbeatClient(Watched, Beater):
                 for frames in self._receive(sock, wait_ms(due)):
                     if len(frames) == 1 and self._on_message(frames[0]):
                         return
+                if to_node_0 is not None and to_node_0.take_dropped():
+                    self.suspect_at = time.monotonic()
                 while self._to_send:
                     sock.try_send([self._to_send.pop(0)])
                 if self._watch_link is not None:
@@ -228,6 +235,7 @@ class HeartbeatClient(Watched, Beater):
         finally:
             self._close_watch_link()
             if to_node_0 is not None:
+                sock.unfollow(to_node_0)
                 to_node_0.close()
             sock.close(BYE_LINGER_MS if self._bye is not None and not self.alone else 0)  # the bye goes out first
 
