@@ -61,6 +61,8 @@ _DEVICE_BACKEND: str | None = None
 #: the process groups made outside torch's world and registered by `known` (one-rank groups, the groups across
 #: replicas), released by `release`
 _OWN: list[Any] = []
+#: the gloo device those groups share, the world's (each device runs a thread that wakes every 10 ms)
+_GLOO_DEVICE: Any = None
 
 
 def _parse_init_method(method: str) -> tuple[str, int]:
@@ -238,7 +240,9 @@ def make_process_group(
     kind = dist.ProcessGroup.BackendType
     devices: tuple[str, ...]
     if backend == "gloo":
-        impl: Any = dist.ProcessGroupGloo(store, index, size, timeout)
+        options = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009 - (not in torch's stubs)
+        options._timeout, options._devices = timeout, [_gloo_device()]
+        impl: Any = dist.ProcessGroupGloo(store, index, size, options)
         devices, which = ("cpu", "cuda"), kind.GLOO
     elif backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
@@ -253,6 +257,21 @@ def make_process_group(
     pg._set_group_name(name or f"rayfree/{id(pg)}")
     pg._set_group_desc(name or "rayfree")
     return pg
+
+
+def _gloo_device() -> Any:
+    """The world's gloo device (its network interface), else one of this process's own, for every group made
+    here: a device per group would be a loop thread per group, each waking 100 times a second while idle."""
+    global _GLOO_DEVICE
+    if _GLOO_DEVICE is None:
+        try:
+            pg = dist.group.WORLD if dist.is_initialized() else None
+            world = pg._get_backend(torch.device("cpu")) if pg is not None else None
+        except (RuntimeError, AttributeError):  # (no gloo backend in the world)
+            world = None
+        found = getattr(getattr(world, "options", None), "_devices", None)
+        _GLOO_DEVICE = found[0] if found else dist.ProcessGroupGloo.create_default_device()
+    return _GLOO_DEVICE
 
 
 def known(pg: Any, store: Any, backend: str, name: str, index: int) -> None:
@@ -366,9 +385,9 @@ def destroy_model_parallel() -> None:
 
 def destroy_distributed_environment() -> None:
     """Leave torch.distributed (after destroy_model_parallel) and drop the world group."""
-    global _WORLD, _STORE, _ADOPTED, _DEVICE_BACKEND
+    global _WORLD, _STORE, _ADOPTED, _DEVICE_BACKEND, _GLOO_DEVICE
     destroy_model_parallel()
-    _DEVICE_BACKEND = None
+    _DEVICE_BACKEND = _GLOO_DEVICE = None
     if _WORLD is not None:
         _WORLD.destroy()
         _WORLD = None

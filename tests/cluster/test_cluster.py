@@ -272,7 +272,10 @@ def test_parallel_groups_follow_the_layout() -> None:
         assert g["world"] == g["inner_dp_world"] == [0, 1, 2, 3]
         assert g["tp"] == expect[rank]["tp"] and g["pp"] == expect[rank]["pp"] and g["ep"] == expect[rank]["ep"]
         assert g["dp"] == g["pcp"] == g["dcp"] == [rank]
-        assert r["tp_sum"] == sum(x + 1 for x in expect[rank]["tp"])
+        assert r["tp_sum"] == sum(x + 1 for x in expect[rank]["tp"]) and r["dp_sum"] == rank + 1
+        # gloo threads: the world's device, and one for each group torch makes (tp, pp, ep); the three groups of
+        # one (dp, pcp, dcp) share the world's, whose loop thread wakes every 10 ms (they had three more)
+        assert r["gloo_loops"] == 4, r
         assert r["rank_in_tp"] == expect[rank]["tp"].index(rank)
         assert r["gathered"] == [f"r{x}" for x in expect[rank]["tp"]]
         assert len(r["before"]) == 2 and all("not initialized" in b for b in r["before"])

@@ -122,6 +122,11 @@ def external(rank: int, world: int, master: str, port: int) -> None:
     out(rank=rank, ok=True, path=path_of(bq), bad=bad)
 
 
+def _comm(tid: str) -> str:
+    with open(f"/proc/self/task/{tid}/comm") as f:
+        return f.read().strip()
+
+
 def layout(rank: int, world: int, master: str, port: int) -> None:
     """TP=2 x PP=2: every getter's group, and a gloo all-reduce over the TP group."""
     import torch
@@ -144,6 +149,9 @@ def layout(rank: int, world: int, master: str, port: int) -> None:
     }
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t, group=ps.get_tp_group().cpu_group)
+    alone = torch.tensor([rank + 1.0])
+    dist.all_reduce(alone, group=ps.get_dp_group().cpu_group)  # (a group of one: its own value)
+    loops = sum(_comm(tid) == "gloo_tcp_loop" for tid in os.listdir("/proc/self/task"))
     tp = ps.get_tp_group()
     gathered = tp.all_gather_bytes(f"r{rank}".encode())
     ps.destroy_model_parallel()
@@ -155,6 +163,8 @@ def layout(rank: int, world: int, master: str, port: int) -> None:
         before=before,
         groups=groups,
         tp_sum=t.item(),
+        dp_sum=alone.item(),
+        gloo_loops=loops,
         rank_in_tp=tp.rank_in_group,
         gathered=[g.decode() for g in gathered],
         initialized_after=initialized_after,
