@@ -8,7 +8,9 @@ simulated nodes), in rounds whose order flips.
 - floor, paced: raw pyzmq, a DEALER on node 0 and a ROUTER echoing it on node 1, 100 round trips a second of the
   same tiny message.
 
-    python bench/idle.py [--rounds 3] [--seconds 20]
+`--watch 0,8` runs rayfree once per RAYFREE_WATCH_FANOUT given, in each round (unset: the default).
+
+    python bench/idle.py [--rounds 3] [--seconds 20] [--watch 0,8]
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from rayfree.cluster.simulate import netns_missing  # noqa: E402 - (once the che
 from tests.support.paths import pythonpath  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+from simnodes import process_tree  # noqa: E402
 
 ENTRY = """
 import sys, time
@@ -84,28 +87,10 @@ while not select.select([sys.stdin], [], [], 0)[0]:
 """
 
 
-def _tree(pids: list[int]) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(p))
-            except (OSError, ValueError, IndexError):
-                pass
-    out, todo = [], list(pids)
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def _threads(pids: list[int]) -> dict[tuple[int, int], tuple[str, int]]:
     """(pid, tid) -> (process and thread name, nanoseconds on a CPU so far), for every thread of `pids`' trees."""
     out = {}
-    for pid in _tree(pids):
+    for pid in process_tree(pids):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 title = f.read().split(b"\0")[0].decode(errors="replace").rsplit("/", 1)[-1][:24]
@@ -158,12 +143,13 @@ def _env(**more: str) -> dict[str, str]:
     }
 
 
-def rayfree(sim, entry_dir: str, seconds: float) -> tuple[float, float, Counter, Counter]:
+def rayfree(sim, entry_dir: str, seconds: float, watch: str) -> tuple[float, float, Counter, Counter]:
     from simnodes import pair_env
 
     procs = []
     for k in (1, 0):
-        env = pair_env(sim, k, "idle_entry:entry", entry_dir, _env())
+        more = {"RAYFREE_WATCH_FANOUT": watch} if watch else {}
+        env = pair_env(sim, k, "idle_entry:entry", entry_dir, _env(**more))
         procs.append(
             sim.nodes[k].popen(
                 [sys.executable, "-m", "rayfree.cli", "node"],
@@ -237,11 +223,20 @@ def zmq_paced(sim, seconds: float) -> float:
     return cost
 
 
+def _watch(w: str) -> str:
+    return f", watch {w}" if w else ""
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--watch", default="", help="RAYFREE_WATCH_FANOUT values, a rayfree row each (unset: default)")
     a = ap.parse_args()
+    watches = [w.strip() for w in a.watch.split(",") if w.strip()] or [""]
+    if any(not w.isdigit() for w in watches if w):
+        print(f"bench/idle.py: --watch takes fan-outs such as 0,8, not {a.watch!r}")
+        return 2
     if netns_missing():
         print(f"bench/idle.py: two simulated nodes need network namespaces; this machine lacks {netns_missing()}")
         return 0
@@ -250,7 +245,9 @@ def main() -> int:
     entry_dir = tempfile.mkdtemp(prefix="rayfree-idle-")
     with open(os.path.join(entry_dir, "idle_entry.py"), "w") as f:
         f.write(ENTRY)
-    rows: dict[str, list[float]] = {"idle": [], "paced": [], "gloo": [], "zmq": []}
+    rows: dict[str, list[float]] = {"gloo": [], "zmq": []}
+    for w in watches:
+        rows[f"idle{w}"], rows[f"paced{w}"] = [], []
     threads_idle: Counter = Counter()
     threads_paced: Counter = Counter()
     print(
@@ -261,29 +258,36 @@ def main() -> int:
             for i in range(a.rounds):
                 for which in ("rayfree", "floor") if i % 2 == 0 else ("floor", "rayfree"):
                     if which == "rayfree":
-                        idle, paced, by_i, by_p = rayfree(sim, entry_dir, a.seconds)
-                        rows["idle"].append(idle)
-                        rows["paced"].append(paced)
-                        threads_idle.update(by_i)
-                        threads_paced.update(by_p)
+                        for w in watches if i % 2 == 0 else watches[::-1]:
+                            idle, paced, by_i, by_p = rayfree(sim, entry_dir, a.seconds, w)
+                            rows[f"idle{w}"].append(idle)
+                            rows[f"paced{w}"].append(paced)
+                            threads_idle.update({f"w{w} {k}": v for k, v in by_i.items()} if w else by_i)
+                            threads_paced.update({f"w{w} {k}": v for k, v in by_p.items()} if w else by_p)
                     else:
                         rows["gloo"].append(gloo_pair(sim, a.seconds))
                         rows["zmq"].append(zmq_paced(sim, a.seconds))
-                print(
-                    f"    round {i + 1}: idle {rows['idle'][-1]:.2f}% (gloo pair {rows['gloo'][-1]:.2f}%), "
-                    f"100 calls/s {rows['paced'][-1]:.2f}% (raw zmq {rows['zmq'][-1]:.2f}%)",
-                    flush=True,
-                )
+                for w in watches:
+                    print(
+                        f"    round {i + 1}{_watch(w)}: idle {rows[f'idle{w}'][-1]:.2f}% (gloo pair "
+                        f"{rows['gloo'][-1]:.2f}%), 100 calls/s {rows[f'paced{w}'][-1]:.2f}% (raw zmq "
+                        f"{rows['zmq'][-1]:.2f}%)",
+                        flush=True,
+                    )
     finally:
         import shutil
 
         shutil.rmtree(entry_dir, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in rows.items()}
     goal = max(0.6, 1.5 * med["gloo"])
-    print(f"  idle, all processes: {med['idle']:.2f}% of a core (gloo pair {med['gloo']:.2f}%; goal <= {goal:.2f}%)")
-    print(f"  100 tiny calls/s: {med['paced']:.2f}% (raw zmq {med['zmq']:.2f}%; goal <= 4%)")
+    for w in watches:
+        print(
+            f"  idle, all processes{_watch(w)}: {med[f'idle{w}']:.2f}% of a core (gloo pair {med['gloo']:.2f}%; "
+            f"goal <= {goal:.2f}%)"
+        )
+        print(f"  100 tiny calls/s{_watch(w)}: {med[f'paced{w}']:.2f}% (raw zmq {med['zmq']:.2f}%; goal <= 4%)")
     for title, by in (("idle", threads_idle), ("paced", threads_paced)):
-        top = ", ".join(f"{k} {v / a.rounds:.2f}%" for k, v in by.most_common(6))
+        top = ", ".join(f"{k} {v / a.rounds:.2f}%" for k, v in by.most_common(6 * len(watches)))
         print(f"  busiest threads, {title}: {top}")
     return 0
 

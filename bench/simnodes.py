@@ -50,6 +50,25 @@ def has_netns(bench: str) -> bool:
     return not missing
 
 
+def process_tree(pids: list[int]) -> list[int]:
+    """`pids` and every process below them (a simulated node's command runs under its namespace's wrapper)."""
+    children: dict[int, list[int]] = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(p))
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], list(pids)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
 def write_json(path: str | None, figures: Any) -> None:
     """The figures into `path` too (--json), if given."""
     if path:

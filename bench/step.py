@@ -6,11 +6,12 @@ waits its reader parks, so waking it costs every step. Here the worker computes 
 tensors made before timing, one thread; no sleep), times its own compute and returns that time; the caller's
 cost is the call's wall time minus it. Rigs, alternated in rounds (a slow spell hits each alike): rayfree's
 transport queues (a broadcast queue and a reply queue, as the executor holds them; and both on the remote path,
-ZeroMQ over TCP loopback, sealed as between nodes), `collective_rpc` at 1 and
-4 workers, vLLM's MessageQueue both ways (as its executor holds them; when vLLM imports, e.g. with its venv),
-and a blocking pipe, each up alone in turn (vLLM's readers spin while they wait: beside another rig they would
-take its core). Beside each: the caller process's CPU while steps run, as a share of one core (its waiting),
-and the caller's and the workers' for a second once the steps stop (idle).
+ZeroMQ over TCP loopback, sealed as between nodes), `collective_rpc` at 1 and 4 workers and over two simulated
+nodes (as root: node 0's entry is the caller there, and times itself), vLLM's MessageQueue both ways (as its
+executor holds them; when vLLM imports, e.g. with its venv), and a blocking pipe, each up alone in turn (vLLM's
+readers spin while they wait: beside another rig they would take its core). Beside each: the caller process's
+CPU while steps run, as a share of one core (its waiting), and the caller's and the workers' for a second once
+the steps stop (idle).
 
     python bench/step.py [--quick] [--rounds R] [--steps-ms 0.1,1,5,30]
 """
@@ -29,7 +30,6 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from rayfree import WorkerBase  # noqa: E402
 from rayfree.cluster.config import ClusterConfig, ParallelConfig  # noqa: E402
 from rayfree.executor import MultiprocExecutor  # noqa: E402
 
@@ -40,31 +40,8 @@ _spec.loader.exec_module(bt)
 
 STOP = bt.STOP
 
-
-class Burner:
-    """Real compute for a given time: torch.mm into a tensor made beforehand, on one thread, calibrated here."""
-
-    def __init__(self) -> None:
-        import torch
-
-        torch.set_num_threads(1)
-        self.torch = torch
-        self.a, self.b, self.c = torch.randn(48, 48), torch.randn(48, 48), torch.empty(48, 48)
-        for _ in range(200):
-            torch.mm(self.a, self.b, out=self.c)
-        n, t0 = 2000, time.perf_counter()
-        for _ in range(n):
-            torch.mm(self.a, self.b, out=self.c)
-        self.per_s = (time.perf_counter() - t0) / n
-
-    def burn(self, ms: float) -> float:
-        """Compute for about `ms` milliseconds; the seconds it took."""
-        mm, a, b, c = self.torch.mm, self.a, self.b, self.c
-        t0 = time.perf_counter()
-        for _ in range(max(1, int(ms / 1e3 / self.per_s))):
-            mm(a, b, out=c)
-        return time.perf_counter() - t0
-
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from step_worker import Burner, StepWorker  # noqa: E402
 
 # -- rayfree's transport queues ------------------------------------------------------
 
@@ -203,16 +180,6 @@ class PipeRig:
 # -- collective_rpc ----------------------------------------------------------------------
 
 
-class StepWorker(WorkerBase):
-    """Computes for the time asked, and says how long it took (rank 0's answer is the call's)."""
-
-    def init_device(self) -> None:
-        self.burner = Burner()
-
-    def step(self, ms: float) -> float:
-        return self.burner.burn(ms)
-
-
 class ExecRig:
     def __init__(self, n: int) -> None:
         self.name = f"collective_rpc x{n}"
@@ -228,6 +195,73 @@ class ExecRig:
 
     def close(self) -> None:
         self.ex.shutdown()
+
+
+# -- collective_rpc over two simulated nodes --------------------------------------------------
+
+
+class NodesRig:
+    """`collective_rpc` to two simulated nodes, one rank each (sealed, as in production): node 0's entry
+    (step_worker.entry) times every call and its own CPU and prints them, for it is the caller there."""
+
+    name = "rpc 2 nodes"
+
+    def __init__(self) -> None:
+        from rayfree.cluster.simulate import SimulatedCluster
+
+        self.sim = SimulatedCluster(2)
+        self.sim.__enter__()
+        self.procs: list = []
+
+    def measure(self, plan: dict[float, tuple[int, int]]) -> dict[float, tuple[list[float], float]]:
+        """Every step length of `plan` ({ms: (warm calls, timed calls)}): its costs and the caller's CPU share."""
+        import json
+        import subprocess
+
+        from simnodes import pair_env
+
+        base = {**os.environ, "RAYFREE_LOG_LEVEL": "WARNING", "TORCH_CPP_LOG_LEVEL": "ERROR",
+                "RF_STEP_PLAN": json.dumps({str(ms): list(v) for ms, v in plan.items()})}  # fmt: skip
+        for k in (1, 0):
+            env = {**pair_env(self.sim, k, "step_worker:entry", os.path.join(ROOT, "bench"), base),
+                   "RAYFREE_WORKER": "step_worker:StepWorker"}  # fmt: skip
+            self.procs.append(
+                self.sim.nodes[k].popen([sys.executable, "-m", "rayfree.cli", "node"], env=env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            )  # fmt: skip
+        lead, got, said = self.procs[-1], {}, []
+        end = time.monotonic() + 600
+        while time.monotonic() < end:
+            line = lead.stdout.readline()
+            said.append(line)
+            if not line:
+                tail = "".join(said[-15:])
+                raise RuntimeError(f"node 0 ended (rc {lead.wait(10)}) before its steps were measured:\n{tail}")
+            if line.startswith("STEP "):
+                one = json.loads(line[5:])
+                got[one["ms"]] = (one["costs"], one["cpu"])
+            elif line.startswith("IDLE"):
+                return got
+        raise TimeoutError("node 0's steps took more than 600 s")
+
+    def pids(self) -> list[int]:
+        from simnodes import process_tree
+
+        return [p for p in process_tree([q.pid for q in self.procs]) if p != os.getpid()]
+
+    def close(self) -> None:
+        try:
+            if self.procs and self.procs[-1].poll() is None:
+                self.procs[-1].stdin.write("\n")
+                self.procs[-1].stdin.flush()
+            for p in self.procs:
+                try:
+                    p.wait(60)
+                except Exception:  # noqa: BLE001 - it is stopped below
+                    p.kill()
+                    p.wait(10)
+        finally:
+            self.sim.__exit__(None, None, None)
 
 
 # -- the run -----------------------------------------------------------------------------
@@ -246,6 +280,12 @@ def idle_share(pids: list[int], seconds: float) -> float:
     return (sum(bt.run_seconds(p) for p in pids) - c0) / (time.perf_counter() - t0)
 
 
+def _calls(ms: float, rounds: int, quick: bool) -> tuple[int, int]:
+    """How many calls warm a rig at this step length (the waiting side learns the rhythm), and how many are timed."""
+    calls = max(5 if quick else 40, int((60 if quick else 300) / max(ms, 1.0)) // rounds)
+    return max(8, calls // 10), calls
+
+
 def run(makers: dict[str, object], steps_ms: list[float], rounds: int, quick: bool) -> tuple[dict, dict, dict]:
     """Each round starts every rig in turn, alone (vLLM's readers spin while they wait: up beside another rig,
     they would take its core), measures every step length through it, and closes it. Its costs (wall - worker),
@@ -259,9 +299,15 @@ def run(makers: dict[str, object], steps_ms: list[float], rounds: int, quick: bo
             rig = make()
             names[key] = rig.name
             try:
-                for ms in steps_ms:
-                    calls = max(5 if quick else 40, int((60 if quick else 300) / max(ms, 1.0)) // rounds)
-                    for _ in range(max(8, calls // 10)):
+                plan = {ms: _calls(ms, rounds, quick) for ms in steps_ms}
+                if hasattr(rig, "measure"):  # (its caller is elsewhere: it times every step length itself)
+                    for ms, (costs, share) in rig.measure(plan).items():
+                        got = out.setdefault((key, ms), {"costs": [], "cpu": []})
+                        got["costs"] += costs
+                        got["cpu"].append(share)
+                for ms in steps_ms if not hasattr(rig, "measure") else ():
+                    warm, calls = plan[ms]
+                    for _ in range(warm):
                         rig.step(ms)  # (warm: the waiting side learns the rhythm)
                     c0, t0, costs = cpu_s(), time.perf_counter(), []
                     for _ in range(calls):
@@ -285,8 +331,9 @@ def main() -> int:
     ap.add_argument("--workers", default="1,4", help="collective_rpc's worker counts")
     ap.add_argument(
         "--rigs",
-        default="queues,remote,pipe,vllm,rpc",
-        help="which rigs (rpc: collective_rpc; remote: the queues over TCP loopback)",
+        default="queues,remote,pipe,vllm,rpc,nodes",
+        help="which rigs (rpc: collective_rpc; remote: the queues over TCP loopback; nodes: collective_rpc over "
+        "two simulated nodes, as root)",
     )
     args = ap.parse_args()
     steps = [float(x) for x in args.steps_ms.split(",")]
@@ -301,6 +348,11 @@ def main() -> int:
         makers["vllm"] = lambda: VllmRig(1)
     for n in (int(x) for x in args.workers.split(",")) if "rpc" in want else ():
         makers[f"rpc{n}"] = lambda n=n: ExecRig(n)
+    if "nodes" in want:
+        from simnodes import has_netns
+
+        if has_netns("step.py"):
+            makers["nodes"] = NodesRig
     print(
         f"step bench: {os.cpu_count()} cores, {args.rounds} round(s), each rig alone in turn; cost = the call's "
         f"wall time minus the worker's compute, us; cpu = the caller's process while steps run, % of a core; "
