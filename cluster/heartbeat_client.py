@@ -125,9 +125,12 @@ class HeartbeatClient(Watched, Beater):
         #: `_watch_link_lost`), whose replica nobody else will call lost (the layer above; None: not expected)
         self.on_watch_lost: Callable[[int, str], None] | None = None
         self.watch: WatchServer | None = None
-        #: its quick link is another (to its watcher, or node 0's ping-only one with the watch on): this one's pings
-        #: only hold it to the beats' bound
-        slow = bool(watcher) or watch_on()
+        #: node 0 watches this node itself and sends no pings (the watch on): a link that carries nothing but this
+        #: node's pings keeps node 0's bound on it armed (heartbeat_links.py), opened by this thread
+        self._ping_link = not watcher and watch_on()
+        #: its quick link is another (to its watcher, or that ping-only one): this one's pings only hold it to
+        #: the beats' bound
+        slow = bool(watcher) or self._ping_link
         self._sock = ControlSocket.connect(self.endpoint, link_timeout_s=timeout if slow else None)
         if children:
             self.watch = WatchServer(ip, children, timeout, self._child_lost)
@@ -161,9 +164,7 @@ class HeartbeatClient(Watched, Beater):
         next_log += WAIT_LOG_S
         dropped: float | None = None
         sock.watch()
-        #: node 0 watches this node itself and sends no pings (the watch on): a link that carries nothing but this
-        #: node's pings keeps node 0's bound on it armed (heartbeat_links.py)
-        to_node_0 = watch_link(self.endpoint, self.node_rank) if not self.watcher and watch_on() else None
+        to_node_0 = watch_link(self.endpoint, self.node_rank) if self._ping_link else None
         if to_node_0 is not None:  # (and its drop makes node 0 suspect, as the beat link's would)
             sock.follow(to_node_0)
         try:
