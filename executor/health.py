@@ -128,7 +128,13 @@ def ready(lv: NodeLiveness | None) -> str:
         return why
     if lv.node == 0 and lv.independent:
         return _enough(replica_verdicts(lv))
-    return _workers(lv) or _stalled(lv) or lv.peer_verdict()
+    local = _workers(lv)
+    if local:
+        # A rank that left because a peer went away (its collective's link reset) is gone before the heartbeats
+        # call that peer's node lost: a follower's dropped connection is the likelier cause, so it comes first.
+        peer = lv.peer_verdict(grace=0.0)
+        return f"{peer}; {local}" if peer else local
+    return _stalled(lv) or lv.peer_verdict()
 
 
 def replica_verdicts(lv: NodeLiveness) -> dict[int, str]:

@@ -140,7 +140,7 @@ def test_the_leaderworkerset_commands_form_a_cluster_on_simulated_pods(tmp_path)
         code = pods[0].wait(30)
         took = time.monotonic() - t0
         assert code != 0, pods[0].text()[-3000:]
-        assert "node 1" in why, why[-3000:]
+        assert "node 1" in why, (why, pods[0].text()[-4000:])
         assert not wait_group_empty(pods[0].p.pid, 15) and not shm_files(sim.nodes[0])
     print(
         f"\nLWS pods: leader not ready {unready - t0:.2f} s after the worker pod died, exit {code} after {took:.1f} s"
