@@ -53,9 +53,11 @@ JOIN_LOG_S = 5.0
 
 
 #: how often node 0 judges the cluster's readiness for its followers: while it is not ready (start-up, trouble),
-#: and while it is (a rank stopped on node 0, a call stalled: the followers' /readyz hears it within this)
+#: and while it is (a rank stopped on node 0, a call stalled: the followers' /readyz hears it within this); while
+#: ready, a wake for a beat judges too once VERDICT_BESIDE_S has passed, so the verdict rarely wakes the thread
 VERDICT_S = 0.1
-VERDICT_READY_S = 0.25
+VERDICT_READY_S = 0.5
+VERDICT_BESIDE_S = 0.25
 
 #: how long a leader that failed keeps answering followers that have not beaten yet with its goodbye
 TELL_LATE_S = 2.0
@@ -141,6 +143,7 @@ class HeartbeatServer(Returns, Links, Beater):
         sock.watch()
         try:
             while not self._stop.is_set():
+                before = seq
                 seq = self._take(sock, wait_ms(self._next_due(next_log)), me, seq)
                 self._forget_now()
                 if self.suspect_at is not None and time.monotonic() - self.suspect_at < 2 * RECONNECT_S:
@@ -149,7 +152,7 @@ class HeartbeatServer(Returns, Links, Beater):
                 if self.armed_at is None and time.monotonic() >= next_log:
                     log_waiting(self.peers, time.monotonic() - started, self.join_timeout, self._alone_heard)
                     next_log = time.monotonic() + JOIN_LOG_S
-                self._push_verdict(sock)
+                self._push_verdict(sock, beside=seq != before)
                 self._send_told(sock)
             self._send_told(sock)
             await_goodbyes(sock, self.peers, say_bye(sock, self.peers, self._bye))
@@ -347,10 +350,12 @@ class HeartbeatServer(Returns, Links, Beater):
         self._held_byes = [h for h in self._held_byes if h[0] > now]
         self._look_at = min([look_at, *(h[0] for h in self._held_byes)])
 
-    def _push_verdict(self, sock: ControlSocket) -> None:
-        """Every VERDICT_S, each follower's readiness; sent to it when it changed."""
+    def _push_verdict(self, sock: ControlSocket, beside: bool = False) -> None:
+        """Every VERDICT_S (VERDICT_READY_S while ready, or VERDICT_BESIDE_S `beside` a wake for a message), each
+        follower's readiness; sent to it when it changed."""
         now = time.monotonic()
-        if self.verdict_fn is None or now - self._verdict_at < (VERDICT_S if self.verdict else VERDICT_READY_S):
+        every = VERDICT_S if self.verdict else VERDICT_BESIDE_S if beside else VERDICT_READY_S
+        if self.verdict_fn is None or now - self._verdict_at < every:
             return
         self._verdict_at = now
         try:

@@ -16,6 +16,7 @@ declare it lost.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rayfree import settings
@@ -128,13 +129,18 @@ def ready(lv: NodeLiveness | None) -> str:
         return why
     if lv.node == 0 and lv.independent:
         return _enough(replica_verdicts(lv))
-    local = _workers(lv)
-    if local:
-        # A rank that left because a peer went away (its collective's link reset) is gone before the heartbeats
-        # call that peer's node lost: a follower's dropped connection is the likelier cause, so it comes first.
-        peer = lv.peer_verdict(grace=0.0)
-        return f"{peer}; {local}" if peer else local
-    return _stalled(lv) or lv.peer_verdict()
+    return _ranks(lv, lv.peer_verdict) or _stalled(lv) or lv.peer_verdict()
+
+
+def _ranks(lv: NodeLiveness, peers: Callable[[float | None], str], only: int | None = None) -> str:
+    """A rank of this node down ("" none), after what `peers` says at once of the other nodes: a rank that left
+    because a peer went away (its collective's link reset) is gone before the heartbeats call that peer's node
+    lost, and a follower's dropped connection is the likelier cause, so it comes first."""
+    local = _workers(lv, only=only)
+    if not local:
+        return ""
+    peer = peers(0.0)
+    return f"{peer}; {local}" if peer else local
 
 
 def replica_verdicts(lv: NodeLiveness) -> dict[int, str]:
@@ -147,9 +153,11 @@ def replica_verdicts(lv: NodeLiveness) -> dict[int, str]:
             out[k] = f"DP replica {k} is {st.state}" + (f" ({st.why})" if st.why else "")
             continue
         others = everyone - set(par.nodes_of_replica(k)) | gone
-        why = _workers(lv, only=k) or _stalled(lv, only=k)
-        if not why and lv.beater is not None:
-            why = followers_verdict(lv.beater, skip=others)
+
+        def peers(grace: float | None, others: set[int] = others) -> str:
+            return followers_verdict(lv.beater, grace, others) if lv.beater is not None else ""
+
+        why = _ranks(lv, peers, only=k) or _stalled(lv, only=k) or peers(None)
         out[k] = f"DP replica {k}: {why}" if why else ""
     return out
 
